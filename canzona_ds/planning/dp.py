@@ -19,12 +19,16 @@ same plan; :meth:`OwnershipPlan.fingerprint` lets the runtime verify that.
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
 import heapq
+import itertools
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
+
+import numpy as np
 
 from .params import ParamSpec
 
@@ -94,13 +98,15 @@ def _round_up(x: int, align: int) -> int:
     return -(-x // align) * align
 
 
-def _validate(specs: Sequence[ParamSpec], world_size: int, alpha: float | None) -> None:
-    if not isinstance(world_size, int) or world_size < 1:
+def _validate(specs: Sequence[ParamSpec], world_size: int, alpha: float | None, align: int = 1) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"Invalid world_size={world_size!r}. Must be an int >= 1.")
     if len(specs) == 0:
         raise ValueError("Empty parameter list: nothing to plan (specs=[]).")
     if alpha is not None and not (0.0 <= alpha <= 1.0):
         raise ValueError(f"Invalid alpha={alpha!r}. Must be within [0, 1].")
+    if isinstance(align, bool) or not isinstance(align, int) or align < 1:
+        raise ValueError(f"Invalid align={align!r}. Must be an int >= 1.")
 
 
 def _finish(
@@ -115,15 +121,22 @@ def _finish(
     alpha: float | None = None,
     split_params: tuple[int, ...] = (),
     owner: list[int] | None = None,
+    rank_numel: list[int] | None = None,
+    rank_load: list[float] | None = None,
+    shard_numel: int | None = None,
+    extra: dict | None = None,
 ) -> OwnershipPlan:
     if owner is None:
         owner = [-1] * len(specs)
         for r, idxs in enumerate(rank_params):
             for i in idxs:
                 owner[i] = r
-    rank_numel = [sum(specs[i].numel for i in idxs) for idxs in rank_params]
-    rank_load = [sum(loads[i] for i in idxs) for idxs in rank_params]
-    shard = _round_up(max(max(rank_numel), 1), align)
+    if rank_numel is None:
+        rank_numel = [sum(specs[i].numel for i in idxs) for idxs in rank_params]
+    if rank_load is None:
+        rank_load = [sum(loads[i] for i in idxs) for idxs in rank_params]
+    if shard_numel is None:
+        shard_numel = _round_up(max(max(rank_numel), 1), align)
     return OwnershipPlan(
         planner=planner,
         world_size=world_size,
@@ -132,11 +145,12 @@ def _finish(
         rank_params=tuple(tuple(r) for r in rank_params),
         rank_load=tuple(float(x) for x in rank_load),
         rank_numel=tuple(rank_numel),
-        shard_numel=shard,
+        shard_numel=shard_numel,
         split_params=split_params,
         cost_model=cost_model,
         alpha=alpha,
         plan_ms=(time.perf_counter() - t0) * 1e3,
+        extra=dict(extra or {}),
     )
 
 
@@ -152,7 +166,7 @@ def plan_lpt(
     Inside a rank, parameters keep their original model order.
     """
     t0 = time.perf_counter()
-    _validate(specs, world_size, None)
+    _validate(specs, world_size, None, align)
     order = sorted(range(len(specs)), key=lambda i: (-loads[i], -specs[i].numel, i))
     heap = [(0.0, 0, r) for r in range(world_size)]
     rank_params: list[list[int]] = [[] for _ in range(world_size)]
@@ -165,28 +179,389 @@ def plan_lpt(
     return _finish("lpt", specs, world_size, rank_params, loads, align, t0, cost_model)
 
 
+def plan_equal_chunk(
+    specs: Sequence[ParamSpec],
+    world_size: int,
+    loads: Sequence[float],
+    align: int = 1,
+    cost_model: str = "numel",
+) -> OwnershipPlan:
+    """DeepSpeed's stock ZeRO-1 slicing: model-order buffer cut into ``ceil(S/dp)`` chunks.
+
+    Matrices crossing a chunk boundary are split (``split_params``); their owner is the
+    rank holding the first element.  ``rank_numel`` counts the actual slices.  A split
+    matrix's ``flops`` load is charged in full to every rank it touches (DeepSpeed's
+    built-in Muon runs the redundant Newton-Schulz on each); ``numel``/``memory`` loads
+    are charged pro rata to the slice.  ``extra["slices"][i]`` = ((rank, elements), ...)
+    of every split matrix i.
+    """
+    t0 = time.perf_counter()
+    _validate(specs, world_size, None, align)
+    total = sum(s.numel for s in specs)
+    chunk = _round_up(max(-(-total // world_size), 1), align)
+    rank_params: list[list[int]] = [[] for _ in range(world_size)]
+    rank_numel = [0] * world_size
+    rank_load = [0.0] * world_size
+    owner, split, slices = [], [], {}
+    start = 0
+    for i, spec in enumerate(specs):
+        end = start + spec.numel
+        first = min(start // chunk, world_size - 1)
+        last = max(first, min((end - 1) // chunk, world_size - 1))
+        owner.append(first)
+        rank_params[first].append(i)
+        parts = []
+        for r in range(first, last + 1):
+            n = min(end, (r + 1) * chunk) - max(start, r * chunk)
+            parts.append((r, max(n, 0)))
+            rank_numel[r] += max(n, 0)
+            if cost_model == "flops":
+                rank_load[r] += loads[i]
+            else:
+                rank_load[r] += loads[i] * n / spec.numel if spec.numel else 0.0
+        if len(parts) > 1:
+            split.append(i)
+            slices[i] = tuple(parts)
+        start = end
+    return _finish(
+        "equal_chunk", specs, world_size, rank_params, loads, align, t0, cost_model,
+        split_params=tuple(split), owner=owner, rank_numel=rank_numel, rank_load=rank_load,
+        shard_numel=chunk, extra={"slices": slices},
+    )
+
+
+def _nearest_cut(prefix: Sequence[float], target: float, lo: int) -> int:
+    """Index u >= lo of ``prefix`` (non-decreasing) closest to ``target`` (ties: lower u)."""
+    j = bisect.bisect_left(prefix, target, lo=lo)
+    if j >= len(prefix):
+        return len(prefix) - 1
+    if j > lo and target - prefix[j - 1] <= prefix[j] - target:
+        return j - 1
+    return j
+
+
+def plan_naive_atomic(
+    specs: Sequence[ParamSpec],
+    world_size: int,
+    loads: Sequence[float],
+    align: int = 1,
+    cost_model: str = "numel",
+) -> OwnershipPlan:
+    """The paper's unbalanced ASC: each equal cut ``r*S/dp`` snapped to the nearest
+    parameter boundary; model order preserved, every matrix atomic."""
+    t0 = time.perf_counter()
+    _validate(specs, world_size, None, align)
+    prefix = list(itertools.accumulate((s.numel for s in specs), initial=0))
+    total = prefix[-1]
+    cuts = [0]
+    for r in range(1, world_size):
+        cuts.append(_nearest_cut(prefix, total * r / world_size, cuts[-1]))
+    cuts.append(len(specs))
+    rank_params = [list(range(cuts[r], cuts[r + 1])) for r in range(world_size)]
+    return _finish("naive_atomic", specs, world_size, rank_params, loads, align, t0, cost_model)
+
+
+def make_buckets(specs: Sequence[ParamSpec], bucket_numel: int | None) -> list[tuple[int, int]]:
+    """Split the model-ordered list into ``[start, end)`` buckets of at most
+    ``bucket_numel`` elements (a bigger single parameter gets a bucket of its own), the
+    way DeepSpeed fills ``reduce_bucket_size``.  ``None``: one bucket."""
+    if bucket_numel is None:
+        return [(0, len(specs))]
+    if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int) or bucket_numel < 1:
+        raise ValueError(f"Invalid bucket_numel={bucket_numel!r}. Must be an int >= 1 or None.")
+    buckets, start, size = [], 0, 0
+    for i, spec in enumerate(specs):
+        if size and size + spec.numel > bucket_numel:
+            buckets.append((start, i))
+            start, size = i, 0
+        size += spec.numel
+    buckets.append((start, len(specs)))
+    return buckets
+
+
+#: DeepSpeed's default ``reduce_bucket_size`` (elements)
+DEFAULT_BUCKET_NUMEL = 500_000_000
+
+
+def plan_alpha_balanced(
+    specs: Sequence[ParamSpec],
+    world_size: int,
+    loads: Sequence[float],
+    align: int = 1,
+    cost_model: str = "numel",
+    alpha: float = 1.0,
+    bucket_numel: int | None = DEFAULT_BUCKET_NUMEL,
+) -> OwnershipPlan:
+    """Paper Algorithm 1 (alpha-Balanced Greedy LPT), exactly.
+
+    Buckets (see :func:`make_buckets`) are visited heaviest first; each is cut into
+    ``world_size`` contiguous, parameter-aligned slices whose loads follow
+    ``(1-alpha)*even + alpha*deficit-fill``.  A rank's parameters from several buckets are
+    concatenated in bucket (= model) order.  ``extra``: ``buckets`` and
+    ``bucket_rank_numel`` (S_{i,r}, for J_comm).
+    """
+    t0 = time.perf_counter()
+    _validate(specs, world_size, alpha, align)
+    buckets = make_buckets(specs, bucket_numel)
+    bucket_load = [sum(loads[a:b]) for a, b in buckets]
+    mu = sum(bucket_load) / world_size
+    global_load = [0.0] * world_size
+    cuts_of: dict[int, list[int]] = {}
+    for k in sorted(range(len(buckets)), key=lambda k: (-bucket_load[k], k)):
+        a, b = buckets[k]
+        deficit = [max(0.0, mu - x) for x in global_load]
+        d_total = sum(deficit)
+        fill = [d / d_total for d in deficit] if d_total > 0 else [1.0 / world_size] * world_size
+        target = [bucket_load[k] * ((1 - alpha) / world_size + alpha * f) for f in fill]
+        prefix = list(itertools.accumulate(loads[a:b], initial=0.0))
+        cuts, c = [0], 0.0
+        for r in range(world_size - 1):
+            c += target[r]
+            cuts.append(_nearest_cut(prefix, c, cuts[-1]))
+        cuts.append(b - a)
+        for r in range(world_size):
+            global_load[r] += prefix[cuts[r + 1]] - prefix[cuts[r]]
+        cuts_of[k] = [a + u for u in cuts]
+    rank_params: list[list[int]] = [[] for _ in range(world_size)]
+    bucket_rank_numel = []
+    for k in range(len(buckets)):
+        cuts = cuts_of[k]
+        row = []
+        for r in range(world_size):
+            rank_params[r].extend(range(cuts[r], cuts[r + 1]))
+            row.append(sum(specs[i].numel for i in range(cuts[r], cuts[r + 1])))
+        bucket_rank_numel.append(row)
+    return _finish(
+        "alpha_balanced", specs, world_size, rank_params, loads, align, t0, cost_model, alpha=alpha,
+        extra={"buckets": buckets, "bucket_rank_numel": bucket_rank_numel},
+    )
+
+
+def _criteria(specs: Sequence[ParamSpec], loads: Sequence[float], optimizer: str) -> np.ndarray:
+    """Columns to balance together: the planner's load, numel (= padding), FLOPs and state
+    bytes of ``optimizer``; columns proportional to an earlier one are dropped."""
+    from .cost import flops, state_bytes
+
+    columns = [
+        list(loads),
+        [float(s.numel) for s in specs],
+        [flops(s, optimizer) for s in specs],
+        [state_bytes(s, optimizer) for s in specs],
+    ]
+    kept: list[np.ndarray] = []
+    for col in columns:
+        v = np.asarray(col, dtype=np.float64)
+        if v.sum() <= 0:
+            continue
+        v = v / v.sum()
+        if any(np.allclose(v, k, rtol=1e-9, atol=1e-15) for k in kept):
+            continue
+        kept.append(v)
+    if not kept:  # nothing has any cost: balance the count of parameters
+        kept.append(np.full(len(specs), 1.0 / len(specs)))
+    return np.stack(kept, axis=1)
+
+
+def _refine(assign: np.ndarray, X: np.ndarray, world_size: int, max_iters: int) -> int:
+    """Move/swap local search lowering the worst rank's score max_c(load_c); in place.
+
+    Every accepted step lowers the worst rank below the current maximum without raising
+    another rank to it, so it terminates; ``max_iters`` bounds it.  Returns steps taken.
+    """
+    rank_sum = np.zeros((world_size, X.shape[1]))
+    np.add.at(rank_sum, assign, X)
+    for step in range(max_iters):
+        scores = rank_sum.max(axis=1)
+        w = int(np.argmax(scores))
+        current = scores[w]
+        mine = np.flatnonzero(assign == w)
+        others = np.flatnonzero(assign != w)
+        best = (current - 1e-12 * max(current, 1.0), None)
+        for i in mine:
+            # move i from w to any other rank r
+            new_w = (rank_sum[w] - X[i]).max()
+            new_r = (rank_sum + X[i]).max(axis=1)
+            new_r[w] = np.inf
+            pm = np.maximum(new_w, new_r)
+            r = int(np.argmin(pm))
+            if pm[r] < best[0]:
+                best = (pm[r], ("move", int(i), r))
+            if others.size:
+                # swap i with an item j on another rank
+                delta = X[others] - X[i]
+                pm = np.maximum((rank_sum[w] + delta).max(axis=1), (rank_sum[assign[others]] - delta).max(axis=1))
+                j = int(np.argmin(pm))
+                if pm[j] < best[0]:
+                    best = (pm[j], ("swap", int(i), int(others[j])))
+        if best[1] is None:
+            return step
+        kind, i, other = best[1]
+        if kind == "move":
+            rank_sum[w] -= X[i]
+            rank_sum[other] += X[i]
+            assign[i] = other
+        else:
+            r = int(assign[other])
+            d = X[other] - X[i]
+            rank_sum[w] += d
+            rank_sum[r] -= d
+            assign[i], assign[other] = r, w
+    return max_iters
+
+
+def _score(assign: np.ndarray, X: np.ndarray, world_size: int) -> tuple[float, float]:
+    rank_sum = np.zeros((world_size, X.shape[1]))
+    np.add.at(rank_sum, assign, X)
+    scores = rank_sum.max(axis=1)
+    return (round(float(scores.max()), 12), round(float((scores**2).sum()), 9))
+
+
+def _greedy_min_max(X: np.ndarray, specs: Sequence[ParamSpec], loads: Sequence[float], world_size: int) -> np.ndarray:
+    """Heaviest first onto the rank with the lowest max-criterion after placement."""
+    order = sorted(range(len(specs)), key=lambda i: (-loads[i], -specs[i].numel, i))
+    rank_sum = np.zeros((world_size, X.shape[1]))
+    assign = np.zeros(len(specs), dtype=np.int64)
+    for i in order:
+        cand = rank_sum + X[i]
+        worst = cand.max(axis=1)
+        tied = worst <= worst.min() * (1 + 1e-12)
+        r = int(np.argmin(np.where(tied, cand.sum(axis=1), np.inf)))
+        assign[i] = r
+        rank_sum[r] = cand[r]
+    return assign
+
+
+def _first_fit(X: np.ndarray, order: np.ndarray, world_size: int, capacity: float) -> np.ndarray | None:
+    rank_sum = np.zeros((world_size, X.shape[1]))
+    assign = np.zeros(len(X), dtype=np.int64)
+    for i in order:
+        fits = np.flatnonzero((rank_sum + X[i] <= capacity * (1 + 1e-12)).all(axis=1))
+        if fits.size == 0:
+            return None
+        r = int(fits[0])
+        assign[i] = r
+        rank_sum[r] += X[i]
+    return assign
+
+
+def _multifit(X: np.ndarray, world_size: int, upper: float, rounds: int = 14) -> np.ndarray | None:
+    """MULTIFIT (Coffman, Garey & Johnson 1978), vector form: binary-search the smallest
+    per-rank capacity (every criterion) at which first-fit-decreasing packs all items."""
+    order = np.array(sorted(range(len(X)), key=lambda i: (-float(X[i].max()), -float(X[i].sum()), i)), dtype=np.int64)
+    lo, hi = max(1.0, float(X.max())), upper
+    best = None
+    for _ in range(rounds):
+        if hi - lo <= 1e-4:
+            break
+        mid = (lo + hi) / 2
+        packed = _first_fit(X, order, world_size, mid)
+        if packed is None:
+            lo = mid
+        else:
+            best, hi = packed, mid
+    return best
+
+
+def plan_multi_lpt(
+    specs: Sequence[ParamSpec],
+    world_size: int,
+    loads: Sequence[float],
+    align: int = 1,
+    cost_model: str = "numel",
+    optimizer: str = "muon",
+    refine_iters: int | None = None,
+) -> OwnershipPlan:
+    """Multi-criteria LPT with swap refinement, for the planned-padding geometry where any
+    global reordering is allowed.
+
+    Criteria (normalised so a perfect rank carries 1/dp of each): the cost-model load,
+    numel (memory, hence padding = dp*max - S), the optimizer's FLOPs and state bytes.
+    Two starts: (1) heaviest first (by load, then numel), each matrix onto the rank
+    minimising ``max_c`` of its criteria after placement; (2) vector MULTIFIT
+    (first-fit-decreasing under a binary-searched capacity).  Each is improved by a
+    move/swap local search on the worst rank's ``max_c``; the better one is kept.  Deterministic: index
+    tiebreaks, iteration cap instead of a time limit.  Parameters keep model order inside
+    a rank.
+    """
+    t0 = time.perf_counter()
+    _validate(specs, world_size, None, align)
+    X = _criteria(specs, loads, optimizer) * world_size
+    iters = refine_iters if refine_iters is not None else 4 * (len(specs) + world_size)
+    candidates = [_greedy_min_max(X, specs, loads, world_size)]
+    packed = _multifit(X, world_size, upper=_score(candidates[0], X, world_size)[0])
+    if packed is not None:
+        candidates.append(packed)
+    steps = [_refine(a, X, world_size, iters) for a in candidates]
+    # best = lowest worst-rank score, then lowest sum of squared scores; first on ties
+    best = min(range(len(candidates)), key=lambda k: (_score(candidates[k], X, world_size), k))
+    assign = candidates[best]
+    rank_params: list[list[int]] = [[] for _ in range(world_size)]
+    for i in range(len(specs)):
+        rank_params[int(assign[i])].append(i)
+    return _finish(
+        "multi_lpt", specs, world_size, rank_params, loads, align, t0, cost_model,
+        extra={"refine_steps": steps[best], "criteria": X.shape[1], "start": ("lpt", "multifit")[best]},
+    )
+
+
+@dataclass(frozen=True)
+class DPRequest:
+    """Everything a DP planner may use; each registry entry picks what it needs."""
+
+    specs: Sequence[ParamSpec]
+    world_size: int
+    #: per spec, the cost-model load
+    loads: Sequence[float]
+    align: int
+    cost_model: str
+    alpha: float
+    optimizer: str
+    #: bucket size of ``alpha_balanced`` (elements); None = one bucket
+    bucket_numel: int | None
+
+
+#: planner name -> fn(DPRequest) -> OwnershipPlan
+DP_PLANNERS: dict[str, Callable[[DPRequest], OwnershipPlan]] = {
+    "equal_chunk": lambda q: plan_equal_chunk(q.specs, q.world_size, q.loads, q.align, q.cost_model),
+    "naive_atomic": lambda q: plan_naive_atomic(q.specs, q.world_size, q.loads, q.align, q.cost_model),
+    "alpha_balanced": lambda q: plan_alpha_balanced(
+        q.specs, q.world_size, q.loads, q.align, q.cost_model, alpha=q.alpha, bucket_numel=q.bucket_numel
+    ),
+    "lpt": lambda q: plan_lpt(q.specs, q.world_size, q.loads, q.align, q.cost_model),
+    "multi_lpt": lambda q: plan_multi_lpt(q.specs, q.world_size, q.loads, q.align, q.cost_model, q.optimizer),
+}
+#: planners that keep every matrix whole on one rank
+ATOMIC_DP_PLANNERS = ("naive_atomic", "alpha_balanced", "lpt", "multi_lpt")
+DEFAULT_DP_PLANNER = "multi_lpt"
+
+
 def plan_dp(
     specs: Sequence[ParamSpec],
     world_size: int,
-    planner: str = "lpt",
+    planner: str = DEFAULT_DP_PLANNER,
     alpha: float = 1.0,
     cost: str = "numel",
     optimizer: str = "muon",
     align: int = 1,
+    bucket_numel: int | None = DEFAULT_BUCKET_NUMEL,
 ) -> OwnershipPlan:
     """Plan ownership of ``specs`` (all atomic) over ``world_size`` DP ranks.
 
     Args:
         planner: planner name (see ``DP_PLANNERS``).
         alpha: balance factor of ``alpha_balanced`` (ignored by the others), in [0, 1].
-        cost: cost model name used as the load (``numel`` or ``flops``).
-        optimizer: which optimizer's FLOPs the ``flops`` cost model counts.
+        cost: cost model name used as the load (see ``cost.COST_FUNCTIONS``).
+        optimizer: which optimizer's FLOPs / state the cost models count.
         align: every rank's range is rounded up to a multiple of this many elements.
+        bucket_numel: bucket size of ``alpha_balanced`` in elements (None: one bucket).
     """
-    from .cost import cost_vector  # local import keeps the module graph one-way
+    from .cost import check_cost, check_optimizer, cost_vector  # local import keeps the module graph one-way
 
-    _validate(specs, world_size, alpha)
+    _validate(specs, world_size, alpha, align)
+    check_cost(cost)
+    check_optimizer(optimizer)
+    if planner not in DP_PLANNERS:
+        raise ValueError(f"Unknown DP planner={planner!r}. Allowed: {sorted(DP_PLANNERS)}")
     loads = cost_vector(specs, cost=cost, optimizer=optimizer)
-    if planner == "lpt":
-        return plan_lpt(specs, world_size, loads, align=align, cost_model=cost)
-    raise ValueError(f"Unknown DP planner={planner!r}. Allowed: ['lpt']")
+    request = DPRequest(specs, world_size, loads, align, cost, alpha, optimizer, bucket_numel)
+    return DP_PLANNERS[planner](request)

@@ -18,7 +18,7 @@ import heapq
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .params import ParamSpec
 
@@ -81,16 +81,8 @@ def _group(items: list[tuple[float, int]], tp_size: int) -> MicroGroup:
     return MicroGroup(tasks=tuple((i, host_of[i]) for i in order), rank_load=tuple(loads))
 
 
-def plan_micro_groups(
-    specs: Sequence[ParamSpec],
-    tp_size: int,
-    c_max: float,
-    loads: Sequence[float],
-    cost_model: str = "numel",
-) -> MicroGroupPlan:
-    """Algorithm 3: global LPT sort, greedy packing with rollback at makespan ``c_max``."""
-    t0 = time.perf_counter()
-    if not isinstance(tp_size, int) or tp_size < 1:
+def _validate(specs: Sequence[ParamSpec], tp_size: int, c_max: float, loads: Sequence[float], cost_model: str) -> None:
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"Invalid tp_size={tp_size!r}. Must be an int >= 1.")
     if len(specs) == 0:
         raise ValueError("Empty parameter list: nothing to schedule (specs=[]).")
@@ -102,6 +94,47 @@ def plan_micro_groups(
             f"c_max={c_max:g} is smaller than the largest task {specs[biggest].name!r} "
             f"(cost {loads[biggest]:g} under cost model {cost_model!r}); raise c_max to at least that."
         )
+
+
+def _plan(
+    scheduler: str,
+    specs: Sequence[ParamSpec],
+    tp_size: int,
+    groups: list[MicroGroup],
+    loads: Sequence[float],
+    c_max: float,
+    cost_model: str,
+    t0: float,
+) -> MicroGroupPlan:
+    host = [-1] * len(specs)
+    totals = [0.0] * tp_size
+    for g in groups:
+        for i, r in g.tasks:
+            host[i] = r
+            totals[r] += loads[i]
+    return MicroGroupPlan(
+        scheduler=scheduler,
+        tp_size=tp_size,
+        specs=tuple(specs),
+        groups=tuple(groups),
+        host=tuple(host),
+        rank_load=tuple(totals),
+        c_max=float(c_max),
+        cost_model=cost_model,
+        plan_ms=(time.perf_counter() - t0) * 1e3,
+    )
+
+
+def plan_micro_groups(
+    specs: Sequence[ParamSpec],
+    tp_size: int,
+    c_max: float,
+    loads: Sequence[float],
+    cost_model: str = "numel",
+) -> MicroGroupPlan:
+    """Algorithm 3: global LPT sort, greedy packing with rollback at makespan ``c_max``."""
+    t0 = time.perf_counter()
+    _validate(specs, tp_size, c_max, loads, cost_model)
     order = sorted(range(len(specs)), key=lambda i: (-loads[i], i))
     groups: list[MicroGroup] = []
     current: list[tuple[float, int]] = []
@@ -115,20 +148,86 @@ def plan_micro_groups(
             current = [(loads[i], i)]
     if current:
         groups.append(_group(current, tp_size))
-    host = [-1] * len(specs)
-    totals = [0.0] * tp_size
-    for g in groups:
-        for i, r in g.tasks:
-            host[i] = r
-            totals[r] += loads[i]
-    return MicroGroupPlan(
-        scheduler="lpt_rollback",
-        tp_size=tp_size,
-        specs=tuple(specs),
-        groups=tuple(groups),
-        host=tuple(host),
-        rank_load=tuple(totals),
-        c_max=float(c_max),
-        cost_model=cost_model,
-        plan_ms=(time.perf_counter() - t0) * 1e3,
-    )
+    return _plan("lpt_rollback", specs, tp_size, groups, loads, c_max, cost_model, t0)
+
+
+def plan_no_fusion(
+    specs: Sequence[ParamSpec], tp_size: int, c_max: float, loads: Sequence[float], cost_model: str = "numel"
+) -> MicroGroupPlan:
+    """Baseline ("No-Fuse"): one tensor per micro-group (one all-to-all each); hosts by
+    a global min-heap over the LPT order, so the totals are as balanced as plain LPT."""
+    t0 = time.perf_counter()
+    _validate(specs, tp_size, c_max, loads, cost_model)
+    heap = [(0.0, r) for r in range(tp_size)]
+    groups = []
+    for i in sorted(range(len(specs)), key=lambda i: (-loads[i], i)):
+        load, r = heapq.heappop(heap)
+        heapq.heappush(heap, (load + loads[i], r))
+        rank_load = [0.0] * tp_size
+        rank_load[r] = loads[i]
+        groups.append(MicroGroup(tasks=((i, r),), rank_load=tuple(rank_load)))
+    return _plan("no_fusion", specs, tp_size, groups, loads, c_max, cost_model, t0)
+
+
+def plan_round_robin(
+    specs: Sequence[ParamSpec], tp_size: int, c_max: float, loads: Sequence[float], cost_model: str = "numel"
+) -> MicroGroupPlan:
+    """Baseline: model order, host ``k % tp_size`` for the k-th tensor, packed into
+    micro-groups under the same capacity rule (no group's busiest host above ``c_max``)."""
+    t0 = time.perf_counter()
+    _validate(specs, tp_size, c_max, loads, cost_model)
+    groups: list[MicroGroup] = []
+    tasks: list[tuple[int, int]] = []
+    group_load = [0.0] * tp_size
+    for k in range(len(specs)):
+        r = k % tp_size
+        if tasks and group_load[r] + loads[k] > c_max:
+            groups.append(MicroGroup(tasks=tuple(tasks), rank_load=tuple(group_load)))
+            tasks, group_load = [], [0.0] * tp_size
+        tasks.append((k, r))
+        group_load[r] += loads[k]
+    groups.append(MicroGroup(tasks=tuple(tasks), rank_load=tuple(group_load)))
+    return _plan("round_robin", specs, tp_size, groups, loads, c_max, cost_model, t0)
+
+
+#: scheduler name -> fn(specs, tp_size, c_max, loads, cost_model) -> MicroGroupPlan
+TP_SCHEDULERS: dict[str, Callable[..., MicroGroupPlan]] = {
+    "lpt_rollback": plan_micro_groups,
+    "no_fusion": plan_no_fusion,
+    "round_robin": plan_round_robin,
+}
+DEFAULT_TP_SCHEDULER = "lpt_rollback"
+
+
+def plan_tp(
+    specs: Sequence[ParamSpec],
+    tp_size: int,
+    scheduler: str = DEFAULT_TP_SCHEDULER,
+    c_max: float | None = None,
+    cost: str = "numel",
+    optimizer: str = "muon",
+) -> MicroGroupPlan:
+    """Schedule the TP-split matrices ``specs`` (TP-local shards) over a TP group.
+
+    A task's load is the cost of the *full* matrix (``cost_vector(..., full=True)``): the
+    host reassembles it and runs the optimizer on all of it.
+
+    Args:
+        scheduler: name in ``TP_SCHEDULERS``.
+        c_max: per-group makespan capacity, in units of ``cost``; None = the largest task
+            (the smallest valid value: groups as small as balance allows, so they pipeline).
+        cost: cost model name (``numel``, ``flops``, ``memory``).
+        optimizer: optimizer whose FLOPs / state the cost model counts.
+    """
+    from .cost import check_cost, check_optimizer, cost_vector
+
+    check_cost(cost)
+    check_optimizer(optimizer)
+    if scheduler not in TP_SCHEDULERS:
+        raise ValueError(f"Unknown TP scheduler={scheduler!r}. Allowed: {sorted(TP_SCHEDULERS)}")
+    if len(specs) == 0:
+        raise ValueError("Empty parameter list: nothing to schedule (specs=[]).")
+    loads = cost_vector(specs, cost=cost, optimizer=optimizer, full=True)
+    if c_max is None:
+        c_max = max(loads) if max(loads) > 0 else 1.0
+    return TP_SCHEDULERS[scheduler](specs, tp_size, c_max, loads, cost)

@@ -1,0 +1,143 @@
+"""``canzona-plan``: compare DP planners and TP schedulers for a model, offline.
+
+    canzona-plan --model qwen3-32b --dp 32 --tp 8
+    canzona-plan --model qwen3-32b --dp 32 --tp 8 --json
+    canzona-plan --model path/to/config.json --dp 16 --tp 4 --optimizer shampoo --cost flops
+    canzona-plan --model qwen3-8b --dp 16 --tp 4 --plot loads.png     (needs matplotlib)
+
+The DP plan covers the matrices of one TP rank (TP-local shards); the TP schedule covers
+the TP-split matrices owned by the busiest DP rank of the default DP plan (see
+``canzona_ds.planning.compare``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from canzona_ds.planning.compare import Comparison, compare
+from canzona_ds.planning.cost import OPTIMIZERS
+from canzona_ds.planning.dp import DEFAULT_BUCKET_NUMEL, DEFAULT_DP_PLANNER, DP_PLANNERS
+from canzona_ds.planning.report import rank_costs
+from canzona_ds.planning.tp import DEFAULT_TP_SCHEDULER, TP_SCHEDULERS
+
+DP_KEYS = ("flops_ratio", "memory_ratio", "padding_fraction", "split_matrices", "plan_ms")
+TP_KEYS = ("flops_ratio", "memory_ratio", "micro_groups", "plan_ms")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="canzona-plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="name in configs/models.yaml or path to an HF config.json")
+    p.add_argument("--dp", type=int, required=True, help="data-parallel size")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--optimizer", default="muon", choices=list(OPTIMIZERS))
+    p.add_argument("--alpha", type=float, default=1.0, help="alpha of alpha_balanced, in [0, 1]")
+    p.add_argument("--cost", default="numel", choices=["numel", "flops"], help="load the planners balance")
+    p.add_argument("--c-max", type=float, default=None, help="TP micro-group capacity in --cost units (default: largest task)")
+    p.add_argument("--bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL, help="alpha_balanced bucket size (elements); 0 = one bucket")
+    p.add_argument("--dp-planner", default=DEFAULT_DP_PLANNER, choices=sorted(DP_PLANNERS), help="the plan the TP schedule starts from")
+    p.add_argument("--tp-scheduler", default=DEFAULT_TP_SCHEDULER, choices=sorted(TP_SCHEDULERS))
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    p.add_argument("--plot", metavar="PNG", help="draw per-rank loads (paper Figure 3 style); needs matplotlib")
+    return p
+
+
+def json_summary(summary: dict) -> dict:
+    """The documented JSON shape: the required keys per planner plus the extra ones."""
+    out = dict(summary)
+    out["dp_planners"] = {n: {**{k: r[k] for k in DP_KEYS}, **r} for n, r in summary["dp_planners"].items()}
+    out["tp_schedulers"] = {n: {**{k: r[k] for k in TP_KEYS}, **r} for n, r in summary["tp_schedulers"].items()}
+    return out
+
+
+def format_table(summary: dict) -> str:
+    s = summary
+    lines = [
+        f"{s['model']}  dp={s['dp']} tp={s['tp']}  optimizer={s['optimizer']} cost={s['cost']} alpha={s['alpha']}",
+        f"matrices per TP rank: {s['matrices']} ({s['matrix_numel']:,} elements)",
+    ]
+    if "note" in s:
+        return "\n".join(lines + [s["note"]])
+    lines += ["", f"DP planners (default: {s['default_dp_planner']})",
+              f"{'planner':<16}{'FLOPs max/avg':>14}{'mem max/avg':>13}{'padding':>10}{'split':>7}{'J_comm':>14}{'ms':>9}"]
+    for name, r in s["dp_planners"].items():
+        lines.append(f"{name:<16}{r['flops_ratio']:>14.3f}{r['memory_ratio']:>13.3f}{r['padding_fraction']:>9.2%}"
+                     f"{r['split_matrices']:>7d}{r['j_comm']:>14.3g}{r['plan_ms']:>9.1f}")
+    any_r = next(iter(s["dp_planners"].values()))
+    lines.append(f"{'lower bound':<16}{any_r['flops_lower_bound']:>14.3f}{any_r['memory_lower_bound']:>13.3f}")
+    if s["tp_schedulers"]:
+        lines += ["", f"TP schedulers over the {next(iter(s['tp_schedulers'].values()))['tasks']} TP-split matrices of "
+                  f"DP rank {s['tp_busiest_dp_rank']} (busiest; default: {s['default_tp_scheduler']})",
+                  f"{'scheduler':<16}{'FLOPs max/avg':>14}{'mem max/avg':>13}{'serial':>9}{'groups':>8}{'ms':>9}"]
+        for name, r in s["tp_schedulers"].items():
+            lines.append(f"{name:<16}{r['flops_ratio']:>14.3f}{r['memory_ratio']:>13.3f}{r['serial_ratio']:>9.3f}"
+                         f"{r['micro_groups']:>8d}{r['plan_ms']:>9.1f}")
+        r = next(iter(s["tp_schedulers"].values()))
+        lines.append(f"{'lower bound':<16}{r['flops_lower_bound']:>14.3f}")
+        lines += ["", "TP schedulers over all TP-split matrices of the model (one TP group, DP=1 view)"]
+        for name, r in s["tp_whole_model"].items():
+            lines.append(f"{name:<16}{r['flops_ratio']:>14.3f}{r['memory_ratio']:>13.3f}{r['serial_ratio']:>9.3f}"
+                         f"{r['micro_groups']:>8d}{r['plan_ms']:>9.1f}")
+    elif "tp_note" in s:
+        lines += ["", s["tp_note"]]
+    return "\n".join(lines)
+
+
+def plot(result: Comparison, path: str, optimizer: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s = result.summary
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4))
+    for name in ("naive_atomic", s["default_dp_planner"]):
+        plan = result.dp_plans[name]
+        loads = rank_costs(plan, "flops", optimizer)
+        mean = sum(loads) / len(loads)
+        axes[0].plot(range(plan.world_size), [x / mean for x in loads], marker="o", ms=3, label=name)
+    axes[0].set(title=f"DP: FLOPs per rank / mean ({s['model']}, dp={s['dp']})", xlabel="DP rank", ylabel="load / mean")
+    axes[0].legend()
+    if result.tp_plans:
+        width = 0.8 / len(result.tp_plans)
+        for k, (name, plan) in enumerate(result.tp_plans.items()):
+            r = s["tp_schedulers"][name]
+            mean = sum(plan.rank_load) / plan.tp_size or 1.0
+            xs = [t + k * width for t in range(plan.tp_size)]
+            axes[1].bar(xs, [x / mean for x in plan.rank_load], width, label=f"{name} ({r['flops_ratio']:.2f})")
+        axes[1].set(title=f"TP: load per host / mean (tp={s['tp']})", xlabel="TP rank", ylabel="load / mean")
+        axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("--plot needs matplotlib: pip install 'canzona-ds[plot]' (or pip install matplotlib)", file=sys.stderr)
+            return 2
+    try:
+        result = compare(
+            args.model, args.dp, args.tp, optimizer=args.optimizer, alpha=args.alpha, cost=args.cost,
+            c_max=args.c_max, bucket_numel=args.bucket_numel or None,
+            dp_planner=args.dp_planner, tp_scheduler=args.tp_scheduler,
+        )
+    except ValueError as e:
+        print(f"canzona-plan: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(json_summary(result.summary)))
+    else:
+        print(format_table(result.summary))
+    if args.plot:
+        plot(result, args.plot, args.optimizer)
+        if not args.json:
+            print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

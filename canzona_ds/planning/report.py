@@ -1,0 +1,153 @@
+"""Balance metrics of DP and TP plans (paper eqs. 2, 3, 6), and their lower bounds.
+
+    R_LB   = max_r W_r / mean_r W_r                     (eq. 6), for FLOPs and memory
+    bound  = max(1, max_p W(p) / mean_r W_r)            no atomic plan can beat it
+    J_DP   = max_r |W_r - mu|                           (eq. 2), in the plan's cost model
+    J_comm = sum_buckets sum_r |S_{i,r} - |B_i| / R|    (eq. 3), elements; one bucket =
+                                                        the whole buffer unless the plan
+                                                        records buckets (alpha_balanced)
+
+The mean is the *useful* work divided by the ranks, so a plan that repeats work
+(equal_chunk's redundant Newton-Schulz on split matrices) shows it as imbalance.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+from .cost import cost_vector
+from .dp import OwnershipPlan
+from .tp import MicroGroupPlan
+
+
+def rank_costs(plan: OwnershipPlan, cost: str, optimizer: str = "muon") -> list[float]:
+    """Per DP rank load under ``cost``; split matrices (equal_chunk) charge FLOPs in full
+    to every rank they touch and numel/memory pro rata to the slice."""
+    loads = cost_vector(plan.specs, cost=cost, optimizer=optimizer)
+    out = [0.0] * plan.world_size
+    slices = plan.extra.get("slices", {})
+    for r, idxs in enumerate(plan.rank_params):
+        for i in idxs:
+            if i not in slices:
+                out[r] += loads[i]
+    for i, parts in slices.items():
+        numel = plan.specs[i].numel
+        for r, n in parts:
+            out[r] += loads[i] if cost == "flops" else (loads[i] * n / numel if numel else 0.0)
+    return out
+
+
+def _ratio(values: Sequence[float], useful_total: float) -> float:
+    mean = useful_total / len(values)
+    return max(values) / mean if mean > 0 else 1.0
+
+
+def _bound(loads: Sequence[float], ranks: int) -> float:
+    total = sum(loads)
+    return max(1.0, max(loads) * ranks / total) if total > 0 else 1.0
+
+
+@dataclass(frozen=True)
+class DPReport:
+    planner: str
+    world_size: int
+    #: max/avg of Newton-Schulz (or Shampoo/SOAP) FLOPs per rank
+    flops_ratio: float
+    #: max/avg of optimizer-state bytes per rank
+    memory_ratio: float
+    #: max/avg of elements per rank (= 1 + padding fraction for atomic plans)
+    numel_ratio: float
+    flops_lower_bound: float
+    memory_lower_bound: float
+    #: largest matrix * dp / S: no atomic plan has numel_ratio (1 + padding) below it
+    numel_lower_bound: float
+    #: eq. 2 in the plan's cost model units
+    j_dp: float
+    #: eq. 3 in elements
+    j_comm: float
+    padding_fraction: float
+    split_matrices: int
+    plan_ms: float
+    fingerprint: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def dp_report(plan: OwnershipPlan, optimizer: str = "muon") -> DPReport:
+    flops = rank_costs(plan, "flops", optimizer)
+    memory = rank_costs(plan, "memory", optimizer)
+    flops_each = cost_vector(plan.specs, "flops", optimizer)
+    memory_each = cost_vector(plan.specs, "memory", optimizer)
+    loads = rank_costs(plan, plan.cost_model, optimizer)
+    mu = sum(cost_vector(plan.specs, plan.cost_model, optimizer)) / plan.world_size
+    if "bucket_rank_numel" in plan.extra:
+        buckets = plan.extra["bucket_rank_numel"]
+    else:
+        buckets = [list(plan.rank_numel)]
+    j_comm = sum(abs(s - sum(row) / plan.world_size) for row in buckets for s in row)
+    return DPReport(
+        planner=plan.planner,
+        world_size=plan.world_size,
+        flops_ratio=_ratio(flops, sum(flops_each)),
+        memory_ratio=_ratio(memory, sum(memory_each)),
+        numel_ratio=_ratio(plan.rank_numel, plan.total_numel),
+        flops_lower_bound=_bound(flops_each, plan.world_size),
+        memory_lower_bound=_bound(memory_each, plan.world_size),
+        numel_lower_bound=_bound([float(sp.numel) for sp in plan.specs], plan.world_size),
+        j_dp=max(abs(x - mu) for x in loads),
+        j_comm=j_comm,
+        padding_fraction=plan.padding_fraction,
+        split_matrices=len(plan.split_params),
+        plan_ms=plan.plan_ms,
+        fingerprint=plan.fingerprint(),
+    )
+
+
+@dataclass(frozen=True)
+class TPReport:
+    scheduler: str
+    tp_size: int
+    #: max/avg over TP ranks of the full-matrix FLOPs each hosts (whole schedule)
+    flops_ratio: float
+    #: max/avg over TP ranks of the full-matrix bytes each hosts
+    memory_ratio: float
+    flops_lower_bound: float
+    #: sum over micro-groups of the group's busiest host (FLOPs), / (total / tp): the
+    #: step time of groups run one after another, relative to perfect balance
+    serial_ratio: float
+    micro_groups: int
+    tasks: int
+    plan_ms: float
+    fingerprint: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def tp_report(plan: MicroGroupPlan, optimizer: str = "muon") -> TPReport:
+    flops_each = cost_vector(plan.specs, "flops", optimizer, full=True)
+    memory_each = cost_vector(plan.specs, "memory", optimizer, full=True)
+    flops = [0.0] * plan.tp_size
+    memory = [0.0] * plan.tp_size
+    serial = 0.0
+    for g in plan.groups:
+        group_flops = [0.0] * plan.tp_size
+        for i, r in g.tasks:
+            flops[r] += flops_each[i]
+            memory[r] += memory_each[i]
+            group_flops[r] += flops_each[i]
+        serial += max(group_flops)
+    total = sum(flops_each)
+    return TPReport(
+        scheduler=plan.scheduler,
+        tp_size=plan.tp_size,
+        flops_ratio=_ratio(flops, total),
+        memory_ratio=_ratio(memory, sum(memory_each)),
+        flops_lower_bound=_bound(flops_each, plan.tp_size),
+        serial_ratio=serial * plan.tp_size / total if total > 0 else 1.0,
+        micro_groups=len(plan.groups),
+        tasks=len(plan.specs),
+        plan_ms=plan.plan_ms,
+        fingerprint=plan.fingerprint(),
+    )
