@@ -1,0 +1,60 @@
+"""Model shapes: parameter counts match shared/reference/model_shapes.yaml."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from canzona_ds.planning.models import load_models, model_specs, padded_vocab
+
+MODELS = load_models()
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_params_total_at_tp1(name):
+    derived = MODELS[name]["derived"]
+    specs = model_specs(name, tp=1, pad_vocab=False)
+    assert sum(s.numel for s in specs) == derived["params_total"]
+    layer0 = [s for s in specs if s.name.startswith("decoder.layers.0.")]
+    assert sum(s.numel for s in layer0) == derived["params_per_layer"]
+    by = {s.name.split(".", 3)[-1]: s for s in layer0}
+    assert by["self_attention.linear_qkv.weight"].shape[0] == derived["fused_qkv_out"]
+    assert by["mlp.linear_fc1.weight"].shape[0] == derived["fc1_out"]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_tp_shards(tp):
+    derived = MODELS["qwen3-32b"]["derived"]
+    assert padded_vocab(151936, tp) == derived["megatron_padded_vocab"][f"tp{tp}"]
+    full = {s.name: s for s in model_specs("qwen3-32b", tp=1, pad_vocab=False)}
+    for s in model_specs("qwen3-32b", tp=tp):
+        if s.is_matrix:
+            assert s.tp_size == tp and s.full_shape == full[s.name].shape
+    emb = next(s for s in model_specs("qwen3-32b", tp=tp) if "word_embeddings" in s.name)
+    assert emb.shape == (derived["megatron_padded_vocab"][f"tp{tp}"] // tp, 5120) and emb.role == "aux"
+
+
+def test_tied_head_and_roles():
+    names = {s.name: s for s in model_specs("qwen3-0.6b")}
+    assert "output_layer.weight" not in names
+    assert "output_layer.weight" in {s.name for s in model_specs("qwen3-8b")}
+    assert names["decoder.layers.0.self_attention.q_layernorm.weight"].shape == (128,)
+    assert {s.role for s in names.values() if len(s.shape) == 1} == {"aux"}
+
+
+def test_hf_config_json(tmp_path):
+    cfg = {"model_type": "qwen3", "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+           "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+           "tie_word_embeddings": True}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    assert sum(s.numel for s in model_specs(str(path))) == MODELS["qwen3-0.6b"]["derived"]["params_total"]
+
+
+def test_bad_model_and_tp():
+    with pytest.raises(ValueError, match="Unknown model='nope'.*qwen3-32b"):
+        model_specs("nope")
+    with pytest.raises(ValueError, match="tp=3"):
+        model_specs("qwen3-0.6b", tp=3)
+    with pytest.raises(ValueError, match="tp=0"):
+        model_specs("qwen3-0.6b", tp=0)

@@ -1,0 +1,69 @@
+"""TP schedulers: capacity, each task once, valid hosts, bad input."""
+from __future__ import annotations
+
+import pytest
+
+from canzona_ds.planning.cost import cost_vector
+from canzona_ds.planning.models import matrix_specs, model_specs
+from canzona_ds.planning.params import ParamSpec
+from canzona_ds.planning.report import tp_report
+from canzona_ds.planning.tp import TP_SCHEDULERS, plan_tp
+
+
+def tp_specs(tp: int = 4, layers: int = 5) -> list[ParamSpec]:
+    return matrix_specs(model_specs("qwen3-0.6b", tp=tp))[: 4 * layers]
+
+
+@pytest.mark.parametrize("scheduler", sorted(TP_SCHEDULERS))
+@pytest.mark.parametrize("factor", [1.0, 1.7, 100.0])
+def test_groups_respect_capacity_and_cover_tasks(scheduler, factor):
+    specs = tp_specs()
+    loads = cost_vector(specs, "flops", full=True)
+    c_max = max(loads) * factor
+    plan = plan_tp(specs, 4, scheduler=scheduler, c_max=c_max, cost="flops")
+    tasks = [i for g in plan.groups for i, _ in g.tasks]
+    assert sorted(tasks) == list(range(len(specs)))
+    for g in plan.groups:
+        assert g.makespan <= c_max * (1 + 1e-12)
+        assert all(0 <= r < 4 for _, r in g.tasks)
+        per_rank = [0.0] * 4
+        for i, r in g.tasks:
+            per_rank[r] += loads[i]
+        assert per_rank == pytest.approx(list(g.rank_load))
+    assert all(plan.host[i] == r for g in plan.groups for i, r in g.tasks)
+    if scheduler == "no_fusion":
+        assert len(plan.groups) == len(specs)
+
+
+def test_lpt_rollback_balances_better_than_round_robin():
+    specs = matrix_specs(model_specs("qwen3-1.7b", tp=4))
+    lpt = tp_report(plan_tp(specs, 4, scheduler="lpt_rollback", cost="flops"))
+    rr = tp_report(plan_tp(specs, 4, scheduler="round_robin", cost="flops"))
+    assert lpt.flops_ratio <= 1.05 < rr.flops_ratio
+    assert lpt.micro_groups < len(specs)
+    assert lpt.flops_ratio >= lpt.flops_lower_bound - 1e-12 or lpt.flops_lower_bound == 1.0
+
+
+def test_deterministic_fingerprint():
+    a = plan_tp(tp_specs(), 4, cost="flops")
+    b = plan_tp(list(tp_specs()), 4, cost="flops")
+    assert a.groups == b.groups and a.fingerprint() == b.fingerprint()
+
+
+def test_c_max_below_largest_task_names_it():
+    specs = tp_specs()
+    with pytest.raises(ValueError, match="linear_fc1"):
+        plan_tp(specs, 4, c_max=1.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [({"scheduler": "magic"}, "scheduler='magic'"), ({"cost": "bytes"}, "cost model='bytes'"),
+     ({"optimizer": "sgd"}, "optimizer='sgd'"), ({"tp_size": 0}, "tp_size=0")],
+)
+def test_bad_input(kwargs, match):
+    args = {"specs": tp_specs(), "tp_size": 4, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        plan_tp(**args)
+    with pytest.raises(ValueError, match="specs=\\[\\]"):
+        plan_tp([], 4)
