@@ -1,0 +1,1 @@
+"""In-repo stand-ins for code that cannot run here (Megatron-DeepSpeed needs CUDA)."""
