@@ -1,0 +1,337 @@
+"""CanzonaMuon under DeepSpeed ZeRO stage 1: the ONLY module that touches DeepSpeed internals.
+
+Pinned to DeepSpeed 0.19.8 (``SUPPORTED_DEEPSPEED``); :func:`install` refuses any other
+version, because everything below leans on private methods of that release.
+
+What :func:`install` changes (all on classes, each a thin wrapper that falls through to
+the stock code unless the optimizer is ``"CanzonaMuon"``):
+
+* ``DeepSpeedEngine._is_supported_optimizer``: accept the name ``"CanzonaMuon"`` (stock
+  accepts built-ins and attributes of ``torch.optim`` only).
+* ``DeepSpeedEngine._configure_basic_optimizer``: build :class:`CanzonaMuon` from the
+  engine's named parameters, the ds_config ``params`` and the DP world size.
+* ``DeepSpeedEngine._configure_zero_optimizer``: check the ds_config (stage, bf16 path,
+  round-robin, offload) and build :class:`CanzonaZeroOneOptimizer` instead of the stock
+  ``DeepSpeedZeroOptimizer`` (engine.py reads that class from a module global, so the
+  global is swapped for the duration of this one call).
+* ``zero.utils.ZERO_SUPPORTED_OPTIMIZERS`` gains ``CanzonaMuon`` (exact-type check).
+
+The layout ("planned padding"), for the matrix param group, dp = 2:
+
+    stock equal chunks       | W0  W1  W2 | W2' W3  W4 |     W2 straddles: both ranks need it
+    planned padding          | W0  W3  pad | W1  W2  W4 |    every rank range is P elements,
+                               ^ rank 0 (P)  ^ rank 1 (P)   each matrix lies in one range
+
+We only choose the parameter order (the plan's ``buffer_order``) and the per-parameter
+padding list that ZeRO-1 0.19.8 already supports (``round_robin_bit16_padding``, used for
+``parameter_alignment``); the stock equal-chunk code (gradient routing to owners, partitioned
+step, all-gather, checkpoints, ``zero_to_fp32``) then works unchanged.  The AdamW group
+keeps stock slicing.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Any
+
+import torch
+
+from canzona_ds.integration.config import CanzonaMuonConfig
+from canzona_ds.integration.optimizer import AUX, MATRIX, CanzonaMuon, FlatView
+
+SUPPORTED_DEEPSPEED = "0.19.8"
+OPTIMIZER_NAME = "CanzonaMuon"
+LAYOUT_KEY = "canzona_layout"
+
+_installed = False
+
+
+def check_deepspeed_version() -> None:
+    import deepspeed
+
+    if deepspeed.__version__ != SUPPORTED_DEEPSPEED:
+        raise RuntimeError(
+            f"canzona_ds's ZeRO-1 integration is pinned to deepspeed=={SUPPORTED_DEEPSPEED} (it overrides "
+            f"private ZeRO-1 internals), but deepspeed=={deepspeed.__version__} is installed. "
+            f"Install deepspeed=={SUPPORTED_DEEPSPEED}."
+        )
+
+
+# ---------------------------------------------------------------------------- config checks
+def check_engine_config(engine, cfg: CanzonaMuonConfig) -> None:
+    """Refuse ds_config settings CanzonaMuon does not support, naming the setting."""
+    stage = engine.zero_optimization_stage()
+    if cfg.replicated:
+        if stage != 0:
+            raise ValueError(f"CanzonaMuon with replicated=true needs zero_optimization.stage=0, got stage={stage}.")
+    elif stage != 1:
+        raise ValueError(
+            f"CanzonaMuon needs zero_optimization.stage=1, got stage={stage}. Allowed: 1 "
+            "(or 0 together with optimizer.params.replicated=true)."
+        )
+    model_dtype, grad_accum_dtype = engine.get_data_types()
+    if stage == 1 and model_dtype == torch.bfloat16 and grad_accum_dtype == torch.float32:
+        raise ValueError(
+            "CanzonaMuon does not support bf16 with data_types.grad_accum_dtype='fp32' (DeepSpeed routes that to "
+            "BF16_Optimizer, not ZeRO-1). Remove grad_accum_dtype or set it to 'bf16'."
+        )
+    if engine.zero_round_robin_gradients():
+        raise ValueError("CanzonaMuon does not support zero_optimization.round_robin_gradients=true "
+                         "(it reorders parameters, breaking the ownership plan). Set it to false.")
+    if engine.zero_offload_optimizer() is not None or engine.zero_cpu_offload():
+        raise ValueError("CanzonaMuon does not support zero_optimization.offload_optimizer. Remove it "
+                         "(device must be 'none').")
+    if getattr(engine, "zenflow", False):
+        raise ValueError("CanzonaMuon does not support zero_optimization.zenflow.")
+    if engine.has_moe_layers:
+        raise ValueError("CanzonaMuon does not support MoE layers yet.")
+
+
+def _dp_world_size(engine) -> int:
+    from deepspeed import comm as dist
+
+    return dist.get_world_size(group=engine.seq_data_parallel_group)
+
+
+def build_basic_optimizer(engine, model_parameters) -> CanzonaMuon:
+    """``"type": "CanzonaMuon"`` -> a :class:`CanzonaMuon` over the engine's module."""
+    cfg = CanzonaMuonConfig.from_params(engine.optimizer_params())
+    check_engine_config(engine, cfg)
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    params = []
+    for item in model_parameters:
+        if isinstance(item, dict):
+            extra = sorted(set(item) - {"params"})
+            if extra:
+                raise ValueError(f"CanzonaMuon does not take per-group settings yet (got keys {extra} in a "
+                                 "model_parameters group). Pass plain parameters and set hyper-parameters in "
+                                 "ds_config optimizer.params.")
+            params.extend(item["params"])
+        else:
+            params.append(item)
+    missing = [p for p in params if id(p) not in names]
+    if missing:
+        raise ValueError(f"{len(missing)} of model_parameters are not parameters of the model given to "
+                         "deepspeed.initialize; CanzonaMuon needs their names.")
+    dp = 1 if cfg.replicated else _dp_world_size(engine)
+    return CanzonaMuon(((names[id(p)], p) for p in params), cfg, dp_world_size=dp)
+
+
+# ---------------------------------------------------------------------------- ZeRO-1 subclass
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _make_zero_class():
+    from deepspeed import comm as dist
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    class CanzonaZeroOneOptimizer(DeepSpeedZeroOptimizer):
+        """Stock ZeRO-1 with the matrix group laid out by the ownership plan (planned padding).
+
+        Overrides, each small: ``flatten_dense_tensors_aligned`` (choose the padding of the
+        matrix group, once, at construction), ``state_dict`` / ``_load_legacy_checkpoint``
+        (record and verify the layout), ``_load_universal_checkpoint`` (refused).
+        """
+
+        def __init__(self, init_optimizer: CanzonaMuon, *args: Any, **kwargs: Any) -> None:
+            if not isinstance(init_optimizer, CanzonaMuon):
+                raise TypeError(f"CanzonaZeroOneOptimizer needs a CanzonaMuon, got {type(init_optimizer).__name__}")
+            roles = [g["canzona_role"] for g in init_optimizer.param_groups]
+            self._canzona = init_optimizer
+            self._canzona_matrix_group = roles.index(MATRIX) if MATRIX in roles else None
+            self._canzona_shard_numel = None
+            # Reduce each gradient slice to its owner instead of all-reducing whole buckets:
+            # measured to move fewer bytes (docs/zero1.md, benchmarks/results/zero1.md).
+            kwargs["use_multi_rank_bucket_allreduce"] = False
+            super().__init__(init_optimizer, *args, **kwargs)
+            if self._canzona_matrix_group is not None:
+                self._canzona_finish_layout(self._canzona_matrix_group)
+
+        # -- layout ------------------------------------------------------------------
+        def flatten_dense_tensors_aligned(self, tensor_list, alignment, use_cpu_data=False, param_padding=None):
+            i = len(self.bit16_groups_flat)
+            if (param_padding is not None and i == self._canzona_matrix_group
+                    and self._canzona_shard_numel is None):
+                self._canzona_plan_padding(i, param_padding)
+            return super().flatten_dense_tensors_aligned(tensor_list, alignment, use_cpu_data, param_padding)
+
+        def _canzona_plan_padding(self, i: int, param_padding: list) -> None:
+            """Rewrite group i's per-parameter padding so rank ranges end on parameter boundaries."""
+            plan = self._canzona.plan
+            group = self.round_robin_bit16_groups[i]
+            if [id(p) for p in group] != [id(p) for p in self.bit16_groups[i]] or len(group) != len(plan.specs):
+                raise RuntimeError("ZeRO reordered or dropped matrices of the CanzonaMuon group; cannot lay out "
+                                   "the ownership plan.")
+            dp = dist.get_world_size(group=self.real_dp_process_group[i])
+            if dp != plan.world_size:
+                raise RuntimeError(f"Plan made for {plan.world_size} DP ranks, ZeRO group has {dp}.")
+            element_size = group[0].element_size()
+            param_alignment = 16 // math.gcd(16, element_size) if self.parameter_alignment else 1
+            counts = [len(r) for r in plan.rank_params]
+            # inner (stock alignment) padding, per rank; then each range padded to P
+            rank_used, inner, k = [], [0] * len(group), 0
+            for c in counts:
+                used = 0
+                for j in range(k, k + c):
+                    used += group[j].numel()
+                    if j < k + c - 1:
+                        inner[j] = (-used) % param_alignment
+                        used += inner[j]
+                rank_used.append(used)
+                k += c
+            P = _round_up(max(max(rank_used), 1), math.lcm(self.nccl_start_alignment_factor, param_alignment))
+            if counts[0] == 0:
+                raise RuntimeError(f"Planner {plan.planner!r} left rank 0 without matrices; the padded layout "
+                                   "needs a parameter to carry rank 0's padding.")
+            padding, offsets, off, k = list(inner), [], 0, 0
+            last_of_rank = {}
+            for r, c in enumerate(counts):
+                if c:
+                    last_of_rank[r] = k + c - 1
+                k += c
+            for j, p in enumerate(group):
+                offsets.append(off)
+                off += p.numel() + padding[j]
+                if j in last_of_rank.values():
+                    r = max(rr for rr, jj in last_of_rank.items() if jj == j)
+                    # pad to the end of this rank and of every following rank without matrices
+                    nxt = r + 1
+                    while nxt < dp and counts[nxt] == 0:
+                        nxt += 1
+                    padding[j] = nxt * P - (off - padding[j])
+                    off = nxt * P
+            param_padding[:] = padding
+            self.round_robin_bit16_offsets[i][:] = offsets
+            self._canzona_shard_numel = P
+            self._canzona_rank_used = rank_used
+
+        def _canzona_finish_layout(self, i: int) -> None:
+            """Check the realised layout against the plan, agree across ranks, bind views."""
+            plan = self._canzona.plan
+            P = self._canzona_shard_numel
+            rank = dist.get_rank(group=self.real_dp_process_group[i])
+            dp = plan.world_size
+            if P is None or self.partition_size[i] != P or self.bit16_groups_flat[i].numel() != dp * P:
+                raise RuntimeError(f"Planned layout not realised: partition_size={self.partition_size[i]}, "
+                                   f"P={P}, flat={self.bit16_groups_flat[i].numel()}, dp={dp}.")
+            group = self.round_robin_bit16_groups[i]
+            offsets = self.round_robin_bit16_offsets[i]
+            owners = [r for r in range(dp) for _ in plan.rank_params[r]]
+            names = [self._canzona.matrix_names[j] for j in range(len(group))]
+            for p, off, owner, name in zip(group, offsets, owners, names):
+                lo, hi = off, off + p.numel()
+                if not (owner * P <= lo and hi <= (owner + 1) * P):
+                    raise RuntimeError(f"Matrix {name} [{lo}, {hi}) straddles the ZeRO-1 partition boundary of its "
+                                       f"owner rank {owner} (P={P}).")
+            mine = [p for p, o in zip(group, owners) if o == rank]
+            if [id(p) for p in self.params_in_partition[i]] != [id(p) for p in mine] or self.first_offset[i] != 0:
+                raise RuntimeError("ZeRO-1's partition bookkeeping disagrees with the ownership plan.")
+            # the checkpoint strips only trailing padding of this rank's partition
+            self.groups_padding[i] = P - self._canzona_rank_used[rank]
+            if self._is_muon_group(group) or self._muon_update_lacks_loss_scale(i):
+                raise RuntimeError("DeepSpeed's built-in Muon path is active on CanzonaMuon parameters "
+                                   "(use_muon is set); it would orthogonalise twice.")
+            layout = self._canzona_layout_meta()
+            gathered = [None] * dp
+            torch.distributed.all_gather_object(gathered, layout["fingerprint"], group=self.real_dp_process_group[i])
+            if len(set(gathered)) != 1:
+                raise RuntimeError(f"DP ranks disagree on the CanzonaMuon layout fingerprint: {gathered}. Every rank "
+                                   "must see the same model, ds_config and canzona_ds/deepspeed versions.")
+            views = [FlatView(off - rank * P, tuple(p.shape), name)
+                     for p, off, owner, name in zip(group, offsets, owners, names) if owner == rank]
+            self._canzona.bind_flat_partition(self.single_partition_of_fp32_groups[i], views)
+
+        def _canzona_layout_meta(self) -> dict:
+            plan = self._canzona.plan
+            if plan is None:
+                return {"fingerprint": "no-matrices", "world_size": None, "planner": None, "shard_numel": None}
+            i = self._canzona_matrix_group
+            payload = [plan.fingerprint(), self._canzona_shard_numel, list(self.round_robin_bit16_padding[i])]
+            digest = hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
+            return {"fingerprint": digest, "world_size": plan.world_size, "planner": plan.planner,
+                    "shard_numel": self._canzona_shard_numel}
+
+        # -- checkpoints --------------------------------------------------------------
+        def state_dict(self):
+            sd = super().state_dict()
+            sd[LAYOUT_KEY] = self._canzona_layout_meta()
+            return sd
+
+        def _load_legacy_checkpoint(self, state_dict_list, load_optimizer_states=True, load_from_fp32_weights=False):
+            dp = dist.get_world_size(group=self.dp_process_group)
+            saved = state_dict_list[0].get(LAYOUT_KEY) if state_dict_list else None
+            current = self._canzona_layout_meta()
+            if saved is None:
+                raise ValueError("This ZeRO checkpoint was not written by CanzonaMuon (no 'canzona_layout'); "
+                                 "load it with the optimizer that wrote it, or load the module weights only "
+                                 "(load_optimizer_states=False, load_module_only=True).")
+            if len(state_dict_list) != dp or saved["fingerprint"] != current["fingerprint"]:
+                raise ValueError(
+                    f"CanzonaMuon checkpoint layout differs from this run: saved with DP={saved['world_size']} "
+                    f"(planner={saved['planner']}, P={saved['shard_numel']}, {len(state_dict_list)} shards), "
+                    f"now DP={current['world_size']} (planner={current['planner']}, P={current['shard_numel']}). "
+                    "Resuming at a different DP size or plan is not supported: resume with the same DP size and "
+                    "optimizer params, or convert with deepspeed.utils.zero_to_fp32 and start the optimizer fresh."
+                )
+            return super()._load_legacy_checkpoint(state_dict_list, load_optimizer_states, load_from_fp32_weights)
+
+        def _load_universal_checkpoint(self, checkpoint_folder, load_optimizer_states, load_from_fp32_weights):
+            raise ValueError("CanzonaMuon does not support universal checkpoints (load_universal_checkpoint).")
+
+    return CanzonaZeroOneOptimizer
+
+
+_ZERO_CLASS = None
+
+
+def zero_optimizer_class():
+    global _ZERO_CLASS
+    if _ZERO_CLASS is None:
+        _ZERO_CLASS = _make_zero_class()
+    return _ZERO_CLASS
+
+
+# ---------------------------------------------------------------------------- install
+def install() -> None:
+    """Teach DeepSpeed's engine the ``"CanzonaMuon"`` optimizer type (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    check_deepspeed_version()
+    import deepspeed.runtime.engine as engine_mod
+    from deepspeed.runtime.zero import utils as zero_utils
+
+    Engine = engine_mod.DeepSpeedEngine
+    stock_is_supported = Engine._is_supported_optimizer
+    stock_basic = Engine._configure_basic_optimizer
+    stock_zero = Engine._configure_zero_optimizer
+
+    def _is_supported_optimizer(self, optimizer_name):
+        return optimizer_name == OPTIMIZER_NAME or stock_is_supported(self, optimizer_name)
+
+    def _configure_basic_optimizer(self, model_parameters):
+        if self.optimizer_name() == OPTIMIZER_NAME:
+            return build_basic_optimizer(self, model_parameters)
+        return stock_basic(self, model_parameters)
+
+    def _configure_zero_optimizer(self, optimizer):
+        if not isinstance(optimizer, CanzonaMuon):
+            return stock_zero(self, optimizer)
+        check_engine_config(self, optimizer.config)
+        if optimizer.plan is None:  # no matrices: plain AdamW, stock ZeRO-1
+            return stock_zero(self, optimizer)
+        stock_cls = engine_mod.DeepSpeedZeroOptimizer
+        engine_mod.DeepSpeedZeroOptimizer = zero_optimizer_class()
+        try:
+            return stock_zero(self, optimizer)
+        finally:
+            engine_mod.DeepSpeedZeroOptimizer = stock_cls
+
+    Engine._is_supported_optimizer = _is_supported_optimizer
+    Engine._configure_basic_optimizer = _configure_basic_optimizer
+    Engine._configure_zero_optimizer = _configure_zero_optimizer
+    if CanzonaMuon not in zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
+        zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(CanzonaMuon)
+    _installed = True
