@@ -343,8 +343,8 @@ def _criteria(specs: Sequence[ParamSpec], loads: Sequence[float], optimizer: str
     from .cost import flops, state_bytes
 
     columns = [
-        list(loads),
         [float(s.numel) for s in specs],
+        list(loads),
         [flops(s, optimizer) for s in specs],
         [state_bytes(s, optimizer) for s in specs],
     ]
@@ -362,16 +362,31 @@ def _criteria(specs: Sequence[ParamSpec], loads: Sequence[float], optimizer: str
     return np.stack(kept, axis=1)
 
 
-def _refine(assign: np.ndarray, X: np.ndarray, world_size: int, max_iters: int) -> int:
-    """Move/swap local search lowering the worst rank's score max_c(load_c); in place.
+def _refine(
+    assign: np.ndarray, X: np.ndarray, world_size: int, max_iters: int,
+    columns: Sequence[int] | None = None, cap: float | None = None,
+) -> int:
+    """Move/swap local search lowering the worst rank's score ``max_c(load_c)`` over
+    ``columns`` (default all); with ``cap``, no rank may exceed ``cap`` in ANY column.
+    In place.
 
     Every accepted step lowers the worst rank below the current maximum without raising
     another rank to it, so it terminates; ``max_iters`` bounds it.  Returns steps taken.
     """
+    cols = list(range(X.shape[1])) if columns is None else list(columns)
     rank_sum = np.zeros((world_size, X.shape[1]))
     np.add.at(rank_sum, assign, X)
+    limit = np.inf if cap is None else cap * (1 + 1e-12)
+
+    def pair_max(new_a: np.ndarray, new_b: np.ndarray) -> np.ndarray:
+        pm = np.maximum(new_a[..., cols].max(axis=-1), new_b[..., cols].max(axis=-1))
+        if cap is not None:
+            over = (new_a.max(axis=-1) > limit) | (new_b.max(axis=-1) > limit)
+            pm = np.where(over, np.inf, pm)
+        return pm
+
     for step in range(max_iters):
-        scores = rank_sum.max(axis=1)
+        scores = rank_sum[:, cols].max(axis=1)
         w = int(np.argmax(scores))
         current = scores[w]
         mine = np.flatnonzero(assign == w)
@@ -379,17 +394,15 @@ def _refine(assign: np.ndarray, X: np.ndarray, world_size: int, max_iters: int) 
         best = (current - 1e-12 * max(current, 1.0), None)
         for i in mine:
             # move i from w to any other rank r
-            new_w = (rank_sum[w] - X[i]).max()
-            new_r = (rank_sum + X[i]).max(axis=1)
-            new_r[w] = np.inf
-            pm = np.maximum(new_w, new_r)
+            pm = pair_max(np.broadcast_to(rank_sum[w] - X[i], rank_sum.shape), rank_sum + X[i])
+            pm[w] = np.inf
             r = int(np.argmin(pm))
             if pm[r] < best[0]:
                 best = (pm[r], ("move", int(i), r))
             if others.size:
                 # swap i with an item j on another rank
                 delta = X[others] - X[i]
-                pm = np.maximum((rank_sum[w] + delta).max(axis=1), (rank_sum[assign[others]] - delta).max(axis=1))
+                pm = pair_max(rank_sum[w] + delta, rank_sum[assign[others]] - delta)
                 j = int(np.argmin(pm))
                 if pm[j] < best[0]:
                     best = (pm[j], ("swap", int(i), int(others[j])))
@@ -495,6 +508,11 @@ def plan_multi_lpt(
     # best = lowest worst-rank score, then lowest sum of squared scores; first on ties
     best = min(range(len(candidates)), key=lambda k: (_score(candidates[k], X, world_size), k))
     assign = candidates[best]
+    # second pass, one criterion at a time (numel first: it is the padding), without
+    # letting any rank exceed the max score reached above
+    cap = _score(assign, X, world_size)[0]
+    for c in range(X.shape[1]):
+        steps[best] += _refine(assign, X, world_size, iters, columns=[c], cap=cap)
     rank_params: list[list[int]] = [[] for _ in range(world_size)]
     for i in range(len(specs)):
         rank_params[int(assign[i])].append(i)

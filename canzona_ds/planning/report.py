@@ -151,3 +151,65 @@ def tp_report(plan: MicroGroupPlan, optimizer: str = "muon") -> TPReport:
         plan_ms=plan.plan_ms,
         fingerprint=plan.fingerprint(),
     )
+
+
+def _patterns(sizes: list[int], counts: list[int], capacity: float, limit: int) -> list[tuple[int, ...]] | None:
+    """All count vectors a (a_t <= counts_t) with sum a_t*sizes_t <= capacity; None past limit."""
+    out: list[tuple[int, ...]] = []
+
+    def rec(t: int, room: float, prefix: tuple[int, ...]) -> bool:
+        if t == len(sizes):
+            out.append(prefix)
+            return len(out) <= limit
+        top = min(counts[t], int(room // sizes[t]) if sizes[t] else counts[t])
+        return all(rec(t + 1, room - a * sizes[t], prefix + (a,)) for a in range(top, -1, -1))
+
+    return out if rec(0, capacity, ()) else None
+
+
+def numel_lp_bound(numels: Sequence[int], ranks: int, max_patterns: int = 20_000, tol: float = 1e-4) -> float | None:
+    """Lower bound on ``numel_ratio`` (1 + padding) of ANY atomic plan, from the
+    configuration LP of bin packing: a capacity C is infeasible if covering every matrix
+    with per-rank patterns (multisets of sizes summing to <= C) needs more than ``ranks``
+    patterns even fractionally.  Bisects C.  None when there are too many patterns (many
+    matrices per rank: then the simple bound is the useful one) or scipy is missing.
+    """
+    try:
+        from scipy.optimize import linprog
+    except ImportError:
+        return None
+    if not numels or sum(numels) == 0:
+        return None
+    by_size: dict[int, int] = {}
+    for n in numels:
+        by_size[n] = by_size.get(n, 0) + 1
+    sizes, counts = list(by_size), list(by_size.values())
+    mean = sum(numels) / ranks
+
+    def feasible(ratio: float) -> bool | None:
+        pats = _patterns(sizes, counts, ratio * mean, max_patterns)
+        if pats is None:
+            return None
+        pats = [p for p in pats if any(p)]
+        a = [[-p[t] for p in pats] for t in range(len(sizes))]
+        res = linprog([1.0] * len(pats), A_ub=a, b_ub=[-c for c in counts], bounds=(0, None), method="highs")
+        return res.status == 0 and res.fun <= ranks + 1e-9
+
+    lo = max(1.0, max(numels) / mean)
+    hi = 1.0
+    while True:  # grow hi until feasible (LPT's 4/3 guarantee bounds this quickly)
+        hi = max(hi * 1.25, lo)
+        f = feasible(hi)
+        if f is None:
+            return None
+        if f:
+            break
+    if feasible(lo):
+        return lo
+    while hi - lo > tol:
+        mid = (lo + hi) / 2
+        f = feasible(mid)
+        if f is None:
+            return None
+        lo, hi = (lo, mid) if f else (mid, hi)
+    return lo
