@@ -1,0 +1,126 @@
+"""Training entry of the main job.
+
+    # 2 CPU ranks through DeepSpeed's launcher (what launch/train.sh runs)
+    deepspeed --num_gpus 2 -m canzona_ds.cli.train --config configs/run_tiny.yaml
+    # one process, no launcher
+    python -m canzona_ds.cli.train --config configs/run_tiny.yaml --set steps=20
+    # resume from the latest checkpoint; compare CanzonaMuon / Muon / AdamW + exact reference
+    ... --resume          ... --compare
+
+``--set key=value`` overrides one run-config key (value parsed as YAML); ``--ds-config``
+overrides the run config's ds_config.  Bad configs exit with status 2 and one line naming
+the bad key or value.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="canzona_ds.cli.train", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default=None, help="YAML run config (default: built-in defaults = run_tiny)")
+    ap.add_argument("--ds-config", default=None, help="DeepSpeed JSON config (overrides the run config's)")
+    ap.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    ap.add_argument("--compare", action="store_true",
+                    help="run compare_ds_configs one after another + a single-process Muon reference")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a run-config key (repeatable)")
+    ap.add_argument("--no-progress", action="store_true", help="no tqdm bar (logs only)")
+    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def _ensure_dist_env() -> None:
+    """Single process without a launcher: a world of one on loopback."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from canzona_ds.train.config import load_run_config, parse_override
+
+    try:
+        overrides = dict(parse_override(item) for item in args.overrides)
+        if args.ds_config:
+            overrides["ds_config"] = args.ds_config
+        if args.resume:
+            overrides["resume"] = True
+        cfg = load_run_config(args.config, overrides)
+        _ensure_dist_env()
+        dp = int(os.environ["WORLD_SIZE"])
+        cfg.batch_layout(dp)  # fail before any process group exists
+        from canzona_ds.train.trainer import build_ds_config
+
+        for path in (cfg.compare_ds_configs if args.compare else [cfg.ds_config]):
+            build_ds_config(cfg, path, dp)
+    except (ValueError, TypeError) as e:
+        print(f"canzona_ds.cli.train: config error: {e}", file=sys.stderr, flush=True)
+        return 2
+
+    import canzona_ds  # noqa: F401 - registers "type": "CanzonaMuon" with DeepSpeed (when available)
+    from canzona_ds.train.trainer import OptimizerUnavailable, is_rank0, setup_process, train
+
+    setup_process(cfg)
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo" if not _has_gpu() else None, verbose=False)
+    try:
+        if args.compare:
+            from canzona_ds.train.compare import run_compare
+
+            report = run_compare(cfg, progress=not args.no_progress)
+            if is_rank0():
+                print("artifacts:", json.dumps(report["artifacts"], indent=1), flush=True)
+        else:
+            result = train(cfg, progress=not args.no_progress)
+            if is_rank0():
+                _final_report(cfg, result)
+    except OptimizerUnavailable as e:
+        print(f"canzona_ds.cli.train: {e}", file=sys.stderr, flush=True)
+        return 3
+    return 0
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _final_report(cfg, result) -> None:
+    from pathlib import Path
+
+    from canzona_ds.train.metrics import (MATPLOTLIB_MISSING, have_matplotlib, plot_loss, plot_rank_load,
+                                          read_metrics, summary_table)
+
+    log_dir = Path(result.log_dir)
+    print(summary_table({result.name: result.summary}), flush=True)
+    artifacts = {"metrics_jsonl": result.metrics_path, "metrics_csv": str(log_dir / "metrics.csv"),
+                 "summary": str(log_dir / "summary.json"), "plan_summary": str(log_dir / "plan_summary.json")}
+    if have_matplotlib():
+        artifacts["loss_png"] = str(plot_loss({result.name: read_metrics(result.metrics_path)}, log_dir / "loss.png",
+                                              f"{cfg.model} on {cfg.corpus}"))
+        artifacts["rank_load_png"] = str(plot_rank_load(result.plan_summary, log_dir / "rank_load.png"))
+    else:
+        print(MATPLOTLIB_MISSING, flush=True)
+    if result.checkpoint_dir:
+        artifacts["checkpoints"] = result.checkpoint_dir
+    print("artifacts:", flush=True)
+    for k, v in artifacts.items():
+        print(f"  {k:14s} {v}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

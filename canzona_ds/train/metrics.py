@@ -1,0 +1,166 @@
+"""Run artifacts: per-step metrics (JSONL + CSV), plots (matplotlib, optional), summary table."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+STEP_FIELDS = ("step", "loss", "val_loss", "lr_mult", "tokens", "step_ms", "tokens_per_s",
+               "fwd_bwd_ms", "grad_reduce_ms", "optimizer_ms", "allgather_ms")
+
+
+class MetricsWriter:
+    """Appends one JSON object per optimizer step to ``metrics.jsonl`` (rank 0 only).
+
+    On resume the file is first cut back to the steps before ``start_step`` so the file
+    describes one trajectory."""
+
+    def __init__(self, log_dir: Path, start_step: int = 0) -> None:
+        self.path = Path(log_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = [r for r in read_metrics(self.path) if r["step"] < start_step] if self.path.exists() else []
+        with self.path.open("w") as f:
+            for row in kept:
+                f.write(json.dumps(row) + "\n")
+
+    def write(self, row: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def write_csv(self) -> Path:
+        rows = read_metrics(self.path)
+        out = self.path.with_suffix(".csv")
+        with out.open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(STEP_FIELDS), extrasaction="ignore")
+            w.writeheader()
+            w.writerows(rows)
+        return out
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def _mean(values) -> float | None:
+    vals = [v for v in values if v is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def summarize_steps(rows: list[dict], skip_first: int = 1) -> dict:
+    """Mean timings over the steps (the first ``skip_first`` are warm-up and excluded)."""
+    timed = rows[skip_first:] if len(rows) > skip_first else rows
+    out = {"steps": len(rows), "first_loss": rows[0]["loss"] if rows else None,
+           "final_loss": rows[-1]["loss"] if rows else None,
+           "final_val_loss": next((r["val_loss"] for r in reversed(rows) if r.get("val_loss") is not None), None)}
+    for key in ("step_ms", "tokens_per_s", "fwd_bwd_ms", "grad_reduce_ms", "optimizer_ms", "allgather_ms"):
+        out[f"mean_{key}"] = _mean(r.get(key) for r in timed)
+    return out
+
+
+def _fmt(v, spec: str = ".4g") -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, float) and math.isnan(v):
+        return "nan"
+    return format(v, spec) if isinstance(v, (int, float)) else str(v)
+
+
+def summary_table(results: dict[str, dict]) -> str:
+    """``results``: run name -> ``summarize_steps`` dict.  A fixed-width text table."""
+    cols = [("final_loss", "loss"), ("final_val_loss", "val"), ("mean_step_ms", "step ms"),
+            ("mean_tokens_per_s", "tok/s"), ("mean_fwd_bwd_ms", "fwd+bwd"), ("mean_grad_reduce_ms", "reduce"),
+            ("mean_optimizer_ms", "opt"), ("mean_allgather_ms", "allgather")]
+    width = max([len("run")] + [len(n) for n in results]) + 2
+    head = "run".ljust(width) + "".join(h.rjust(11) for _, h in cols)
+    lines = [head, "-" * len(head)]
+    for name, s in results.items():
+        lines.append(name.ljust(width) + "".join(_fmt(s.get(k)).rjust(11) for k, _ in cols))
+    lines.append("(times in ms per optimizer step, mean over steps after the first; n/a = not timed "
+                 "separately by this runtime)")
+    return "\n".join(lines)
+
+
+def have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+MATPLOTLIB_MISSING = "matplotlib is not installed: no PNG plots (pip install 'canzona-ds[plot]' or pip install matplotlib)"
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_loss(curves: dict[str, list[dict]], out: Path, title: str = "training loss") -> Path:
+    """``curves``: run name -> metric rows.  Train loss (solid) and val loss (markers)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, rows in curves.items():
+        line, = ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=f"{name} train", lw=1.2)
+        val = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
+        if val:
+            ax.plot(*zip(*val), "o--", color=line.get_color(), ms=4, lw=0.8, label=f"{name} val")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats/byte)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def plot_rank_load(plan_summary: dict, out: Path) -> Path:
+    """Per-rank Newton-Schulz FLOPs and optimizer memory, one bar group per layout."""
+    plt = _pyplot()
+    layouts = plan_summary["layouts"]
+    dp = plan_summary["world_size"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    width = 0.8 / max(len(layouts), 1)
+    for k, lay in enumerate(layouts):
+        xs = [r + k * width for r in range(dp)]
+        axes[0].bar(xs, [f / 1e9 for f in lay["rank_flops"]], width, label=lay["name"])
+        axes[1].bar(xs, [m / 2**20 for m in lay["rank_memory_bytes"]], width, label=lay["name"])
+    for ax, ylabel in zip(axes, ("Newton-Schulz GFLOP per step", "optimizer memory (MiB)")):
+        ax.set_xticks([r + width * (len(layouts) - 1) / 2 for r in range(dp)], [f"rank {r}" for r in range(dp)])
+        ax.set_ylabel(ylabel)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"per-rank optimizer load, dp={dp}")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def plot_step_times(results: dict[str, dict], out: Path) -> Path:
+    """Stacked mean step-time breakdown per run."""
+    plt = _pyplot()
+    parts = [("mean_fwd_bwd_ms", "fwd+bwd"), ("mean_grad_reduce_ms", "grad reduce"),
+             ("mean_optimizer_ms", "optimizer"), ("mean_allgather_ms", "param all-gather")]
+    names = list(results)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bottom = [0.0] * len(names)
+    for key, label in parts:
+        vals = [results[n].get(key) or 0.0 for n in names]
+        ax.bar(names, vals, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.plot(names, [results[n].get("mean_step_ms") or 0.0 for n in names], "k_", ms=30, label="total step (wall)")
+    ax.set_ylabel("ms per optimizer step")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

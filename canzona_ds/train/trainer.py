@@ -1,0 +1,240 @@
+"""The main job: train the Qwen3-style decoder with DeepSpeed ZeRO-1 on the shipped corpus.
+
+One call of :func:`train` is one run with one ds_config.  Per optimizer step:
+
+    for micro_step in range(grad_accum):          batches: BatchSampler(seed) slice for
+        loss = engine(x, y); engine.backward(loss)  (step, micro_step, rank) -- no loader state
+        engine.step()                               DeepSpeed steps at the accumulation boundary
+    all-reduce the loss (logging), drain the DeepSpeed timers, write metrics (rank 0)
+    every checkpoint_every steps: engine.save_checkpoint(tag=step<N>, client_state={step})
+
+Resume loads the latest checkpoint and continues at its step; because the data and the
+learning-rate multiplier are functions of the step alone, the trajectory is the one an
+uninterrupted run takes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from canzona_ds.data import BatchSampler, DataConfig
+from canzona_ds.models.qwen3 import build_model
+from canzona_ds.train.config import RunConfig
+from canzona_ds.train.metrics import MetricsWriter, read_metrics, summarize_steps
+from canzona_ds.train.plan_summary import format_plan, summarize
+from canzona_ds.train.schedule import lr_multiplier
+from canzona_ds.train.timing import TimerTap
+
+#: ds_config keys the run config owns (set from it; a different value in the JSON is an error)
+BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+
+
+class OptimizerUnavailable(RuntimeError):
+    """The ds_config names an optimizer type this installation cannot build."""
+
+
+@dataclass
+class RunResult:
+    name: str
+    optimizer_type: str
+    log_dir: str
+    metrics_path: str
+    start_step: int
+    summary: dict
+    plan_summary: dict
+    checkpoint_dir: str | None
+
+
+def is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def load_ds_config(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"ds_config {str(path)!r} does not exist.")
+    try:
+        ds = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"ds_config {str(path)!r} is not valid JSON: {e}") from None
+    if not isinstance(ds.get("optimizer"), dict) or "type" not in ds["optimizer"]:
+        raise ValueError(f"ds_config {str(path)!r} needs an 'optimizer': {{'type': ..., 'params': {{...}}}} section.")
+    return ds
+
+
+def build_ds_config(cfg: RunConfig, ds_path: str | Path, dp: int) -> dict:
+    """The ds_config JSON with the batch layout of the run config filled in."""
+    ds = load_ds_config(ds_path)
+    accum, global_batch = cfg.batch_layout(dp)
+    for key, value in zip(BATCH_KEYS, (cfg.micro_batch, accum, global_batch)):
+        if key in ds and ds[key] != value:
+            raise ValueError(f"ds_config {str(ds_path)!r} sets {key}={ds[key]} but the run config gives {value} "
+                             f"(micro_batch={cfg.micro_batch}, grad_accum={accum}, dp={dp}). Remove {key} from "
+                             "the ds_config: the run config owns the batch layout.")
+        ds[key] = value
+    # timers are captured by TimerTap (not printed); they drive the step-time breakdown
+    ds["wall_clock_breakdown"] = True
+    ds.setdefault("steps_per_print", 10**9)
+    return ds
+
+
+def _initialize(model, ds: dict):
+    import deepspeed
+
+    try:
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+    except AssertionError as e:  # DeepSpeed reports unknown optimizer types with an assert
+        if "not a supported DeepSpeed Optimizer" in str(e):
+            raise OptimizerUnavailable(
+                f"optimizer type {ds['optimizer']['type']!r} is not available: {e}. 'CanzonaMuon' needs the "
+                "canzona_ds DeepSpeed integration (import canzona_ds registers it); use configs/ds_cpu_muon.json "
+                "(DeepSpeed's built-in Muon) meanwhile.") from None
+        raise
+    return engine
+
+
+def _global_mean(value: float, count: int) -> float:
+    t = torch.tensor([value, float(count)], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return float(t[0] / t[1]) if t[1] else float("nan")
+
+
+@torch.no_grad()
+def evaluate(module, sampler: BatchSampler, n_batches: int, batch: int, rank: int, dp: int) -> float | None:
+    """Mean held-out loss; batch i is computed by rank i % dp."""
+    batches = sampler.val_batches(n_batches, batch)
+    if not batches:
+        return None
+    was_training = module.training
+    module.eval()
+    total, count = 0.0, 0
+    for i, (x, y) in enumerate(batches):
+        if i % dp == rank:
+            total += float(module(x, y)[1])
+            count += 1
+    module.train(was_training)
+    return _global_mean(total, count)
+
+
+def train(cfg: RunConfig, name: str | None = None, progress: bool = True) -> RunResult:
+    """One run of the main job in the current process group (all ranks call it)."""
+    from tqdm.auto import tqdm
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    dp = dist.get_world_size() if dist.is_initialized() else 1
+    accum, global_batch = cfg.batch_layout(dp)
+    ds = build_ds_config(cfg, cfg.ds_config, dp)
+    opt_type = str(ds["optimizer"]["type"])
+    name = name or opt_type
+    log_dir = Path(cfg.log_dir)
+
+    model = build_model(cfg.model_config(), cfg.seed)
+    engine = _initialize(model, ds)
+    tap = TimerTap(engine)
+    plan = summarize(engine.module, dp, engine.optimizer).to_dict()
+
+    base_lrs = [float(g["lr"]) for g in engine.optimizer.param_groups]
+    start_step = 0
+    if cfg.resume:
+        path, client = engine.load_checkpoint(cfg.checkpoint_dir)
+        if path is None:
+            if is_rank0():
+                print(f"[{name}] resume: no checkpoint in {cfg.checkpoint_dir!r}; starting at step 0", flush=True)
+        else:
+            start_step = int(client["step"])
+            base_lrs = [float(x) for x in client["base_lrs"]]
+            if is_rank0():
+                print(f"[{name}] resumed from {path} at step {start_step}", flush=True)
+
+    sampler = BatchSampler(DataConfig(corpus=cfg.corpus, seq_len=cfg.seq_len, seed=cfg.seed))
+    writer = MetricsWriter(log_dir, start_step) if is_rank0() else None
+    if is_rank0():
+        (log_dir / "plan_summary.json").write_text(json.dumps(plan, indent=1))
+        (log_dir / "run_config.json").write_text(json.dumps(cfg.to_dict() | {"dp": dp, "grad_accum": accum,
+                                                                               "global_batch": global_batch}, indent=1))
+        n_params = sum(p.numel() for p in engine.module.parameters())
+        print(f"[{name}] model={cfg.model} params={n_params:,} dp={dp} micro_batch={cfg.micro_batch} "
+              f"grad_accum={accum} global_batch={global_batch} seq_len={cfg.seq_len} "
+              f"optimizer={opt_type} ds_config={cfg.ds_config}", flush=True)
+        for line in format_plan(plan):
+            print(f"[{name}] {line}", flush=True)
+        if not tap.attached:
+            print(f"[{name}] DeepSpeed timers unavailable: step-time breakdown will show n/a", flush=True)
+
+    tokens_per_step = global_batch * cfg.seq_len
+    bar = tqdm(total=cfg.steps, initial=start_step, desc=name, disable=not (progress and is_rank0()),
+               dynamic_ncols=True)
+    engine.train()
+    for step in range(start_step, cfg.steps):
+        mult = lr_multiplier(step, cfg.steps, cfg.lr_schedule, cfg.warmup_steps, cfg.min_lr_ratio)
+        for group, base in zip(engine.optimizer.param_groups, base_lrs):
+            group["lr"] = base * mult
+        t0 = time.perf_counter()
+        loss_sum = 0.0
+        for micro in range(accum):
+            x, y = sampler.micro_batch(step, micro, rank, dp, cfg.micro_batch, accum)
+            _, loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            loss_sum += float(loss.detach())
+        step_ms = (time.perf_counter() - t0) * 1e3
+        loss_mean = _global_mean(loss_sum, accum)
+        times = tap.drain()
+        done = step + 1
+        val = None
+        if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
+            val = evaluate(engine.module, sampler, cfg.eval_batches, cfg.micro_batch, rank, dp)
+        if is_rank0():
+            row = {"step": done, "loss": loss_mean, "val_loss": val, "lr_mult": mult,
+                   "tokens": done * tokens_per_step, "step_ms": step_ms,
+                   "tokens_per_s": tokens_per_step / (step_ms / 1e3), **times}
+            writer.write(row)
+            bar.set_postfix_str(_postfix(row), refresh=False)
+            bar.update(1)
+            if val is not None:
+                bar.write(f"[{name}] step {done}: loss {loss_mean:.4f} val {val:.4f}")
+        if cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
+            engine.save_checkpoint(cfg.checkpoint_dir, tag=f"step{done}",
+                                   client_state={"step": done, "base_lrs": base_lrs})
+    bar.close()
+
+    summary = {}
+    if is_rank0():
+        writer.write_csv()
+        summary = summarize_steps(read_metrics(writer.path))
+        (log_dir / "summary.json").write_text(json.dumps({"name": name, "optimizer": opt_type, **summary}, indent=1))
+    if dist.is_initialized():
+        dist.barrier()
+    engine.destroy() if hasattr(engine, "destroy") else None
+    return RunResult(name=name, optimizer_type=opt_type, log_dir=str(log_dir),
+                     metrics_path=str(log_dir / "metrics.jsonl"), start_step=start_step, summary=summary,
+                     plan_summary=plan, checkpoint_dir=cfg.checkpoint_dir if cfg.checkpoint_every else None)
+
+
+def _postfix(row: dict) -> str:
+    def ms(key: str) -> str:
+        return "n/a" if row.get(key) is None else f"{row[key]:.0f}"
+    return (f"loss={row['loss']:.4f} tok/s={row['tokens_per_s']:.0f} ms: fb={ms('fwd_bwd_ms')} "
+            f"red={ms('grad_reduce_ms')} opt={ms('optimizer_ms')} ag={ms('allgather_ms')}")
+
+
+def with_overrides(cfg: RunConfig, **changes) -> RunConfig:
+    return replace(cfg, **changes)
+
+
+def setup_process(cfg: RunConfig) -> None:
+    """Per-process settings that must precede building the engine."""
+    if cfg.threads_per_rank:
+        torch.set_num_threads(cfg.threads_per_rank)
+    if cfg.disable_torch_compile:
+        import torch._dynamo as dynamo
+
+        dynamo.config.disable = True
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
