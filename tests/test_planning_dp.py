@@ -175,3 +175,24 @@ def test_cost_models():
         assert f_big == pytest.approx(8 * f_small)  # cubic in the size
         assert cost_vector([s], "memory", opt)[0] > 8 * s.numel
     assert cost_vector([ParamSpec("n", (8,), "aux")], "flops") == [0.0]
+
+
+def test_multi_lpt_lexicographic_cuts_padding_without_raising_flops():
+    # qwen3-4b dp=64 tp=8: every rank holding a gate_up matrix is at the FLOPs floor, so
+    # min-max(FLOPs, numel) left numel slack; the lexicographic pass removes it
+    from canzona_ds.planning.dp import plan_multi_lpt
+    from canzona_ds.planning.report import numel_lp_bound
+
+    specs = matrix_specs(model_specs("qwen3-4b", tp=8))
+    loads = cost_vector(specs, "flops")
+    old = dp_report(plan_multi_lpt(specs, 64, loads, cost_model="flops", lexicographic=False))
+    new_plan = plan_multi_lpt(specs, 64, loads, cost_model="flops")
+    check_valid(new_plan, specs)
+    new = dp_report(new_plan)
+    assert new.flops_ratio <= old.flops_ratio * (1 + 1e-12)
+    assert max(new.flops_ratio, new.numel_ratio) <= max(old.flops_ratio, old.numel_ratio) * (1 + 1e-12)
+    assert new.padding_fraction <= 0.8 * old.padding_fraction
+    lp = numel_lp_bound([s.numel for s in specs], 64)
+    if lp is not None:  # generous: within 4x the provable padding floor of any atomic plan
+        assert lp - 1 - 1e-9 <= new.padding_fraction <= 4 * (lp - 1)
+    assert new_plan.fingerprint() == plan_multi_lpt(specs, 64, loads, cost_model="flops").fingerprint()
