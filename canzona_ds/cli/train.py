@@ -64,7 +64,11 @@ def main(argv: list[str] | None = None) -> int:
         from canzona_ds.train.trainer import build_ds_config
 
         for path in (cfg.compare_ds_configs if args.compare else [cfg.ds_config]):
-            build_ds_config(cfg, path, dp)
+            ds = build_ds_config(cfg, path, dp)
+            if args.compare and cfg.reference_steps and str(ds["optimizer"]["type"]).lower() in ("canzonamuon", "muon"):
+                from canzona_ds.train.reference import reference_hparams
+
+                reference_hparams(ds["optimizer"].get("params", {}))
     except (ValueError, TypeError) as e:
         print(f"canzona_ds.cli.train: config error: {e}", file=sys.stderr, flush=True)
         return 2

@@ -13,13 +13,13 @@ STEP_FIELDS = ("step", "loss", "val_loss", "lr_mult", "tokens", "step_ms", "toke
 class MetricsWriter:
     """Appends one JSON object per optimizer step to ``metrics.jsonl`` (rank 0 only).
 
-    On resume the file is first cut back to the steps before ``start_step`` so the file
+    On resume the file is first cut back to steps <= ``start_step`` (the checkpoint) so the file
     describes one trajectory."""
 
     def __init__(self, log_dir: Path, start_step: int = 0) -> None:
         self.path = Path(log_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        kept = [r for r in read_metrics(self.path) if r["step"] < start_step] if self.path.exists() else []
+        kept = [r for r in read_metrics(self.path) if r["step"] <= start_step] if self.path.exists() else []
         with self.path.open("w") as f:
             for row in kept:
                 f.write(json.dumps(row) + "\n")
@@ -136,9 +136,10 @@ def plot_rank_load(plan_summary: dict, out: Path) -> Path:
         ax.set_xticks([r + width * (len(layouts) - 1) / 2 for r in range(dp)], [f"rank {r}" for r in range(dp)])
         ax.set_ylabel(ylabel)
         ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(fontsize=7)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(layouts), fontsize=8)
     fig.suptitle(f"per-rank optimizer load, dp={dp}")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out

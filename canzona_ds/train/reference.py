@@ -29,7 +29,8 @@ def reference_hparams(params: dict) -> dict:
     if missing:
         raise ValueError(f"The Muon reference needs these optimizer params in the ds_config: {missing}. "
                          f"Got: {sorted(p)}")
-    return {"muon_lr": float(p.get("muon_lr", p["lr"])), "adam_lr": float(p.get("adam_lr", p["lr"])),
+    return {"muon_lr": float(p["muon_lr"] if "muon_lr" in p else p["lr"]),
+            "adam_lr": float(p["adam_lr"] if "adam_lr" in p else p["lr"]),
             "momentum": float(p["momentum"]), "weight_decay": float(p["weight_decay"]),
             "betas": tuple(float(b) for b in p["betas"]), "eps": float(p["eps"])}
 
