@@ -231,8 +231,10 @@ def _make_zero_class():
             mine = [p for p, o in zip(group, owners) if o == rank]
             if [id(p) for p in self.params_in_partition[i]] != [id(p) for p in mine] or self.first_offset[i] != 0:
                 raise RuntimeError("ZeRO-1's partition bookkeeping disagrees with the ownership plan.")
-            # the checkpoint strips only trailing padding of this rank's partition
-            self.groups_padding[i] = P - self._canzona_rank_used[rank]
+            # Checkpoints strip groups_padding[i] trailing elements of each rank's partition and
+            # zero_to_fp32 concatenates what is left, walking round_robin_bit16_padding: with our
+            # explicit per-parameter padding up to dp*P nothing may be stripped.
+            self.groups_padding[i] = 0
             if self._is_muon_group(group) or self._muon_update_lacks_loss_scale(i):
                 raise RuntimeError("DeepSpeed's built-in Muon path is active on CanzonaMuon parameters "
                                    "(use_muon is set); it would orthogonalise twice.")
@@ -264,7 +266,11 @@ def _make_zero_class():
 
         def _load_legacy_checkpoint(self, state_dict_list, load_optimizer_states=True, load_from_fp32_weights=False):
             dp = dist.get_world_size(group=self.dp_process_group)
-            saved = state_dict_list[0].get(LAYOUT_KEY) if state_dict_list else None
+            rank = dist.get_rank(group=self.dp_process_group)
+            # DeepSpeed may load only this rank's shard (others are None)
+            mine = state_dict_list[rank] if rank < len(state_dict_list) else None
+            mine = mine if mine is not None else next((s for s in state_dict_list if s is not None), None)
+            saved = mine.get(LAYOUT_KEY) if mine is not None else None
             current = self._canzona_layout_meta()
             if saved is None:
                 raise ValueError("This ZeRO checkpoint was not written by CanzonaMuon (no 'canzona_layout'); "
