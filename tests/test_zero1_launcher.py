@@ -1,0 +1,53 @@
+"""The `deepspeed` launcher path: a script that only adds `import canzona_ds` trains with
+"type": "CanzonaMuon" on 2 CPU ranks and matches the single-process reference bit for bit."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from _dist import free_port
+from _models import run_reference
+
+TESTS = pathlib.Path(__file__).resolve().parent
+
+SCRIPT = """
+import json, sys
+sys.path.insert(0, {tests!r})
+import torch
+torch.set_num_threads(1)
+import canzona_ds  # the one line a user adds
+import deepspeed
+from _models import ds_config, make_model, batches, params_of
+deepspeed.init_distributed(dist_backend="gloo")
+rank, dp = torch.distributed.get_rank(), torch.distributed.get_world_size()
+model = make_model(0)
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(dp))
+for x, y in batches(3, 2 * dp):
+    loss = engine(x[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2])
+    engine.backward(loss)
+    engine.step()
+if rank == 0:
+    json.dump({{k: v.tolist() for k, v in params_of(engine.module).items()}}, open({out!r}, "w"))
+"""
+
+
+@pytest.mark.skipif(shutil.which("deepspeed") is None, reason="deepspeed launcher not on PATH")
+def test_deepspeed_launcher_two_ranks(tmp_path):
+    out = tmp_path / "params.json"
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.format(tests=str(TESTS), out=str(out)))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(TESTS.parent))
+    proc = subprocess.run(["deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), str(script)],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = {k: np.asarray(v, dtype=np.float32) for k, v in json.loads(out.read_text()).items()}
+    ref = run_reference(2, 3)
+    for n in ref:
+        np.testing.assert_array_equal(got[n], ref[n], err_msg=n)
