@@ -59,12 +59,12 @@ def main(argv: list[str] | None = None) -> int:
             overrides["resume"] = True
         cfg = load_run_config(args.config, overrides)
         _ensure_dist_env()
-        dp = int(os.environ["WORLD_SIZE"])
-        cfg.batch_layout(dp)  # fail before any process group exists
-        from canzona_ds.train.trainer import build_ds_config
+        world = int(os.environ["WORLD_SIZE"])
+        from canzona_ds.train.trainer import build_ds_config, data_parallel_size
 
+        # fail before any process group exists
         for path in (cfg.compare_ds_configs if args.compare else [cfg.ds_config]):
-            ds = build_ds_config(cfg, path, dp)
+            ds = build_ds_config(cfg, path, data_parallel_size(path, world))
             if args.compare and cfg.reference_steps and str(ds["optimizer"]["type"]).lower() in ("canzonamuon", "muon"):
                 from canzona_ds.train.reference import reference_hparams
 

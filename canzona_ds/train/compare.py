@@ -18,14 +18,14 @@ from canzona_ds.train.config import RunConfig
 from canzona_ds.train.metrics import (MATPLOTLIB_MISSING, have_matplotlib, plot_loss, plot_step_times, read_metrics,
                                       summary_table)
 from canzona_ds.train.reference import run_reference
-from canzona_ds.train.trainer import OptimizerUnavailable, is_rank0, load_ds_config, train
+from canzona_ds.train.trainer import OptimizerUnavailable, data_parallel_size, is_rank0, load_ds_config, train
 
 MUON_TYPES = ("canzonamuon", "muon")
 
 
 def run_compare(cfg: RunConfig, progress: bool = True) -> dict:
     out_dir = Path(cfg.log_dir) / "compare"
-    dp = dist.get_world_size() if dist.is_initialized() else 1
+    world = dist.get_world_size() if dist.is_initialized() else 1
     runs, skipped = {}, {}
     for ds_path in cfg.compare_ds_configs:
         opt_type = str(load_ds_config(ds_path)["optimizer"]["type"])
@@ -44,6 +44,7 @@ def run_compare(cfg: RunConfig, progress: bool = True) -> dict:
         muon_run = next((n for n in runs if n.lower() in MUON_TYPES), None)
         if cfg.reference_steps and muon_run is not None:
             params = load_ds_config(_ds_path_of(cfg, muon_run))["optimizer"]
+            dp = data_parallel_size(_ds_path_of(cfg, muon_run), world)
             ref = run_reference(cfg, dp, params.get("params", {}), cfg.reference_steps)
             (out_dir / "reference.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ref))
             report["reference"] = {"steps": len(ref), "hparams_from": muon_run,
@@ -53,7 +54,7 @@ def run_compare(cfg: RunConfig, progress: bool = True) -> dict:
         print(summary_table({n: r.summary for n, r in runs.items()}), flush=True)
         if have_matplotlib():
             report["artifacts"]["loss_png"] = str(plot_loss(curves, out_dir / "loss_compare.png",
-                                                            f"{cfg.model}: same seed and data, dp={dp}"))
+                                                            f"{cfg.model}: same seed and data, {world} ranks"))
             report["artifacts"]["step_time_png"] = str(plot_step_times({n: r.summary for n, r in runs.items()},
                                                                        out_dir / "step_time_compare.png"))
         else:

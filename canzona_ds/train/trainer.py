@@ -68,11 +68,33 @@ def load_ds_config(path: str | Path) -> dict:
     return ds
 
 
+def tensor_parallel_size(ds: dict) -> int:
+    """AutoTP degree of a ds_config (1 when it has no ``tensor_parallel`` section)."""
+    tp = (ds.get("tensor_parallel") or {}).get("autotp_size", 1) or 1
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"Invalid tensor_parallel.autotp_size={tp!r}. Must be an int >= 1.")
+    return tp
+
+
+def data_parallel_size(ds_path: str | Path, world_size: int) -> int:
+    """Data-parallel ranks of a run: world size / AutoTP degree."""
+    tp = tensor_parallel_size(load_ds_config(ds_path))
+    if world_size % tp:
+        raise ValueError(f"world size {world_size} is not divisible by tensor_parallel.autotp_size={tp} "
+                         f"in {str(ds_path)!r}.")
+    return world_size // tp
+
+
 def build_ds_config(cfg: RunConfig, ds_path: str | Path, dp: int) -> dict:
-    """The ds_config JSON with the batch layout of the run config filled in."""
+    """The ds_config JSON with the batch layout of the run config filled in (``dp`` = data-
+    parallel ranks, i.e. world size / AutoTP degree)."""
     ds = load_ds_config(ds_path)
     accum, global_batch = cfg.batch_layout(dp)
     for key, value in zip(BATCH_KEYS, (cfg.micro_batch, accum, global_batch)):
+        if key == "train_batch_size" and tensor_parallel_size(ds) > 1:
+            # DeepSpeed checks train_batch_size against the *world* size when AutoTP runs
+            # without an mpu; micro batch + accumulation determine the step on their own
+            continue
         if key in ds and ds[key] != value:
             raise ValueError(f"ds_config {str(ds_path)!r} sets {key}={ds[key]} but the run config gives {value} "
                              f"(micro_batch={cfg.micro_batch}, grad_accum={accum}, dp={dp}). Remove {key} from "
@@ -85,9 +107,23 @@ def build_ds_config(cfg: RunConfig, ds_path: str | Path, dp: int) -> dict:
 
 
 def _initialize(model, ds: dict):
+    """deepspeed.initialize, by strategy:
+
+    * ds_config optimizer section (CanzonaMuon / Muon / AdamW) built by DeepSpeed (ZeRO-1);
+    * AutoTP + CanzonaMuon: DeepSpeed shards the Linears inside ``initialize``, so the exact
+      TP Muon (``canzona_ds.tp.TPMuon`` via ``integration.megatron.build_tp_optimizer``) is
+      passed as a client-optimizer *factory* that runs after sharding and sees the shards.
+    """
     import deepspeed
 
     try:
+        if tensor_parallel_size(ds) > 1 and str(ds["optimizer"]["type"]) == "CanzonaMuon":
+            from canzona_ds.integration.megatron import build_tp_optimizer
+
+            client = {k: v for k, v in ds.items() if k != "optimizer"}
+            engine, _, _, _ = deepspeed.initialize(model=model, optimizer=lambda _params: build_tp_optimizer(model, ds),
+                                                   config=client)
+            return engine
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
     except AssertionError as e:  # DeepSpeed reports unknown optimizer types with an assert
         if "not a supported DeepSpeed Optimizer" in str(e):
@@ -107,28 +143,36 @@ def _global_mean(value: float, count: int) -> float:
 
 
 @torch.no_grad()
-def evaluate(module, sampler: BatchSampler, n_batches: int, batch: int, rank: int, dp: int) -> float | None:
-    """Mean held-out loss; batch i is computed by rank i % dp."""
+def evaluate(engine, sampler: BatchSampler, n_batches: int, batch: int, rank: int, dp: int) -> float | None:
+    """Mean held-out loss; batch i is computed by DP rank i % dp (every rank joins the
+    all-reduce, so with AutoTP each batch is counted tp times on both sides of the mean)."""
     batches = sampler.val_batches(n_batches, batch)
     if not batches:
         return None
+    module = engine.module
     was_training = module.training
     module.eval()
     total, count = 0.0, 0
     for i, (x, y) in enumerate(batches):
         if i % dp == rank:
-            total += float(module(x, y)[1])
+            total += float(module(x.to(engine.device), y.to(engine.device))[1])
             count += 1
     module.train(was_training)
     return _global_mean(total, count)
+
+
+def _data_parallel_rank(engine) -> int:
+    from deepspeed.utils import groups
+
+    return int(groups.get_data_parallel_rank())
 
 
 def train(cfg: RunConfig, name: str | None = None, progress: bool = True) -> RunResult:
     """One run of the main job in the current process group (all ranks call it)."""
     from tqdm.auto import tqdm
 
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    dp = dist.get_world_size() if dist.is_initialized() else 1
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    dp = data_parallel_size(cfg.ds_config, world)
     accum, global_batch = cfg.batch_layout(dp)
     ds = build_ds_config(cfg, cfg.ds_config, dp)
     opt_type = str(ds["optimizer"]["type"])
@@ -137,6 +181,8 @@ def train(cfg: RunConfig, name: str | None = None, progress: bool = True) -> Run
 
     model = build_model(cfg.model_config(), cfg.seed)
     engine = _initialize(model, ds)
+    # the data shard follows the DP rank; AutoTP ranks of one DP group read the same batch
+    rank = _data_parallel_rank(engine) if dp < world else (dist.get_rank() if dist.is_initialized() else 0)
     tap = TimerTap(engine)
     plan = summarize(engine.module, dp, engine.optimizer).to_dict()
 
@@ -180,7 +226,7 @@ def train(cfg: RunConfig, name: str | None = None, progress: bool = True) -> Run
         loss_sum = 0.0
         for micro in range(accum):
             x, y = sampler.micro_batch(step, micro, rank, dp, cfg.micro_batch, accum)
-            _, loss = engine(x, y)
+            _, loss = engine(x.to(engine.device), y.to(engine.device))
             engine.backward(loss)
             engine.step()
             loss_sum += float(loss.detach())
@@ -190,7 +236,7 @@ def train(cfg: RunConfig, name: str | None = None, progress: bool = True) -> Run
         done = step + 1
         val = None
         if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
-            val = evaluate(engine.module, sampler, cfg.eval_batches, cfg.micro_batch, rank, dp)
+            val = evaluate(engine, sampler, cfg.eval_batches, cfg.micro_batch, rank, dp)
         if is_rank0():
             row = {"step": done, "loss": loss_mean, "val_loss": val, "lr_mult": mult,
                    "tokens": done * tokens_per_step, "step_ms": step_ms,
