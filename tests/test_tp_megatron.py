@@ -188,3 +188,43 @@ def test_shard_local_muon_misses_tp1_by_far_more_than_tolerance():
     got, ref = _assemble(res, 2), _reference(1)
     dev = max((got[n] - ref[n]).abs().max().item() for n in ("qkv.weight", "proj.weight", "fc1.weight", "fc2.weight"))
     assert dev > 3 * STATE_TOL
+
+
+def test_launch_shim_patches_real_import_path(tmp_path):
+    """launch/megatron_pretrain_gpt.py against a fake Megatron-DeepSpeed tree with the real
+    module names (megatron.training.get_megatron_optimizer, megatron.get_args, megatron.core.mpu)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    meg = tmp_path / "megatron"
+    (meg / "core").mkdir(parents=True)
+    (meg / "__init__.py").write_text(
+        "import types\n"
+        f"_args = types.SimpleNamespace(deepspeed_config={str(root / 'configs/ds_megatron_tp.json')!r})\n"
+        "def get_args():\n    return _args\n")
+    (meg / "training.py").write_text("def get_megatron_optimizer(model, *a, **k):\n    return 'megatron-own'\n")
+    (meg / "core" / "__init__.py").write_text(
+        "class mpu:\n"
+        "    get_tensor_model_parallel_group = staticmethod(lambda: None)\n"
+        "    get_tensor_model_parallel_rank = staticmethod(lambda: 0)\n"
+        "    get_tensor_model_parallel_world_size = staticmethod(lambda: 1)\n"
+        "    get_data_parallel_group = staticmethod(lambda: None)\n"
+        "    get_data_parallel_rank = staticmethod(lambda: 0)\n"
+        "    get_data_parallel_world_size = staticmethod(lambda: 1)\n")
+    out = tmp_path / "out.json"
+    (tmp_path / "pretrain_gpt.py").write_text(
+        "import json, sys\n"
+        "from megatron import training\n"
+        "from canzona_ds.testing.megatron_standin import TinyGPTBlock\n"
+        "opt = training.get_megatron_optimizer([TinyGPTBlock()])\n"
+        f"json.dump({{'type': type(opt).__name__, 'mult': [g['lr_mult'] for g in opt.param_groups],"
+        f" 'argv': sys.argv[1:]}}, open({str(out)!r}, 'w'))\n")
+    env = dict(__import__("os").environ, PYTHONPATH=str(root))
+    subprocess.run([sys.executable, str(root / "launch/megatron_pretrain_gpt.py"), str(tmp_path / "pretrain_gpt.py"),
+                    "--foo", "1"], check=True, env=env, cwd=tmp_path, timeout=120)
+    got = json.loads(out.read_text())
+    assert got["type"] == "TPMuon" and got["argv"] == ["--foo", "1"]
+    assert got["mult"] == pytest.approx([1.0, 3e-4 / 0.02])

@@ -9,7 +9,9 @@ update.  Sharding the *matrices* over DP too is the ZeRO-1 integration's job: it
 the runtime with only the matrices its DP plan owns (see docs/tp.md).
 
 Param groups: ``param_groups[0]`` = Muon matrices, ``param_groups[1]`` = AdamW params,
-so Megatron's / DeepSpeed's lr schedulers can drive both ``lr`` values.
+so Megatron's / DeepSpeed's lr schedulers can drive both ``lr`` values; each carries
+``lr_mult`` (1 and adamw_lr / muon_lr) for Megatron's scheduler, which sets
+``lr = schedule_lr * lr_mult``: pass Megatron ``--lr`` equal to the Muon lr.
 """
 from __future__ import annotations
 
@@ -39,9 +41,12 @@ class TPMuon(torch.optim.Optimizer):
         aux = [(n, p) for n, p in named if not matrix_filter(n, tuple(p.shape))]
         self.matrix_names = [n for n, _ in mats]
         self.aux_names = [n for n, _ in aux]
-        groups = [{"params": [p for _, p in mats], "lr": self.config.lr, "kind": "muon"}]
+        # lr_mult: Megatron's OptimizerParamScheduler sets every group's lr to
+        # schedule_lr * lr_mult, so with --lr = Muon's lr the AdamW group keeps its ratio
+        groups = [{"params": [p for _, p in mats], "lr": self.config.lr, "kind": "muon", "lr_mult": 1.0}]
         if aux:
-            groups.append({"params": [p for _, p in aux], "lr": adamw_lr, "kind": "adamw"})
+            mult = adamw_lr / self.config.lr if self.config.lr > 0 else 1.0
+            groups.append({"params": [p for _, p in aux], "lr": adamw_lr, "kind": "adamw", "lr_mult": mult})
         super().__init__(groups, {})
         self.runtime = TPMuonRuntime([TPMatrix.from_param(n, p, tp_size) for n, p in mats], tp_group, self.config) if mats else None
         self.adamw = torch.optim.AdamW([p for _, p in aux], lr=adamw_lr, betas=adamw_betas, eps=adamw_eps,

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Megatron-DeepSpeed GPT pretraining with CanzonaMuon (exact TP-ASC Muon) from ds_config.
+# Needs CUDA GPUs and a Megatron-DeepSpeed checkout (not on PyPI); NOT run in this repo's CI.
+#   MEGATRON_DS=/path/to/Megatron-DeepSpeed DATA=/path/to/data_text_document \
+#   VOCAB=gpt2-vocab.json MERGES=gpt2-merges.txt NGPU=8 TP=8 bash launch/megatron_pretrain_gpt.sh
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+MEGATRON_DS=${MEGATRON_DS:?set MEGATRON_DS to a Megatron-DeepSpeed checkout}
+DATA=${DATA:?set DATA to a Megatron indexed dataset prefix}
+NGPU=${NGPU:-8}
+TP=${TP:-8}
+DS_CONFIG=${DS_CONFIG:-$HERE/configs/ds_megatron_tp.json}
+LAYERS=${LAYERS:-24}; HIDDEN=${HIDDEN:-2048}; HEADS=${HEADS:-16}; FFN=${FFN:-6144}
+SEQ=${SEQ:-2048}; GBS=${GBS:-$NGPU}; ITERS=${ITERS:-100}
+
+deepspeed --num_gpus "$NGPU" "$HERE/launch/megatron_pretrain_gpt.py" "$MEGATRON_DS/pretrain_gpt.py" \
+  --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size 1 --no-pipeline-parallel \
+  --num-layers "$LAYERS" --hidden-size "$HIDDEN" --num-attention-heads "$HEADS" --ffn-hidden-size "$FFN" \
+  --swiglu --normalization rmsnorm --use-rotary-position-embeddings --disable-bias-linear \
+  --seq-length "$SEQ" --max-position-embeddings "$SEQ" \
+  --micro-batch-size 1 --global-batch-size "$GBS" --train-iters "$ITERS" \
+  --lr 0.02 --min-lr 0.002 --lr-decay-style cosine --lr-warmup-iters 10 \
+  --data-path "$DATA" --vocab-file "${VOCAB:?}" --merge-file "${MERGES:?}" --split 98,2,0 \
+  --log-interval 10 --eval-iters 0 \
+  --deepspeed --deepspeed_config "$DS_CONFIG" "$@"
