@@ -29,8 +29,8 @@ def _port() -> int:
 
 
 def launch(args: list[str], ranks: int = 2, timeout: int = 240) -> subprocess.CompletedProcess:
-    launcher = shutil.which("deepspeed")
-    cmd = [launcher] if launcher else [sys.executable, "-m", "deepspeed.launcher.runner"]
+    # the launcher module of *this* interpreter (the `deepspeed` script on PATH may be another's)
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner"]
     cmd += ["--num_gpus", str(ranks), "--master_port", str(_port()), "--module", "canzona_ds.cli.train",
             "--config", "configs/run_tiny.yaml", *COMMON, *args]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
