@@ -20,12 +20,9 @@ class _DeepSpeedImportHook(importlib.abc.MetaPathFinder):
         if fullname != "deepspeed":
             return None
         sys.meta_path.remove(self)
-        try:
-            import importlib.util
+        import importlib.util
 
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            pass
+        spec = importlib.util.find_spec(fullname)
         if spec is None or spec.loader is None:
             return spec
         loader = spec.loader
@@ -33,19 +30,29 @@ class _DeepSpeedImportHook(importlib.abc.MetaPathFinder):
 
         def exec_then_install(module):
             exec_module(module)
-            from canzona_ds.integration import install
-
-            install()
+            _install_or_warn()
 
         loader.exec_module = exec_then_install
         return spec
 
 
+def _install_or_warn() -> None:
+    """Register with DeepSpeed; an unsupported DeepSpeed version must not break ``import deepspeed``
+    for users who do not use CanzonaMuon, so it warns here (``canzona_ds.integration.install()``
+    raises the same message)."""
+    from canzona_ds.integration import install
+
+    try:
+        install()
+    except RuntimeError as err:
+        import warnings
+
+        warnings.warn(f"CanzonaMuon is not registered with DeepSpeed: {err}", stacklevel=3)
+
+
 def _register() -> None:
     if "deepspeed" in sys.modules:
-        from canzona_ds.integration import install
-
-        install()
+        _install_or_warn()
     elif not any(isinstance(f, _DeepSpeedImportHook) for f in sys.meta_path):
         sys.meta_path.insert(0, _DeepSpeedImportHook())
 

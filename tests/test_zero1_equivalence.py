@@ -70,6 +70,10 @@ def _session(rank, dp, scenarios):
                 p.use_muon = p.ndim >= 2
             params, _, engine = run_engine(rank, dp, ds_config(dp), STEPS, model=model)
             out[name] = (params, _owned(engine), engine.optimizer._canzona_shard_numel)
+        elif name == "three_matrices":  # more ranks than matrices: rank 3 owns only padding
+            hp = dict(HP, matrix_exclude=["embed", "lm_head", "fc2"])
+            params, _, engine = run_engine(rank, dp, ds_config(dp, params=hp), STEPS)
+            out[name] = (params, _owned(engine))
         elif name == "gas2":
             out[name] = run_engine(rank, dp, ds_config(dp, gas=2), STEPS, gas=2)[0]
         elif name == "ds_muon":
@@ -128,7 +132,7 @@ def dp2():
 
 @pytest.fixture(scope="module")
 def dp4():
-    return run_distributed(_session, 4, ["fp32"])
+    return run_distributed(_session, 4, ["fp32", "three_matrices"])
 
 
 def test_fp32_bit_exact_dp1():
@@ -207,3 +211,10 @@ def test_gradient_reduction_not_worse_than_stock_adamw(dp2):
     ours_grad = sum(v[2] for v in ours["backward"].values())
     stock_grad = sum(v[2] for v in stock["backward"].values())
     assert 0 < ours_grad <= stock_grad, (ours_grad, stock_grad)
+
+
+def test_more_ranks_than_matrices(dp4):
+    ref = run_reference(4, STEPS, hp=dict(HP, matrix_exclude=["embed", "lm_head", "fc2"]))
+    for r in dp4:
+        assert max_abs_diff(r["three_matrices"][0], ref) <= 1e-6
+    assert sorted(r["three_matrices"][1] for r in dp4) == [0, 1, 1, 1]

@@ -97,6 +97,11 @@ class CanzonaMuon(torch.optim.Optimizer):
 
             specs = [ParamSpec(name=n, shape=tuple(p.shape), role="matrix") for n, p in matrices]
             self.plan = plan_dp(specs, dp_world_size, planner=cfg.planner, alpha=cfg.alpha, cost=cfg.cost_model)
+            if self.plan.split_params:
+                raise ValueError(
+                    f"planner={cfg.planner!r} cuts matrices across ranks ({len(self.plan.split_params)} split); "
+                    "CanzonaMuon needs an atomic planner (every matrix whole on one rank), e.g. 'lpt'."
+                )
             if sorted(self.plan.buffer_order()) != list(range(len(matrices))):
                 raise RuntimeError(f"Planner {cfg.planner!r} did not assign every matrix exactly once.")
             matrices = [matrices[i] for i in self.plan.buffer_order()]
