@@ -1,7 +1,7 @@
 """Training entry of the main job.
 
     # 2 CPU ranks through DeepSpeed's launcher (what launch/train.sh runs)
-    deepspeed --num_gpus 2 -m canzona_ds.cli.train --config configs/run_tiny.yaml
+    deepspeed --num_gpus 2 --module canzona_ds.cli.train --config configs/run_tiny.yaml
     # one process, no launcher
     python -m canzona_ds.cli.train --config configs/run_tiny.yaml --set steps=20
     # resume from the latest checkpoint; compare CanzonaMuon / Muon / AdamW + exact reference
