@@ -13,10 +13,14 @@ from canzona_ds.train.trainer import build_ds_config
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_shipped_run_config_loads():
+def test_shipped_run_configs_load():
     cfg = load_run_config(REPO / "configs/run_tiny.yaml")
     assert cfg.model == "tiny" and cfg.ds_config == "configs/ds_cpu_canzona.json"
     assert cfg.batch_layout(2) == (1, 16)
+    assert cfg == RunConfig()  # the dataclass defaults are the tiny run
+    for path in sorted((REPO / "configs").glob("run_*.yaml")):
+        c = load_run_config(path)
+        assert (REPO / c.ds_config).is_file() and all((REPO / p).is_file() for p in c.compare_ds_configs)
 
 
 @pytest.mark.parametrize("override, exc, words", [

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -258,7 +258,8 @@ def train(cfg: RunConfig, name: str | None = None, progress: bool = True) -> Run
         (log_dir / "summary.json").write_text(json.dumps({"name": name, "optimizer": opt_type, **summary}, indent=1))
     if dist.is_initialized():
         dist.barrier()
-    engine.destroy() if hasattr(engine, "destroy") else None
+    if hasattr(engine, "destroy"):  # frees DeepSpeed's groups/hooks before a --compare run builds the next engine
+        engine.destroy()
     return RunResult(name=name, optimizer_type=opt_type, log_dir=str(log_dir),
                      metrics_path=str(log_dir / "metrics.jsonl"), start_step=start_step, summary=summary,
                      plan_summary=plan, checkpoint_dir=cfg.checkpoint_dir if cfg.checkpoint_every else None)
@@ -269,10 +270,6 @@ def _postfix(row: dict) -> str:
         return "n/a" if row.get(key) is None else f"{row[key]:.0f}"
     return (f"loss={row['loss']:.4f} tok/s={row['tokens_per_s']:.0f} ms: fb={ms('fwd_bwd_ms')} "
             f"red={ms('grad_reduce_ms')} opt={ms('optimizer_ms')} ag={ms('allgather_ms')}")
-
-
-def with_overrides(cfg: RunConfig, **changes) -> RunConfig:
-    return replace(cfg, **changes)
 
 
 def setup_process(cfg: RunConfig) -> None:
