@@ -14,25 +14,38 @@ __version__ = "0.1.0"
 
 
 class _DeepSpeedImportHook(importlib.abc.MetaPathFinder):
-    """Run ``canzona_ds.integration.install()`` once ``deepspeed`` has been imported."""
+    """Run ``canzona_ds.integration.install()`` once ``deepspeed`` has been imported.
+
+    The hook stays in ``sys.meta_path`` until DeepSpeed's module code actually runs: a bare
+    probe such as ``importlib.util.find_spec("deepspeed")`` (``transformers`` does this to
+    test whether DeepSpeed is installed) returns a spec that is never executed, so it must
+    not use the hook up.
+    """
+
+    _probing = False
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != "deepspeed":
+        if fullname != "deepspeed" or self._probing:
             return None
-        sys.meta_path.remove(self)
         import importlib.util
 
-        spec = importlib.util.find_spec(fullname)
+        self._probing = True  # find the real spec with the other finders
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._probing = False
         if spec is None or spec.loader is None:
             return spec
-        loader = spec.loader
-        exec_module = loader.exec_module
+        exec_module = spec.loader.exec_module
+        hook = self
 
         def exec_then_install(module):
+            if hook in sys.meta_path:
+                sys.meta_path.remove(hook)
             exec_module(module)
             _install_or_warn()
 
-        loader.exec_module = exec_then_install
+        spec.loader.exec_module = exec_then_install
         return spec
 
 
