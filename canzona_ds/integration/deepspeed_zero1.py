@@ -43,6 +43,7 @@ from canzona_ds.integration.optimizer import AUX, MATRIX, CanzonaMuon, FlatView
 SUPPORTED_DEEPSPEED = "0.19.8"
 OPTIMIZER_NAME = "CanzonaMuon"
 LAYOUT_KEY = "canzona_layout"
+TP_STATE_KEY = "canzona_tp_runtime"
 
 _installed = False
 
@@ -115,7 +116,33 @@ def build_basic_optimizer(engine, model_parameters) -> CanzonaMuon:
         raise ValueError(f"{len(missing)} of model_parameters are not parameters of the model given to "
                          "deepspeed.initialize; CanzonaMuon needs their names.")
     dp = 1 if cfg.replicated else _dp_world_size(engine)
-    return CanzonaMuon(((names[id(p)], p) for p in params), cfg, dp_world_size=dp)
+    opt = CanzonaMuon(((names[id(p)], p) for p in params), cfg, dp_world_size=dp)
+    opt._canzona_tp = _tp_settings(engine, cfg)
+    return opt
+
+
+def _tp_settings(engine, cfg: CanzonaMuonConfig):
+    """(ParallelGroups, TPMuonConfig) when deepspeed.initialize got an mpu with TP > 1, else None.
+
+    The TP runtime's settings come from the same ds_config keys as the Megatron hook:
+    ``optimizer.params`` (lr, momentum, ...) plus the optional top-level ``canzona_tp``
+    section (scheduler, c_max, pipelined, strategy, cost; docs/tp.md).
+    """
+    mpu = getattr(engine, "mpu", None)
+    if mpu is None or cfg.replicated:
+        return None
+    from canzona_ds.integration.megatron import groups_from_mpu, tp_config_from_ds_config
+    from canzona_ds.optim.muon import NS_COEFFICIENTS
+
+    groups = groups_from_mpu(mpu)
+    if groups.tp_size == 1:
+        return None
+    if tuple(cfg.ns_coefficients) != tuple(NS_COEFFICIENTS) or cfg.ns_eps != 1e-7:
+        raise ValueError("CanzonaMuon with tensor parallelism (mpu TP size "
+                         f"{groups.tp_size}) supports only the default ns_coefficients and ns_eps (the TP "
+                         "runtime does not take them); remove them from optimizer.params.")
+    tp_cfg, _, _ = tp_config_from_ds_config(engine._config._param_dict)
+    return groups, tp_cfg
 
 
 # ---------------------------------------------------------------------------- ZeRO-1 subclass
@@ -247,6 +274,26 @@ def _make_zero_class():
             views = [FlatView(off - rank * P, tuple(p.shape), name)
                      for p, off, owner, name in zip(group, offsets, owners, names) if owner == rank]
             self._canzona.bind_flat_partition(self.single_partition_of_fp32_groups[i], views)
+            if getattr(self._canzona, "_canzona_tp", None) is not None:
+                mine_named = [(n, p) for p, owner, n in zip(group, owners, names) if owner == rank]
+                self._canzona_bind_tp(rank, mine_named)
+
+        def _canzona_bind_tp(self, dp_rank: int, owned: list) -> None:
+            """DP x TP: check the DP plan is the same on every TP rank, build the TP runtime
+            over the owned TP-split matrices (partition attributes of the module params)."""
+            from canzona_ds.tp import TPMatrix, TPMuonRuntime, verify_same_across_group
+
+            groups, tp_cfg = self._canzona._canzona_tp
+            plan = self._canzona.plan
+            verify_same_across_group(plan.fingerprint(), groups.tp_group,
+                                     what="CanzonaMuon DP ownership plan (over the TP-local matrix shapes)")
+            # the shards of one matrix must sit on the same DP index on every TP rank
+            verify_same_across_group(f"dp_rank={dp_rank}", groups.tp_group,
+                                     what="DP rank within the TP group (mpu layout)")
+            mats = [TPMatrix.from_param(n, p, groups.tp_size) for n, p in owned]
+            split = [m for m in mats if m.is_split]
+            self._canzona_tp_runtime = TPMuonRuntime(split, groups.tp_group, tp_cfg)
+            self._canzona.bind_tp_runtime(self._canzona_tp_runtime, [m.name for m in split])
 
         def _canzona_layout_meta(self) -> dict:
             plan = self._canzona.plan
@@ -262,6 +309,9 @@ def _make_zero_class():
         def state_dict(self):
             sd = super().state_dict()
             sd[LAYOUT_KEY] = self._canzona_layout_meta()
+            rt = getattr(self, "_canzona_tp_runtime", None)
+            if rt is not None:  # host momentum of the TP-split matrices this rank hosts
+                sd[TP_STATE_KEY] = rt.state_dict()
             return sd
 
         def _load_legacy_checkpoint(self, state_dict_list, load_optimizer_states=True, load_from_fp32_weights=False):
@@ -284,7 +334,16 @@ def _make_zero_class():
                     "Resuming at a different DP size or plan is not supported: resume with the same DP size and "
                     "optimizer params, or convert with deepspeed.utils.zero_to_fp32 and start the optimizer fresh."
                 )
-            return super()._load_legacy_checkpoint(state_dict_list, load_optimizer_states, load_from_fp32_weights)
+            out = super()._load_legacy_checkpoint(state_dict_list, load_optimizer_states, load_from_fp32_weights)
+            rt = getattr(self, "_canzona_tp_runtime", None)
+            if rt is not None and load_optimizer_states:
+                own = state_dict_list[rank] if rank < len(state_dict_list) else None
+                if own is None or TP_STATE_KEY not in own:
+                    raise ValueError("This CanzonaMuon checkpoint has no TP runtime state for this rank "
+                                     f"('{TP_STATE_KEY}'); it was saved without tensor parallelism. Resume at the "
+                                     "same DP x TP, or load with load_optimizer_states=False.")
+                rt.load_state_dict(own[TP_STATE_KEY])
+            return out
 
         def _load_universal_checkpoint(self, checkpoint_folder, load_optimizer_states, load_from_fp32_weights):
             raise ValueError("CanzonaMuon does not support universal checkpoints (load_universal_checkpoint).")

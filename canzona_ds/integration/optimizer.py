@@ -125,6 +125,11 @@ class CanzonaMuon(torch.optim.Optimizer):
         super().__init__(groups, {})
         #: id(flat partition) -> matrices inside it (set by the ZeRO-1 wrapper)
         self._flat_views: dict[int, tuple[FlatView, ...]] = {}
+        #: DP x TP (set by the ZeRO-1 wrapper when deepspeed.initialize got an mpu with TP > 1):
+        #: a canzona_ds.tp.TPMuonRuntime over the TP-split matrices this DP rank owns, and
+        #: their names; those matrices are stepped by it instead of local muon_update.
+        self.tp_runtime = None
+        self._tp_names: frozenset = frozenset()
 
     # ------------------------------------------------------------------ ZeRO-1 hook
     def bind_flat_partition(self, flat_param: Tensor, views: Iterable[FlatView]) -> None:
@@ -135,6 +140,13 @@ class CanzonaMuon(torch.optim.Optimizer):
                 raise RuntimeError(f"Matrix {v.name} at offset {v.offset} does not fit in a partition of "
                                    f"{flat_param.numel()} elements.")
         self._flat_views[id(flat_param)] = views
+
+    def bind_tp_runtime(self, runtime, names: Iterable[str]) -> None:
+        """Step the owned TP-split matrices ``names`` (runtime order) through ``runtime``."""
+        names = tuple(names)
+        if [m.name for m in runtime.matrices] != list(names):
+            raise RuntimeError("TP runtime matrices differ from the names bound to it.")
+        self.tp_runtime, self._tp_names = runtime, frozenset(names)
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -167,9 +179,17 @@ class CanzonaMuon(torch.optim.Optimizer):
             if views is None:  # a real matrix (no ZeRO)
                 muon_update(p, p.grad, buf, **kw)
                 continue
+            tp_params, tp_grads = [], []
             for v in views:  # whole matrices inside this rank's flat partition
                 sl = slice(v.offset, v.offset + v.numel)
+                if v.name in self._tp_names:  # TP shard: updated holistically by the TP runtime
+                    tp_params.append(p[sl].view(v.shape))
+                    tp_grads.append(p.grad[sl].view(v.shape))
+                    continue
                 muon_update(p[sl].view(v.shape), p.grad[sl].view(v.shape), buf[sl].view(v.shape), **kw)
+            if self.tp_runtime is not None:
+                # every rank of the TP group calls this (same owned list by the DP plan)
+                self.tp_runtime.step(tp_params, tp_grads, lr=group["lr"])
 
     def _adamw_group(self, group: dict) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
