@@ -27,10 +27,16 @@ Three things:
    ``"type": "CanzonaMuon"``, the client optimizer is ``TPMuon`` (otherwise the original
    runs).  ``launch/megatron_pretrain_gpt.py`` applies it before running pretrain_gpt.py.
 
-   Limit: a client optimizer under ZeRO stage >= 1 or bf16/fp16 is re-flattened by
-   DeepSpeed, which loses the TP shard identity, so the hook requires
-   ``zero_optimization.stage`` 0 and fp32 (DP then replicates the Muon step).  ZeRO-1 x TP needs the ZeRO-1 integration to call
-   ``TPMuonRuntime.step`` with the matrices its DP plan owns; see docs/tp.md.
+   Limit of the *client-optimizer* hook: under ZeRO stage >= 1 or bf16/fp16 DeepSpeed
+   re-flattens a client optimizer's parameters and loses the TP shard identity, so the
+   hook requires ``zero_optimization.stage`` 0 and fp32 (DP then replicates the Muon step).
+
+4. ZeRO-1 x TP (works, fp32/bf16/fp16): pass *no* client optimizer and give DeepSpeed the
+   mpu, ``deepspeed.initialize(model=..., model_parameters=..., config=ds_config, mpu=mpu)``
+   with ``"type": "CanzonaMuon"`` and ``"zero_optimization": {"stage": 1}``.  The ZeRO-1
+   integration (deepspeed_zero1.py) plans DP ownership over the TP-local shapes and steps
+   its owned TP-split matrices through ``TPMuonRuntime`` with the ``canzona_tp`` keys above;
+   docs/tp.md, tests/test_zero1_tp.py.
 """
 from __future__ import annotations
 
@@ -109,14 +115,16 @@ def build_tp_optimizer(model, ds_config: Mapping[str, Any], mpu=None) -> TPMuon:
     if _zero_stage(ds_config) != 0:
         raise ValueError(
             f"zero_optimization.stage={_zero_stage(ds_config)}: the Megatron TP hook passes a client "
-            "optimizer, which DeepSpeed re-flattens under ZeRO; use stage 0 here (ZeRO-1 x TP goes "
-            "through the ZeRO-1 integration calling TPMuonRuntime, see docs/tp.md)")
+            "optimizer, which DeepSpeed re-flattens under ZeRO; use stage 0 here, or for ZeRO-1 x TP pass no "
+            "client optimizer and call deepspeed.initialize(model=..., model_parameters=..., config=ds_config, "
+            "mpu=mpu): CanzonaMuon's ZeRO-1 integration then runs the TP runtime (docs/tp.md)")
     for key in ("bf16", "fp16"):
         if (ds_config.get(key) or {}).get("enabled", False):
             raise ValueError(
                 f"{key}.enabled=true: DeepSpeed wraps a client optimizer in its {key.upper()} optimizer, which "
                 "flattens (and for bf16 DP-partitions) the parameters and loses the TP shards; the Megatron TP "
-                "hook runs fp32 at ZeRO stage 0 (mixed precision goes through the ZeRO-1 integration)")
+                "hook runs fp32 at ZeRO stage 0; for bf16/fp16 use ZeRO-1 x TP: no client optimizer, "
+                "deepspeed.initialize(..., mpu=mpu) with zero_optimization.stage=1 (docs/tp.md)")
     groups = groups_from_mpu(mpu) if mpu is not None else groups_from_deepspeed()
     tp, adamw, is_matrix = tp_config_from_ds_config(ds_config)
     chunks = model if isinstance(model, (list, tuple)) else [model]
