@@ -120,8 +120,11 @@ def reference_grads(model: nn.Module, x: list, y: list, dp: int, micro: int, gas
 
 
 def run_reference(dp: int, steps: int, micro: int = 2, gas: int = 1, seed: int = 0, hp: dict | None = None,
-                  ns_method: str = "standard"):
-    """torch.optim.Muon (matrices) + torch.optim.AdamW (rest) on ZeRO-1's averaged gradients."""
+                  clip: float = 0.0):
+    """torch.optim.Muon (matrices) + torch.optim.AdamW (rest) on ZeRO-1's averaged gradients.
+
+    ``clip > 0``: DeepSpeed's gradient clipping first: every gradient times
+    ``1 / max(1, (global_l2_norm + 1e-6) / clip)`` (stage_1_and_2.unscale_and_clip_grads)."""
     from canzona_ds.integration.config import CanzonaMuonConfig
 
     torch.set_num_threads(1)  # same reduction order as the 1-thread ranks
@@ -138,6 +141,10 @@ def run_reference(dp: int, steps: int, micro: int = 2, gas: int = 1, seed: int =
     for s in range(steps):
         chunk = data[s * gas:(s + 1) * gas]
         grads = reference_grads(model, [c[0] for c in chunk], [c[1] for c in chunk], dp, micro, gas)
+        if clip > 0:
+            norm = sum(g.double().pow(2).sum() for g in grads.values()).sqrt()
+            factor = torch.clamp((norm + 1e-6) / clip, min=1.0)
+            grads = {n: g.mul(1.0 / factor) for n, g in grads.items()}
         for n, p in model.named_parameters():
             p.grad = grads[n]
         muon.step()

@@ -26,6 +26,7 @@ from _dist import run_distributed
 from _models import HP, ds_config, make_model, max_abs_diff, params_of, run_engine, run_reference, batches
 
 STEPS = 3
+CLIP = 0.05  # well below the gradient norm (~1), so every step is clipped
 MATRICES = ("qkv.weight", "proj.weight", "fc1.weight", "fc2.weight")
 
 
@@ -74,6 +75,8 @@ def _session(rank, dp, scenarios):
             hp = dict(HP, matrix_exclude=["embed", "lm_head", "fc2"])
             params, _, engine = run_engine(rank, dp, ds_config(dp, params=hp), STEPS)
             out[name] = (params, _owned(engine))
+        elif name == "clip":
+            out[name] = run_engine(rank, dp, ds_config(dp, gradient_clipping=CLIP), STEPS)[0]
         elif name == "gas2":
             out[name] = run_engine(rank, dp, ds_config(dp, gas=2), STEPS, gas=2)[0]
         elif name == "ds_muon":
@@ -126,7 +129,7 @@ def _fp16_overflow(rank, dp):
 
 @pytest.fixture(scope="module")
 def dp2():
-    return run_distributed(_session, 2, ["fp32", "gas2", "ds_muon", "bf16", "fp16_overflow", "comm_canzona",
+    return run_distributed(_session, 2, ["fp32", "gas2", "clip", "ds_muon", "bf16", "fp16_overflow", "comm_canzona",
                                          "comm_adamw"])
 
 
@@ -218,3 +221,13 @@ def test_more_ranks_than_matrices(dp4):
     for r in dp4:
         assert max_abs_diff(r["three_matrices"][0], ref) <= 1e-6
     assert sorted(r["three_matrices"][1] for r in dp4) == [0, 1, 1, 1]
+
+
+def test_gradient_clipping_is_deepspeeds_global_norm_clip(dp2):
+    """DeepSpeed clips the global L2 norm of the raw averaged gradient (all parameters) before the
+    step; Muon's momentum and AdamW then see the clipped gradient.  The norm is summed per
+    partition in fp64 and all-reduced, so agreement is to rounding, not bit-exact."""
+    ref = run_reference(2, STEPS, clip=CLIP)
+    unclipped = run_reference(2, STEPS)
+    assert max_abs_diff(dp2[0]["clip"], ref) <= 1e-6
+    assert max_abs_diff(dp2[0]["clip"], unclipped) > 1e-4  # clipping did change the result
