@@ -18,6 +18,8 @@ Unknown keys are an error: a misspelt hyper-parameter must not be silently ignor
 """
 from __future__ import annotations
 
+from canzona_ds.planning.dp import DEFAULT_DP_PLANNER
+
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
@@ -62,7 +64,7 @@ class CanzonaMuonConfig:
     #: torch.optim.Muon learning-rate scaling: None/"original", "match_rms_adamw", "none".
     adjust_lr_fn: str | None = None
     #: DP ownership planner name passed to ``canzona_ds.planning.dp.plan_dp``.
-    planner: str = "lpt"
+    planner: str = DEFAULT_DP_PLANNER
     #: balance factor of the alpha-balanced planner, in [0, 1].
     alpha: float = 1.0
     #: planner load: "numel", "flops" (Newton-Schulz FLOPs) or "memory".
