@@ -53,3 +53,12 @@ def test_plot_without_matplotlib(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import now raises ImportError
     assert main(["--model", "qwen3-0.6b", "--dp", "4", "--plot", str(tmp_path / "x.png")]) == 2
     assert "matplotlib" in capsys.readouterr().err
+
+
+def test_plot_writes_png(tmp_path):
+    import pytest
+
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "plan.png"
+    assert main(["--model", "qwen3-0.6b", "--dp", "4", "--tp", "2", "--plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -105,7 +105,9 @@ def plot(result: Comparison, path: str, optimizer: str) -> None:
             mean = sum(plan.rank_load) / plan.tp_size or 1.0
             xs = [t + k * width for t in range(plan.tp_size)]
             axes[1].bar(xs, [x / mean for x in plan.rank_load], width, label=f"{name} ({r['flops_ratio']:.2f})")
-        axes[1].set(title=f"TP: load per host / mean (tp={s['tp']})", xlabel="TP rank", ylabel="load / mean")
+        tp = s["tp"]
+        axes[1].set_xticks([t + 0.4 - width / 2 for t in range(tp)], [str(t) for t in range(tp)])
+        axes[1].set(title=f"TP: load per host / mean (tp={tp})", xlabel="TP rank", ylabel="load / mean")
         axes[1].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
