@@ -47,14 +47,26 @@ def _mean(values) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
+def _median(values) -> float | None:
+    vals = sorted(v for v in values if v is not None)
+    if not vals:
+        return None
+    mid = len(vals) // 2
+    return vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
+
+
 def summarize_steps(rows: list[dict], skip_first: int = 1) -> dict:
-    """Mean timings over the steps (the first ``skip_first`` are warm-up and excluded)."""
+    """Mean and median timings over the steps (the first ``skip_first`` are warm-up and excluded).
+
+    The console table and plots show medians: on a shared machine a few stalled steps
+    dominate a mean."""
     timed = rows[skip_first:] if len(rows) > skip_first else rows
     out = {"steps": len(rows), "first_loss": rows[0]["loss"] if rows else None,
            "final_loss": rows[-1]["loss"] if rows else None,
            "final_val_loss": next((r["val_loss"] for r in reversed(rows) if r.get("val_loss") is not None), None)}
     for key in ("step_ms", "tokens_per_s", "fwd_bwd_ms", "grad_reduce_ms", "optimizer_ms", "allgather_ms"):
         out[f"mean_{key}"] = _mean(r.get(key) for r in timed)
+        out[f"median_{key}"] = _median(r.get(key) for r in timed)
     return out
 
 
@@ -68,15 +80,15 @@ def _fmt(v, spec: str = ".4g") -> str:
 
 def summary_table(results: dict[str, dict]) -> str:
     """``results``: run name -> ``summarize_steps`` dict.  A fixed-width text table."""
-    cols = [("final_loss", "loss"), ("final_val_loss", "val"), ("mean_step_ms", "step ms"),
-            ("mean_tokens_per_s", "tok/s"), ("mean_fwd_bwd_ms", "fwd+bwd"), ("mean_grad_reduce_ms", "reduce"),
-            ("mean_optimizer_ms", "opt"), ("mean_allgather_ms", "allgather")]
+    cols = [("final_loss", "loss"), ("final_val_loss", "val"), ("median_step_ms", "step ms"),
+            ("median_tokens_per_s", "tok/s"), ("median_fwd_bwd_ms", "fwd+bwd"), ("median_grad_reduce_ms", "reduce"),
+            ("median_optimizer_ms", "opt"), ("median_allgather_ms", "allgather")]
     width = max([len("run")] + [len(n) for n in results]) + 2
     head = "run".ljust(width) + "".join(h.rjust(11) for _, h in cols)
     lines = [head, "-" * len(head)]
     for name, s in results.items():
         lines.append(name.ljust(width) + "".join(_fmt(s.get(k)).rjust(11) for k, _ in cols))
-    lines.append("(times in ms per optimizer step, mean over steps after the first; n/a = not timed "
+    lines.append("(times in ms per optimizer step, median over steps after the first; n/a = not timed "
                  "separately by this runtime)")
     return "\n".join(lines)
 
@@ -146,10 +158,10 @@ def plot_rank_load(plan_summary: dict, out: Path) -> Path:
 
 
 def plot_step_times(results: dict[str, dict], out: Path) -> Path:
-    """Stacked mean step-time breakdown per run."""
+    """Stacked median step-time breakdown per run."""
     plt = _pyplot()
-    parts = [("mean_fwd_bwd_ms", "fwd+bwd"), ("mean_grad_reduce_ms", "grad reduce"),
-             ("mean_optimizer_ms", "optimizer"), ("mean_allgather_ms", "param all-gather")]
+    parts = [("median_fwd_bwd_ms", "fwd+bwd"), ("median_grad_reduce_ms", "grad reduce"),
+             ("median_optimizer_ms", "optimizer"), ("median_allgather_ms", "param all-gather")]
     names = list(results)
     fig, ax = plt.subplots(figsize=(7, 4))
     bottom = [0.0] * len(names)
@@ -157,7 +169,7 @@ def plot_step_times(results: dict[str, dict], out: Path) -> Path:
         vals = [results[n].get(key) or 0.0 for n in names]
         ax.bar(names, vals, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.plot(names, [results[n].get("mean_step_ms") or 0.0 for n in names], "k_", ms=30, label="total step (wall)")
+    ax.plot(names, [results[n].get("median_step_ms") or 0.0 for n in names], "k_", ms=30, label="total step (wall)")
     ax.set_ylabel("ms per optimizer step")
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
