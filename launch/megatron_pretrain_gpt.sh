@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # Megatron-DeepSpeed GPT pretraining with CanzonaMuon (exact TP-ASC Muon) from ds_config.
+# configs/ds_megatron_tp.json: ZeRO stage 1 -> DP x TP through DeepSpeed ZeRO-1 (bf16 allowed);
+# Megatron's --lr schedule drives the Muon lr (AdamW: x adam_lr/muon_lr).
 # Needs CUDA GPUs and a Megatron-DeepSpeed checkout (not on PyPI); NOT run in this repo's CI.
 #   MEGATRON_DS=/path/to/Megatron-DeepSpeed DATA=/path/to/data_text_document \
 #   VOCAB=gpt2-vocab.json MERGES=gpt2-merges.txt NGPU=8 TP=8 bash launch/megatron_pretrain_gpt.sh

@@ -178,6 +178,23 @@ def test_hook_falls_back_and_rejects_zero():
     bad = dict(DS_CONFIG, zero_optimization={"stage": 1})
     with pytest.raises(ValueError, match="zero_optimization.stage=1"):
         build_tp_optimizer(None, bad, mpu=ms.mpu)
+    # stage 1 through the hook: a placeholder; the wrapped deepspeed.initialize passes other calls through
+    from canzona_ds.integration.megatron import DeferredCanzonaMuon
+
+    fake_ds = types.SimpleNamespace(initialize=lambda **k: ("stock", k))
+    training = types.SimpleNamespace(get_megatron_optimizer=lambda model, *a, **k: "orig", deepspeed=fake_ds)
+    args = types.SimpleNamespace(deepspeed_config_dict=bad)
+    patch_megatron_training(training, get_args=lambda: args, mpu=ms.mpu)
+    ph = training.get_megatron_optimizer([None])
+    assert isinstance(ph, DeferredCanzonaMuon)
+    with pytest.raises(RuntimeError, match="placeholder"):
+        ph.step()
+    assert fake_ds.initialize(model=1, optimizer="x") == ("stock", {"model": 1, "optimizer": "x"})
+    with pytest.raises(ValueError, match="--no-pipeline-parallel"):
+        fake_ds.initialize(model=1, optimizer=ph, mpu=None)
+    args.deepspeed_config_dict = dict(DS_CONFIG, zero_optimization={"stage": 2})
+    with pytest.raises(ValueError, match="stages 2 and 3 are not supported"):
+        training.get_megatron_optimizer([None])
     with pytest.raises(ValueError, match="c_mx"):
         tp_config_from_ds_config(dict(DS_CONFIG, canzona_tp={"c_mx": 5}))
 
@@ -199,13 +216,18 @@ def test_launch_shim_patches_real_import_path(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
+    # the shipped config (ZeRO stage 1 -> tests/test_zero1_tp.py) at stage 0: the TPMuon route
+    stage0 = tmp_path / "ds_stage0.json"
+    stage0.write_text(json.dumps(dict(json.loads((root / "configs/ds_megatron_tp.json").read_text()),
+                                      zero_optimization={"stage": 0})))
     meg = tmp_path / "megatron"
     (meg / "core").mkdir(parents=True)
     (meg / "__init__.py").write_text(
         "import types\n"
-        f"_args = types.SimpleNamespace(deepspeed_config={str(root / 'configs/ds_megatron_tp.json')!r})\n"
+        f"_args = types.SimpleNamespace(deepspeed_config={str(stage0)!r})\n"
         "def get_args():\n    return _args\n")
-    (meg / "training.py").write_text("def get_megatron_optimizer(model, *a, **k):\n    return 'megatron-own'\n")
+    (meg / "training.py").write_text("import types\ndeepspeed = types.SimpleNamespace(initialize=None)\n"
+                                     "def get_megatron_optimizer(model, *a, **k):\n    return 'megatron-own'\n")
     (meg / "core" / "__init__.py").write_text(
         "class mpu:\n"
         "    get_tensor_model_parallel_group = staticmethod(lambda: None)\n"

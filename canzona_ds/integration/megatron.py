@@ -20,16 +20,26 @@ Three things:
    (unknown keys are a ValueError).
 
 3. The Megatron-DeepSpeed hook.  Megatron-DeepSpeed builds its own optimizer
-   (``megatron/training.py: setup_model_and_optimizer -> get_megatron_optimizer``) and
-   passes it to ``deepspeed.initialize`` as a client optimizer, so ds_config's optimizer
-   section is never read.  :func:`patch_megatron_training` replaces
-   ``megatron.training.get_megatron_optimizer`` so that, when ds_config says
-   ``"type": "CanzonaMuon"``, the client optimizer is ``TPMuon`` (otherwise the original
-   runs).  ``launch/megatron_pretrain_gpt.py`` applies it before running pretrain_gpt.py.
+   (``megatron/training.py: setup_model_and_optimizer -> get_megatron_optimizer``), builds
+   its ``OptimizerParamScheduler`` against it and passes both to ``deepspeed.initialize``
+   as client optimizer / client lr scheduler, so ds_config's optimizer section is never
+   read.  :func:`patch_megatron_training` replaces
+   ``megatron.training.get_megatron_optimizer`` (any optimizer type other than
+   ``"CanzonaMuon"`` runs the original) and wraps ``deepspeed.initialize``:
 
-   Limit of the *client-optimizer* hook: under ZeRO stage >= 1 or bf16/fp16 DeepSpeed
-   re-flattens a client optimizer's parameters and loses the TP shard identity, so the
-   hook requires ``zero_optimization.stage`` 0 and fp32 (DP then replicates the Muon step).
+   * ``zero_optimization.stage`` 0 (fp32 only): the client optimizer is ``TPMuon``; DP
+     replicates the Muon step.  (Under ZeRO >= 1 or bf16/fp16 DeepSpeed re-flattens a
+     client optimizer's parameters and loses the TP shard identity.)
+   * stage 1 (fp32/bf16/fp16): ``get_megatron_optimizer`` returns a
+     :class:`DeferredCanzonaMuon` placeholder, which Megatron builds its scheduler against.
+     The wrapped ``deepspeed.initialize`` recognises the placeholder and calls the real one
+     with ``optimizer=None`` (DeepSpeed builds CanzonaMuon from ds_config: ZeRO-1 x TP,
+     item 4), the mpu, and the Megatron scheduler as a *callable* client scheduler that
+     re-targets it at the DeepSpeed-built optimizer (:class:`MegatronSchedulerTarget`:
+     Muon group ``lr_mult`` 1, AdamW group ``adam_lr / muon_lr``; weight decay written by
+     the scheduler also reaches the TP runtime).  Every other call passes through.
+
+   ``launch/megatron_pretrain_gpt.py`` applies the patch before running pretrain_gpt.py.
 
 4. ZeRO-1 x TP (works, fp32/bf16/fp16): pass *no* client optimizer and give DeepSpeed the
    mpu, ``deepspeed.initialize(model=..., model_parameters=..., config=ds_config, mpu=mpu)``
@@ -40,7 +50,9 @@ Three things:
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
@@ -114,10 +126,11 @@ def build_tp_optimizer(model, ds_config: Mapping[str, Any], mpu=None) -> TPMuon:
     """``TPMuon`` over ``model`` (a module or a list of Megatron model chunks)."""
     if _zero_stage(ds_config) != 0:
         raise ValueError(
-            f"zero_optimization.stage={_zero_stage(ds_config)}: the Megatron TP hook passes a client "
-            "optimizer, which DeepSpeed re-flattens under ZeRO; use stage 0 here, or for ZeRO-1 x TP pass no "
-            "client optimizer and call deepspeed.initialize(model=..., model_parameters=..., config=ds_config, "
-            "mpu=mpu): CanzonaMuon's ZeRO-1 integration then runs the TP runtime (docs/tp.md)")
+            f"zero_optimization.stage={_zero_stage(ds_config)}: TPMuon as a client optimizer needs stage 0 "
+            "(DeepSpeed re-flattens a client optimizer under ZeRO). For ZeRO-1 x TP use stage 1 through "
+            "patch_megatron_training (Megatron-DeepSpeed) or call deepspeed.initialize(model=..., "
+            "model_parameters=..., config=ds_config, mpu=mpu) with no client optimizer (docs/tp.md); "
+            "stages 2 and 3 are not supported")
     for key in ("bf16", "fp16"):
         if (ds_config.get(key) or {}).get("enabled", False):
             raise ValueError(
@@ -146,12 +159,139 @@ def _load_ds_config(args) -> dict:
         return json.load(f)
 
 
-def patch_megatron_training(training_module=None, get_args: Callable | None = None, mpu=None) -> Callable:
-    """Make Megatron-DeepSpeed's ``setup_model_and_optimizer`` build TPMuon from ds_config.
+class DeferredCanzonaMuon:
+    """What the patched ``get_megatron_optimizer`` returns at ZeRO stage 1: a placeholder.
 
+    Megatron builds its ``OptimizerParamScheduler`` against it (the scheduler writes
+    ``lr``/``weight_decay`` into ``param_groups``, harmless here) and hands both to
+    ``deepspeed.initialize``, whose patched wrapper replaces them (see
+    :func:`patch_megatron_training`).  Stepping it is an error: it means the call did not
+    go through the wrapped ``deepspeed.initialize``.
+    """
+
+    def __init__(self, ds_config: Mapping[str, Any], mpu) -> None:
+        self.ds_config = dict(ds_config)
+        self.mpu = mpu
+        self.param_groups = [{"lr": 0.0, "weight_decay": 0.0}]
+        self.state: dict = {}
+
+    def _not_routed(self, *a, **k):
+        raise RuntimeError("DeferredCanzonaMuon is a placeholder for the ZeRO-1 CanzonaMuon that "
+                           "deepspeed.initialize builds; this call did not go through the deepspeed.initialize "
+                           "wrapped by canzona_ds.integration.megatron.patch_megatron_training")
+
+    step = zero_grad = state_dict = load_state_dict = _not_routed
+
+
+class _GroupView(MutableMapping):
+    """A param group as Megatron's scheduler sees it: ``lr_mult`` supplied here, writes go
+    to the real group; a ``weight_decay`` write also reaches the TP runtime."""
+
+    def __init__(self, group: dict, lr_mult: float, on_weight_decay: Callable[[float], None] | None) -> None:
+        self._g, self._extra, self._on_wd = group, {"lr_mult": lr_mult}, on_weight_decay
+
+    def __getitem__(self, k):
+        return self._extra[k] if k in self._extra else self._g[k]
+
+    def __setitem__(self, k, v):
+        self._g[k] = v
+        if k == "weight_decay" and self._on_wd is not None:
+            self._on_wd(v)
+
+    def __delitem__(self, k):
+        del self._g[k]
+
+    def __iter__(self):
+        return iter({**self._g, **self._extra})
+
+    def __len__(self):
+        return len({**self._g, **self._extra})
+
+
+class MegatronSchedulerTarget:
+    """``param_groups`` of a DeepSpeed-built :class:`CanzonaMuon` for Megatron's scheduler.
+
+    Megatron's ``OptimizerParamScheduler.step`` sets ``group['lr'] = lr * group.get('lr_mult', 1)``
+    and ``group['weight_decay'] = wd * group.get('wd_mult', 1)`` for every group.  Here the
+    Muon group has ``lr_mult`` 1 (Megatron ``--lr`` is the Muon lr) and the AdamW group
+    ``adam_lr / muon_lr`` (ds_config ``optimizer.params``).  The TP runtime takes ``lr`` from
+    the group at each step but weight decay from its config, so a scheduler write of the
+    Muon group's ``weight_decay`` also replaces the runtime config's ``weight_decay``.
+    """
+
+    def __init__(self, optimizer) -> None:
+        from .optimizer import MATRIX
+
+        self.optimizer = optimizer
+        cfg = optimizer.config
+        self.param_groups = []
+        for g in optimizer.param_groups:
+            is_matrix = g.get("canzona_role") == MATRIX
+            mult = 1.0 if is_matrix else cfg.adam_lr / cfg.muon_lr
+            self.param_groups.append(_GroupView(g, mult, self._set_tp_weight_decay if is_matrix else None))
+
+    def _set_tp_weight_decay(self, wd: float) -> None:
+        rt = getattr(self.optimizer, "tp_runtime", None)
+        if rt is not None and rt.config.weight_decay != wd:
+            rt.config = dataclasses.replace(rt.config, weight_decay=float(wd))
+
+
+def _retarget_scheduler(scheduler) -> Callable:
+    """A DeepSpeed client-scheduler callable: point Megatron's scheduler at the optimizer
+    DeepSpeed built (``engine.basic_optimizer``, the CanzonaMuon ZeRO-1 wraps) and apply
+    its current lr/wd."""
+
+    def build(basic_optimizer):
+        if not hasattr(scheduler, "optimizer") or not hasattr(scheduler, "step"):
+            raise TypeError(f"expected Megatron's OptimizerParamScheduler (.optimizer, .step), got "
+                            f"{type(scheduler).__name__}")
+        scheduler.optimizer = MegatronSchedulerTarget(basic_optimizer)
+        scheduler.step(increment=0)
+        return scheduler
+
+    return build
+
+
+def _wrap_deepspeed_initialize(deepspeed_module) -> None:
+    original = deepspeed_module.initialize
+    if getattr(original, "_canzona_patched", False):
+        return
+
+    def initialize(*args, **kwargs):
+        placeholder = kwargs.get("optimizer")
+        if not isinstance(placeholder, DeferredCanzonaMuon):
+            return original(*args, **kwargs)
+        if args:
+            raise TypeError("patched deepspeed.initialize: pass arguments by keyword (as Megatron-DeepSpeed does)")
+        if kwargs.get("mpu") is None:
+            raise ValueError(
+                "CanzonaMuon ZeRO-1 x TP through Megatron-DeepSpeed needs the mpu in deepspeed.initialize; "
+                "Megatron-DeepSpeed passes it only with --no-pipeline-parallel (pipeline parallelism is not "
+                "supported)")
+        from . import install
+
+        install()
+        kwargs["optimizer"] = None
+        scheduler = kwargs.get("lr_scheduler")
+        if scheduler is not None:
+            kwargs["lr_scheduler"] = _retarget_scheduler(scheduler)
+        return original(**kwargs)
+
+    initialize._canzona_patched = True
+    initialize._canzona_original = original
+    deepspeed_module.initialize = initialize
+
+
+def patch_megatron_training(training_module=None, get_args: Callable | None = None, mpu=None,
+                            deepspeed_module=None) -> Callable:
+    """Route Megatron-DeepSpeed's ``setup_model_and_optimizer`` to CanzonaMuon from ds_config.
+
+    Stage 0: ``get_megatron_optimizer`` returns TPMuon.  Stage 1: it returns a
+    :class:`DeferredCanzonaMuon`, and the wrapped ``deepspeed.initialize`` builds
+    CanzonaMuon (ZeRO-1 x TP) with no client optimizer and re-targets Megatron's scheduler.
     Defaults are the real modules (``megatron.training``, ``megatron.get_args``,
-    ``megatron.core.mpu``); tests pass the stand-in.  Returns the original function.
-    Idempotent.
+    ``megatron.core.mpu``, the ``deepspeed`` that ``megatron.training`` imported); tests
+    pass stand-ins.  Returns the original ``get_megatron_optimizer``.  Idempotent.
     """
     if training_module is None:
         import megatron.training as training_module  # type: ignore[no-redef]
@@ -159,6 +299,11 @@ def patch_megatron_training(training_module=None, get_args: Callable | None = No
         from megatron import get_args  # type: ignore[no-redef]
     if mpu is None:
         from megatron.core import mpu  # type: ignore[no-redef]
+    if deepspeed_module is None:
+        deepspeed_module = getattr(training_module, "deepspeed", None)
+        if deepspeed_module is None:
+            import deepspeed as deepspeed_module  # type: ignore[no-redef]
+    _wrap_deepspeed_initialize(deepspeed_module)
     original = training_module.get_megatron_optimizer
     if getattr(original, "_canzona_patched", False):
         return original._canzona_original
@@ -167,6 +312,9 @@ def patch_megatron_training(training_module=None, get_args: Callable | None = No
         ds_config = _load_ds_config(get_args())
         if (ds_config.get("optimizer") or {}).get("type") != "CanzonaMuon":
             return original(model, *a, **k)
+        if _zero_stage(ds_config) == 1:
+            tp_config_from_ds_config(ds_config)  # fail early on bad keys
+            return DeferredCanzonaMuon(ds_config, mpu)
         return build_tp_optimizer(model, ds_config, mpu=mpu)
 
     get_megatron_optimizer._canzona_patched = True
