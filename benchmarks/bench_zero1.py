@@ -106,61 +106,86 @@ def ds_cfg(kind: str, dp: int, micro: int, ns_method: str) -> dict:
     return cfg
 
 
-def _worker(rank: int, dp: int, kind: str, steps: int, warmup: int, micro: int, seq: int, ns_method: str):
+def _state_mb(engine) -> float:
+    """MB of tensors the optimizer holds on this rank: optimizer state (momentum, Adam moments) and
+    ZeRO's fp32 master partitions; deduplicated by storage."""
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    seen, total = set(), 0
+    tensors = [t for st in inner.state.values() for t in st.values() if torch.is_tensor(t)]
+    tensors += list(getattr(engine.optimizer, "single_partition_of_fp32_groups", []) or [])
+    for t in tensors:
+        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        if key not in seen:
+            seen.add(key)
+            total += key[1]
+    return total / 2 ** 20
+
+
+def _worker(rank: int, dp: int, kinds: list, steps: int, warmup: int, micro: int, seq: int, ns_method: str):
+    """Build one engine per optimizer kind in this rank and interleave their iterations.
+
+    Every iteration runs each kind once on the same batch, in alternating order, so that load from
+    other processes (which drifts over minutes on a shared box) falls on all kinds alike; measuring
+    the kinds one after another made the overhead differences track the load, not the optimizers.
+    """
     import resource
 
     import canzona_ds  # noqa: F401
     import deepspeed
     from canzona_ds.integration.comm_count import CommCounter
 
-    torch.manual_seed(0)
-    model = QwenLike(**SHAPE)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=ds_cfg(kind, dp, micro, ns_method))
+    engines, timers = {}, {}
+    for kind in kinds:
+        torch.manual_seed(0)
+        model = QwenLike(**SHAPE)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=ds_cfg(kind, dp, micro, ns_method))
+        # time the optimizer math alone (CanzonaMuon.step / the inner optimizer DeepSpeed calls)
+        inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+        rec = dict(t=[], c=[])
+
+        def timed_step(*a, _stock=inner.step, _rec=rec, **k):
+            t, c = time.perf_counter(), time.process_time()
+            out = _stock(*a, **k)
+            _rec["t"].append(time.perf_counter() - t)
+            _rec["c"].append(time.process_time() - c)
+            return out
+
+        inner.step = timed_step
+        engines[kind], timers[kind] = engine, rec
+    res = {k: dict(iter=[], iter_cpu=[], step=[], math=[], math_cpu=[], bytes=None) for k in kinds}
     g = torch.Generator().manual_seed(1)
-    iters, steps_t, bytes_it, inner_t, iters_cpu, inner_cpu = [], [], None, [], [], []
-    # time the optimizer math alone (CanzonaMuon.step / the inner optimizer DeepSpeed calls)
-    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
-    stock_step = inner.step
-
-    def timed_step(*a, **k):
-        t, c = time.perf_counter(), time.process_time()
-        out = stock_step(*a, **k)
-        inner_t.append(time.perf_counter() - t)
-        inner_cpu.append(time.process_time() - c)
-        return out
-
-    inner.step = timed_step
     for s in range(warmup + steps):
         x = torch.randint(0, SHAPE["vocab"], (micro * dp, seq), generator=g)
         y = torch.randint(0, SHAPE["vocab"], (micro * dp, seq), generator=g)
         x, y = x[rank * micro:(rank + 1) * micro], y[rank * micro:(rank + 1) * micro]
-        torch.distributed.barrier()
-        counter = CommCounter() if s == warmup else None
-        if counter:
-            counter.__enter__()
-        t0, c0 = time.perf_counter(), time.process_time()
-        engine.backward(engine(x, y))
-        t1 = time.perf_counter()
-        engine.step()
-        t2, c2 = time.perf_counter(), time.process_time()
-        if counter:
-            counter.__exit__(None, None, None)
-            bytes_it = counter.wire_bytes("deepspeed")
-        if s >= warmup:
-            iters.append(t2 - t0)
-            iters_cpu.append(c2 - c0)
-            steps_t.append(t2 - t1)
-        else:
-            inner_t.clear()
-            inner_cpu.clear()
-    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    # ZeRO steps the inner optimizer once per param group: sum per iteration
-    per_iter = len(inner_t) // steps if steps else 0
-    math_t = [sum(inner_t[i * per_iter:(i + 1) * per_iter]) for i in range(steps)] if per_iter else [0.0] * steps
-    math_c = [sum(inner_cpu[i * per_iter:(i + 1) * per_iter]) for i in range(steps)] if per_iter else [0.0] * steps
-    return dict(iter=iters, iter_cpu=iters_cpu, step=steps_t, math=math_t, math_cpu=math_c, bytes=bytes_it,
-                rss_mb=rss_mb)
+        for kind in (kinds if s % 2 else kinds[::-1]):
+            engine, rec, r = engines[kind], timers[kind], res[kind]
+            rec["t"].clear()
+            rec["c"].clear()
+            torch.distributed.barrier()
+            counter = CommCounter() if s == warmup else None
+            if counter:
+                counter.__enter__()
+            t0, c0 = time.perf_counter(), time.process_time()
+            engine.backward(engine(x, y))
+            t1 = time.perf_counter()
+            engine.step()
+            t2, c2 = time.perf_counter(), time.process_time()
+            if counter:
+                counter.__exit__(None, None, None)
+                r["bytes"] = counter.wire_bytes("deepspeed")
+            if s >= warmup:
+                r["iter"].append(t2 - t0)
+                r["iter_cpu"].append(c2 - c0)
+                r["step"].append(t2 - t1)
+                # ZeRO steps the inner optimizer once per param group: sum per iteration
+                r["math"].append(sum(rec["t"]))
+                r["math_cpu"].append(sum(rec["c"]))
+    for kind in kinds:
+        res[kind]["state_mb"] = _state_mb(engines[kind])
+        res[kind]["rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return res
 
 
 def measure(dps, kinds, steps, warmup, micro, seq, ns_method):
@@ -168,8 +193,9 @@ def measure(dps, kinds, steps, warmup, micro, seq, ns_method):
 
     rows = {}
     for dp in dps:
+        out = run_distributed(_worker, dp, list(kinds), steps, warmup, micro, seq, ns_method, timeout=1800)
         for kind in kinds:
-            res = run_distributed(_worker, dp, kind, steps, warmup, micro, seq, ns_method, timeout=900)
+            res = [o[kind] for o in out]
             # a step ends when the slowest rank finishes: per iteration take the max over ranks
             it = [max(r["iter"][i] for r in res) for i in range(steps)]
             st = [max(r["step"][i] for r in res) for i in range(steps)]
@@ -178,12 +204,13 @@ def measure(dps, kinds, steps, warmup, micro, seq, ns_method):
             mc = [max(r["math_cpu"][i] for r in res) for i in range(steps)]
             rows[(kind, dp)] = dict(iter=statistics.median(it), iter_min=min(it), step=statistics.median(st),
                                     math=statistics.median(mt), iter_cpu=statistics.median(ic),
-                                    math_cpu=statistics.median(mc), bytes=res[0]["bytes"],
-                                    rss=max(r["rss_mb"] for r in res))
+                                    iter_cpu_min=min(ic), math_cpu=statistics.median(mc), bytes=res[0]["bytes"],
+                                    state=max(r["state_mb"] for r in res), rss=max(r["rss_mb"] for r in res))
             r = rows[(kind, dp)]
             print(f"dp={dp} {kind:10s} iter {r['iter'] * 1e3:8.1f} (min {r['iter_min'] * 1e3:.1f}) ms  step "
                   f"{r['step'] * 1e3:8.1f} ms  math {r['math'] * 1e3:8.1f} ms  cpu iter {r['iter_cpu'] * 1e3:8.1f} "
-                  f"math {r['math_cpu'] * 1e3:8.1f} ms  bytes {r['bytes']:.0f}", flush=True)
+                  f"math {r['math_cpu'] * 1e3:8.1f} ms  bytes {r['bytes']:.0f}  state {r['state']:.1f} MB",
+                  flush=True)
     return rows
 
 
@@ -225,9 +252,13 @@ def equal_chunk_makespan(shapes, dp, sec):
 
 
 def simulate(models, dps, rate):
+    """Per (model, dp): equal-chunk makespan, and makespan + padding of CanzonaMuon's default plan
+    (planner/alpha/cost_model of CanzonaMuonConfig()) and of plain `lpt` on flops."""
+    from canzona_ds.integration.config import CanzonaMuonConfig
     from canzona_ds.planning.dp import plan_dp
     from canzona_ds.planning.models import matrix_specs, model_specs
 
+    cfg = CanzonaMuonConfig()
     rows = []
     for name in models:
         specs = matrix_specs(model_specs(name))
@@ -239,11 +270,16 @@ def simulate(models, dps, rate):
         serial = sum(sec(a, b) for a, b in shapes)
         for dp in dps:
             eq = equal_chunk_makespan(shapes, dp, sec)
-            plan = plan_dp(specs, dp, planner="lpt", cost="flops")
-            ours = max(sum(sec(*specs[i].matrix_shape) for i in r) for r in plan.rank_params)
+            plans = (plan_dp(specs, dp, planner=cfg.planner, alpha=cfg.alpha, cost=cfg.cost_model),
+                     plan_dp(specs, dp, planner="lpt", cost="flops"))
+            spans = [max(sum(sec(*specs[i].matrix_shape) for i in r) for r in pl.rank_params) for pl in plans]
             lower = max(serial / dp, max(sec(a, b) for a, b in shapes))
-            rows.append((name, len(specs), dp, serial, eq, ours, lower, plan.padding_fraction))
-    return rows
+            # no atomic plan pads less: P >= the largest matrix and P >= S / dp
+            S = sum(a * b for a, b in shapes)
+            pad_floor = dp * max(math.ceil(S / dp), max(a * b for a, b in shapes)) / S - 1
+            rows.append((name, len(specs), dp, serial, eq, spans[0], plans[0].padding_fraction, spans[1],
+                         plans[1].padding_fraction, lower, pad_floor))
+    return rows, cfg
 
 
 # ------------------------------------------------------------------------------- report
@@ -259,7 +295,7 @@ def write_report(path: Path, args, rows, table, rate, sim, cmd: str) -> None:
               f"ranks; NS method `{args.ns_method}` for every Muon)", "",
               "| optimizer | DP | iteration ms (median) | iteration ms (min) | engine.step ms | optimizer math ms "
               "| overhead vs AdamW ms (median / min) | CPU ms / iteration / rank | CPU ms optimizer math "
-              "| CPU overhead vs AdamW ms | bytes / iteration / rank | peak RSS / rank MB |",
+              "| CPU overhead vs AdamW ms (median / min) | bytes / iteration / rank | optimizer state / rank MB |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for (kind, dp), r in rows.items():
             base = rows.get(("adamw", dp))
@@ -267,10 +303,11 @@ def write_report(path: Path, args, rows, table, rate, sim, cmd: str) -> None:
             over_min = (r["iter_min"] - base["iter_min"]) * 1e3 if base else float("nan")
             math_ms = f"{r['math'] * 1e3:.1f}" if kind != "ds_muon" else "in backward"
             over_cpu = (r["iter_cpu"] - base["iter_cpu"]) * 1e3 if base else float("nan")
+            over_cpu_min = (r["iter_cpu_min"] - base["iter_cpu_min"]) * 1e3 if base else float("nan")
             math_cpu = f"{r['math_cpu'] * 1e3:.1f}" if kind != "ds_muon" else "in backward"
             L.append(f"| {kind} | {dp} | {r['iter'] * 1e3:.1f} | {r['iter_min'] * 1e3:.1f} | {r['step'] * 1e3:.1f} | "
                      f"{math_ms} | {over_med:.1f} / {over_min:.1f} | {r['iter_cpu'] * 1e3:.1f} | {math_cpu} | "
-                     f"{over_cpu:.1f} | {r['bytes']:,.0f} | {r['rss']:.0f} |")
+                     f"{over_cpu:.1f} / {over_cpu_min:.1f} | {r['bytes']:,.0f} | {r['state']:.1f} |")
 
         def over(kind, dp, key):
             return rows[(kind, dp)][key] - rows[("adamw", dp)][key]
@@ -279,13 +316,18 @@ def write_report(path: Path, args, rows, table, rate, sim, cmd: str) -> None:
               "on this rank's partition; for AdamW, torch AdamW). DeepSpeed Muon runs its Newton–Schulz inside "
               "the gradient reduction (`get_flat_partition`, in backward), so only whole-iteration overhead "
               "compares it. Bytes: wire bytes one rank sends through deepspeed.comm in one iteration "
-              "(gradient reduction + post-step all-gather), see `canzona_ds/integration/comm_count.py`.", "",
+              "(gradient reduction + post-step all-gather), see `canzona_ds/integration/comm_count.py`. Optimizer "
+              "state: momentum / Adam moments plus ZeRO's fp32 master partitions held by that engine. All kinds "
+              "run in the same processes (one engine each) with iterations interleaved, so their time series see "
+              f"the same background load; peak RSS of a rank process holding all of them: "
+              f"{max(r['rss'] for r in rows.values()):.0f} MB.", "",
               "CPU time (`time.process_time`, per rank, max over ranks) is the work a rank does; on this "
               "oversubscribed box wall time at DP=2 is inflated by the two ranks sharing cores with other jobs "
               "(compare `replicated`, whose per-rank work is the same at DP=1 and DP=2).", "",
               "Targets (overhead = iteration time minus AdamW's at the same DP):", ""]
         if all((k, d) in rows for k in ("canzona", "ds_muon", "adamw") for d in (1, 2)):
-            for key, label in (("iter_cpu", "CPU time, median"), ("iter", "wall, median")):
+            for key, label in (("iter_cpu", "CPU time, median"), ("iter_cpu_min", "CPU time, min"),
+                               ("iter", "wall, median")):
                 r1 = over("canzona", 2, key) / over("ds_muon", 2, key)
                 r2 = 2 * over("canzona", 2, key) / over("canzona", 1, key)
                 L += [f"- ({label}) CanzonaMuon overhead / DeepSpeed Muon overhead at DP=2 = {r1:.2f} "
@@ -297,18 +339,23 @@ def write_report(path: Path, args, rows, table, rate, sim, cmd: str) -> None:
           "| shape | seconds | NS GFLOP |", "|---|---|---|"]
     for s, t, f in table:
         L.append(f"| {s[0]}x{s[1]} | {t:.4f} | {f / 1e9:.2f} |")
+    sim, cfg = sim
     L += ["", f"Fit: {rate / 1e9:.1f} GFLOP/s (seconds = NS FLOPs / rate). Makespan ratios below do not "
-          "depend on the rate; absolute seconds are for this CPU. Planner: `lpt` on `flops`.", "",
-          "| model | matrices | DP | serial s | equal-chunk makespan s | CanzonaMuon makespan s | lower bound s "
-          "| speed-up | padding |", "|---|---|---|---|---|---|---|---|---|"]
-    pad_note = ("", "`padding` = (dp*P - S) / S: extra elements the planned layout adds to the replicated matrix "
-                "buffer and the post-step all-gather (not to gradient reduction). It grows at DP >= 64, where "
-                "some ranks own one large matrix and P follows the largest rank; a numel-aware planner "
-                "(`planner`, `cost_model: numel|memory`) trades makespan for less padding.")
-    for name, n, dp, serial, eq, ours, lower, pad in sim:
-        L.append(f"| {name} | {n} | {dp} | {serial:.1f} | {eq:.2f} | {ours:.2f} | {lower:.2f} | "
-                 f"{eq / ours:.2f}x | {pad * 100:.1f}% |")
-    L += list(pad_note)
+          "depend on the rate; absolute seconds are for this CPU. `default` = CanzonaMuon's default plan "
+          f"(planner `{cfg.planner}`, cost `{cfg.cost_model}`, alpha {cfg.alpha}: balances NS FLOPs and numel "
+          "together); `lpt` = longest-processing-time on FLOPs alone.", "",
+          "| model | matrices | DP | serial s | equal-chunk makespan s | default makespan s | default padding "
+          "| default speed-up | lpt makespan s | lpt padding | lpt speed-up | makespan lower bound s | padding floor |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, n, dp, serial, eq, ours, pad, lpt, lpt_pad, lower, floor in sim:
+        L.append(f"| {name} | {n} | {dp} | {serial:.1f} | {eq:.2f} | {ours:.2f} | {pad * 100:.1f}% | "
+                 f"{eq / ours:.2f}x | {lpt:.2f} | {lpt_pad * 100:.1f}% | {eq / lpt:.2f}x | {lower:.2f} | {floor * 100:.1f}% |")
+    L += ["", "`padding` = (dp*P - S) / S: extra elements the planned layout adds to the replicated matrix "
+          "buffer and the post-step all-gather (not to gradient reduction); P is the largest rank's "
+          "partition. `padding floor` = the least padding any plan that keeps every matrix whole can have "
+          "(P >= largest matrix, P >= S/dp): at DP >= 64 there are about as many ranks as matrices, P is set by "
+          "the largest matrix, and both planners sit at the floor there. speed-up = equal-chunk makespan / "
+          "plan makespan."]
     path.write_text("\n".join(L) + "\n")
 
 
@@ -330,6 +377,10 @@ def main() -> None:
     cmd = "python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:])
     rows = {} if args.skip_measure else measure(args.dp, args.optimizers, args.steps, args.warmup, args.micro,
                                                 args.seq, args.ns_method)
+    if rows:
+        import json
+        Path(args.out).with_suffix(".json").write_text(json.dumps(
+            {f"{k}/{d}": v for (k, d), v in rows.items()}, indent=1) + "\n")
     table, rate = measure_ns_table([(256, 256), (256, 768), (512, 512), (512, 1536), (1024, 1024), (768, 2304)],
                                    args.ns_method)
     sim = simulate(args.sim_models, args.sim_dp, rate)
