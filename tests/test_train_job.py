@@ -29,10 +29,10 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def launch(args: list[str], ranks: int = 2, timeout: int = 240) -> subprocess.CompletedProcess:
+def launch(args: list[str], ranks: int = 2, timeout: int = 240, port: int | None = None) -> subprocess.CompletedProcess:
     # the launcher module of *this* interpreter (the `deepspeed` script on PATH may be another's)
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner"]
-    cmd += ["--num_gpus", str(ranks), "--master_port", str(_port()), "--module", "canzona_ds.cli.train",
+    cmd += ["--num_gpus", str(ranks), "--master_port", str(port or _port()), "--module", "canzona_ds.cli.train",
             "--config", "configs/run_tiny.yaml", *COMMON, *args]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -45,14 +45,16 @@ def rows(path: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def canzona_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("canzona")
+    port = _port()
     r = launch(["--set", "steps=12", "--set", f"log_dir={out}", "--set", f"checkpoint_dir={out}/ckpt",
-                "--set", "checkpoint_every=6", "--set", "eval_every=6", "--ds-config", "configs/ds_cpu_canzona.json"])
+                "--set", "checkpoint_every=6", "--set", "eval_every=6", "--ds-config", "configs/ds_cpu_canzona.json"], port=port)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return out, r.stdout + r.stderr
+    leftover = sorted(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*")) if Path("/dev/shm").is_dir() else []
+    return out, r.stdout + r.stderr, leftover
 
 
 def test_loss_decreases_and_artifacts_written(canzona_run):
-    out, log = canzona_run
+    out, log, _ = canzona_run
     m = rows(out / "metrics.jsonl")
     assert [r["step"] for r in m] == list(range(1, 13))
     assert m[-1]["loss"] < m[0]["loss"] - 1.0  # bytes: ~5.5 nats at init
@@ -67,7 +69,7 @@ def test_loss_decreases_and_artifacts_written(canzona_run):
 
 
 def test_plan_summary_comes_from_the_optimizer(canzona_run):
-    out, _ = canzona_run
+    out, _, _ = canzona_run
     plan = json.loads((out / "plan_summary.json").read_text())
     assert plan["world_size"] == 2
     assert plan["plan_source"].startswith("plan exposed by")
@@ -77,7 +79,7 @@ def test_plan_summary_comes_from_the_optimizer(canzona_run):
 
 
 def test_resume_continues_the_same_trajectory(canzona_run, tmp_path):
-    full, _ = canzona_run
+    full, _, _ = canzona_run
     resumed = tmp_path / "resumed"
     # a run interrupted after step 6: only that checkpoint exists
     shutil.copytree(full / "ckpt" / "step6", resumed / "ckpt" / "step6")
@@ -118,3 +120,9 @@ def test_compare_mode_runs_all_optimizers_and_tracks_reference(tmp_path):
     assert report["reference"]["steps"] == 3
     assert report["reference"]["max_abs_loss_diff"]["CanzonaMuon"] < 1e-4
     assert "single-process exact Muon reference" in r.stdout + r.stderr
+
+
+def test_job_releases_deepspeed_shm_buffers(canzona_run):
+    # DeepSpeed's CPU comm op leaves ~69 MB per rank in /dev/shm; the job unlinks its own
+    _, _, leftover = canzona_run
+    assert leftover == []

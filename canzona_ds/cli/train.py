@@ -94,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     except OptimizerUnavailable as e:
         print(f"canzona_ds.cli.train: {e}", file=sys.stderr, flush=True)
         return 3
+    finally:
+        from canzona_ds.integration.deepspeed_zero1 import release_shm_buffer
+
+        release_shm_buffer()  # DeepSpeed leaves ~69 MB per rank in /dev/shm otherwise
     return 0
 
 

@@ -403,3 +403,26 @@ def install() -> None:
     if CanzonaMuon not in zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
         zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(CanzonaMuon)
     _installed = True
+
+
+# ---------------------------------------------------------------------------- process exit
+def release_shm_buffer() -> bool:
+    """Unlink this rank's DeepSpeed CPU shared-memory all-reduce buffer; True if one was removed.
+
+    DeepSpeed 0.19.8's CPU comm op (``ops/csrc/cpu/comm/shm.cpp``, ``shm_initialize``)
+    creates ``/dev/shm/deepspeed_allreduce_buffer_{uid}_{MASTER_ADDR}_{MASTER_PORT}_{rank}``
+    (~69 MB) per rank and never unlinks it, so every run leaves them behind in RAM-backed
+    tmpfs.  Call once per process after its last collective: unlinking removes only the
+    name, the other ranks' existing mappings stay valid.
+    """
+    import os
+
+    addr, port, rank = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"), os.environ.get("RANK")
+    if not (addr and port and rank):
+        return False
+    path = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
