@@ -36,6 +36,14 @@ def _session(rank, dp):
         params, losses, engine = run_engine(rank, dp, ds_config(dp), 2, model=make_model(0, with_matrices=False))
     out["no_matrices"] = ([str(x.message) for x in w if "no parameter qualifies" in str(x.message)],
                           type(engine.optimizer).__name__, all(np.isfinite(l) for l in losses))
+    tp_model = make_model(0)
+    tagged = next(p for p in tp_model.parameters() if p.ndim == 2)
+    tagged.tensor_model_parallel, tagged.partition_dim, tagged.partition_stride = True, 0, 1
+    try:
+        run_engine(rank, dp, ds_config(dp), 0, model=tp_model)
+        out["tp_without_mpu"] = None
+    except ValueError as err:
+        out["tp_without_mpu"] = str(err)
     out["replicated"] = run_engine(rank, dp, ds_config(dp, zero_optimization={"stage": 0}, optimizer={
         "type": "CanzonaMuon", "params": dict(HP, replicated=True)}), 3)[0]
     return out
@@ -51,6 +59,11 @@ def test_bad_config_names_the_setting(session, name):
     msg = session[name]
     assert msg is not None, f"{name} was accepted"
     assert BAD_CONFIGS[name][1] in msg, msg
+
+
+def test_tp_tagged_params_without_mpu_are_refused_not_orthogonalised_per_shard(session):
+    msg = session["tp_without_mpu"]
+    assert msg is not None and "tensor_model_parallel" in msg and "mpu" in msg, msg
 
 
 def test_no_matrices_falls_back_to_adamw_with_warning(session):

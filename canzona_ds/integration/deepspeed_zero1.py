@@ -128,8 +128,17 @@ def _tp_settings(engine, cfg: CanzonaMuonConfig):
     ``optimizer.params`` (lr, momentum, ...) plus the optional top-level ``canzona_tp``
     section (scheduler, c_max, pipelined, strategy, cost; docs/tp.md).
     """
-    mpu = getattr(engine, "mpu", None)
+    mpu = getattr(engine, "mpu", None)  # Megatron's mpu, or deepspeed.utils.groups under AutoTP
     if mpu is None or cfg.replicated:
+        tagged = [n for n, p in engine.module.named_parameters() if getattr(p, "tensor_model_parallel", False)]
+        if tagged:
+            # without the TP group every rank would orthogonalise its own shard: an approximation
+            raise ValueError(
+                f"{len(tagged)} parameters are marked tensor_model_parallel (e.g. {tagged[0]!r}) but CanzonaMuon "
+                + ("runs with replicated=true, which has no tensor-parallel path"
+                   if cfg.replicated else "found no TP group: deepspeed.initialize got no mpu")
+                + ". Pass mpu=<Megatron parallel_state> to deepspeed.initialize (or use "
+                "tensor_parallel.autotp_size), with zero_optimization.stage=1 and replicated=false.")
         return None
     from canzona_ds.integration.megatron import groups_from_mpu, tp_config_from_ds_config
     from canzona_ds.optim.muon import NS_COEFFICIENTS

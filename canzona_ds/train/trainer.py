@@ -110,14 +110,17 @@ def _initialize(model, ds: dict):
     """deepspeed.initialize, by strategy:
 
     * ds_config optimizer section (CanzonaMuon / Muon / AdamW) built by DeepSpeed (ZeRO-1);
-    * AutoTP + CanzonaMuon: DeepSpeed shards the Linears inside ``initialize``, so the exact
-      TP Muon (``canzona_ds.tp.TPMuon`` via ``integration.megatron.build_tp_optimizer``) is
-      passed as a client-optimizer *factory* that runs after sharding and sees the shards.
+    * AutoTP + CanzonaMuon at ZeRO stage 1: also from ds_config; DeepSpeed sets
+      ``engine.mpu`` to its AutoTP groups, so CanzonaMuon's ZeRO-1 x TP path runs TP-ASC;
+    * AutoTP + CanzonaMuon at stage 0: DeepSpeed shards the Linears inside ``initialize``, so
+      the exact TP Muon (``canzona_ds.tp.TPMuon`` via ``integration.megatron.build_tp_optimizer``)
+      is passed as a client-optimizer *factory* that runs after sharding and sees the shards.
     """
     import deepspeed
 
     try:
-        if tensor_parallel_size(ds) > 1 and str(ds["optimizer"]["type"]) == "CanzonaMuon":
+        zero_stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
+        if tensor_parallel_size(ds) > 1 and str(ds["optimizer"]["type"]) == "CanzonaMuon" and zero_stage == 0:
             from canzona_ds.integration.megatron import build_tp_optimizer
 
             client = {k: v for k, v in ds.items() if k != "optimizer"}
