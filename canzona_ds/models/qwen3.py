@@ -78,9 +78,9 @@ class Qwen3Config:
 PRESETS: dict[str, Qwen3Config] = {
     # ~0.62 M params: 3 layers x (4 q heads, 2 kv heads, head_dim 32), SwiGLU 352 (~8/3 x
     # hidden, as in real models).  Chosen so that at DP=2 DeepSpeed's equal chunks split a
-    # matrix (layers.1.mlp.gate_proj: orthogonalised on both ranks, NS FLOPs max/avg 1.15)
-    # while the Canzona plan keeps every matrix whole (1.01, 0.7% padding): the default run
-    # shows the difference.  With power-of-two widths and an even layer count the cut would
+    # matrix (layers.1.mlp.gate_proj, orthogonalised on both ranks: busiest rank 0.970 NS
+    # GFLOP/step) while the Canzona plan keeps every matrix whole (busiest 0.849, 0.74%
+    # padding): the default run shows the difference.  With power-of-two widths and an even layer count the cut would
     # land on a layer boundary and both layouts would coincide.
     "tiny": Qwen3Config(num_layers=3, intermediate_size=352),
     # ~4.9 M params
