@@ -1,7 +1,8 @@
-"""canzona-ds: exact, load-balanced matrix optimizers (Muon) for DeepSpeed ZeRO-1 and
-Megatron-style tensor parallelism, after the Canzona paper.
+"""canzona-ds: exact, load-balanced matrix optimizers (Muon, Shampoo, SOAP) for DeepSpeed ZeRO
+and Megatron-style tensor parallelism, after the Canzona paper.
 
-``import canzona_ds`` registers ``"type": "CanzonaMuon"`` for DeepSpeed's ds_config.
+``import canzona_ds`` registers ``"type": "CanzonaMuon" | "CanzonaShampoo" | "CanzonaSOAP"``
+for DeepSpeed's ds_config.
 Importing is cheap: if DeepSpeed is not imported yet, a tiny import hook installs the
 registration right after ``import deepspeed`` finishes; nothing heavy is imported here.
 """
@@ -51,7 +52,7 @@ class _DeepSpeedImportHook(importlib.abc.MetaPathFinder):
 
 def _install_or_warn() -> None:
     """Register with DeepSpeed; an unsupported DeepSpeed version must not break ``import deepspeed``
-    for users who do not use CanzonaMuon, so it warns here (``canzona_ds.integration.install()``
+    for users who do not use the Canzona optimizers, so it warns here (``canzona_ds.integration.install()``
     raises the same message)."""
     from canzona_ds.integration import install
 
@@ -60,7 +61,7 @@ def _install_or_warn() -> None:
     except RuntimeError as err:
         import warnings
 
-        warnings.warn(f"CanzonaMuon is not registered with DeepSpeed: {err}", stacklevel=3)
+        warnings.warn(f"The Canzona optimizer types are not registered with DeepSpeed: {err}", stacklevel=3)
 
 
 def _register() -> None:

@@ -16,7 +16,7 @@ import json
 import sys
 
 from canzona_ds.planning.compare import Comparison, compare
-from canzona_ds.planning.cost import OPTIMIZERS
+from canzona_ds.planning.cost import COST_MODELS
 from canzona_ds.planning.dp import DEFAULT_BUCKET_NUMEL, DEFAULT_DP_PLANNER, DP_PLANNERS
 from canzona_ds.planning.report import rank_costs
 from canzona_ds.planning.tp import DEFAULT_TP_SCHEDULER, TP_SCHEDULERS
@@ -30,9 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="name in configs/models.yaml or path to an HF config.json")
     p.add_argument("--dp", type=int, required=True, help="data-parallel size")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    p.add_argument("--optimizer", default="muon", choices=list(OPTIMIZERS))
+    p.add_argument("--optimizer", default="muon", choices=["muon", "shampoo", "soap"],
+                   help="whose FLOPs and state the cost models count (its default hyper-parameters; see "
+                        "--precondition-frequency)")
+    p.add_argument("--precondition-frequency", type=int, default=None,
+                   help="Shampoo/SOAP refresh period (amortises the eigendecompositions); default: the rule's")
     p.add_argument("--alpha", type=float, default=1.0, help="alpha of alpha_balanced, in [0, 1]")
-    p.add_argument("--cost", default="numel", choices=["numel", "flops"], help="load the planners balance")
+    p.add_argument("--cost", default="numel", choices=list(COST_MODELS), help="load the planners balance")
     p.add_argument("--c-max", type=float, default=None, help="TP micro-group capacity in --cost units (default: largest task)")
     p.add_argument("--bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL, help="alpha_balanced bucket size (elements); 0 = one bucket")
     p.add_argument("--dp-planner", default=DEFAULT_DP_PLANNER, choices=sorted(DP_PLANNERS), help="the plan the TP schedule starts from")
@@ -83,7 +87,7 @@ def format_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(result: Comparison, path: str, optimizer: str) -> None:
+def plot(result: Comparison, path: str, model) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -93,7 +97,7 @@ def plot(result: Comparison, path: str, optimizer: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(13, 4))
     for name in ("naive_atomic", s["default_dp_planner"]):
         plan = result.dp_plans[name]
-        loads = rank_costs(plan, "flops", optimizer)
+        loads = rank_costs(plan, "flops", model)
         mean = sum(loads) / len(loads)
         axes[0].plot(range(plan.world_size), [x / mean for x in loads], marker="o", ms=3, label=name)
     axes[0].set(title=f"DP: FLOPs per rank / mean ({s['model']}, dp={s['dp']})", xlabel="DP rank", ylabel="load / mean")
@@ -121,9 +125,14 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             print("--plot needs matplotlib: pip install 'canzona-ds[plot]' (or pip install matplotlib)", file=sys.stderr)
             return 2
+    from canzona_ds.optim import cost_model
+
     try:
+        hp = {} if args.precondition_frequency is None or args.optimizer == "muon" else {
+            "precondition_frequency": args.precondition_frequency}
+        model = cost_model(args.optimizer, **hp)
         result = compare(
-            args.model, args.dp, args.tp, optimizer=args.optimizer, alpha=args.alpha, cost=args.cost,
+            args.model, args.dp, args.tp, cost_model=model, alpha=args.alpha, cost=args.cost,
             c_max=args.c_max, bucket_numel=args.bucket_numel or None,
             dp_planner=args.dp_planner, tp_scheduler=args.tp_scheduler,
         )
@@ -135,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(format_table(result.summary))
     if args.plot:
-        plot(result, args.plot, args.optimizer)
+        plot(result, args.plot, model)
         if not args.json:
             print(f"wrote {args.plot}")
     return 0

@@ -4,7 +4,7 @@
     deepspeed --num_gpus 2 --module canzona_ds.cli.train --config configs/run_tiny.yaml
     # one process, no launcher
     python -m canzona_ds.cli.train --config configs/run_tiny.yaml --set steps=20
-    # resume from the latest checkpoint; compare CanzonaMuon / Muon / AdamW + exact reference
+    # resume from the latest checkpoint; compare Canzona* / Muon / AdamW + exact reference
     ... --resume          ... --compare
 
 ``--set key=value`` overrides one run-config key (value parsed as YAML); ``--ds-config``
@@ -65,15 +65,17 @@ def main(argv: list[str] | None = None) -> int:
         # fail before any process group exists
         for path in (cfg.compare_ds_configs if args.compare else [cfg.ds_config]):
             ds = build_ds_config(cfg, path, data_parallel_size(path, world))
-            if args.compare and cfg.reference_steps and str(ds["optimizer"]["type"]).lower() in ("canzonamuon", "muon"):
-                from canzona_ds.train.reference import reference_hparams
+            from canzona_ds.train.compare import REFERENCE_TYPES
 
-                reference_hparams(ds["optimizer"].get("params", {}))
+            if args.compare and cfg.reference_steps and str(ds["optimizer"]["type"]).lower() in REFERENCE_TYPES:
+                from canzona_ds.train.reference import reference_config
+
+                reference_config(ds["optimizer"])
     except (ValueError, TypeError) as e:
         print(f"canzona_ds.cli.train: config error: {e}", file=sys.stderr, flush=True)
         return 2
 
-    import canzona_ds  # noqa: F401 - registers "type": "CanzonaMuon" with DeepSpeed (when available)
+    import canzona_ds  # noqa: F401 - registers the Canzona optimizer types with DeepSpeed (when available)
     from canzona_ds.train.trainer import OptimizerUnavailable, is_rank0, setup_process, train
 
     setup_process(cfg)
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"canzona_ds.cli.train: {e}", file=sys.stderr, flush=True)
         return 3
     finally:
-        from canzona_ds.integration.deepspeed_zero1 import release_shm_buffer
+        from canzona_ds.integration.runtime_info import release_shm_buffer
 
         release_shm_buffer()  # DeepSpeed leaves ~69 MB per rank in /dev/shm otherwise
     return 0

@@ -1,13 +1,22 @@
 """DeepSpeed integration: the only package that knows DeepSpeed internals (pinned version).
 
-``install()`` registers ``"type": "CanzonaMuon"`` with DeepSpeed's engine; ``import
-canzona_ds`` arranges for it to run as soon as ``deepspeed`` is imported.
+    pinned.py       every private DeepSpeed attribute relied on, checked at install
+    registry.py     ds_config "type" names -> CanzonaOptimizer; engine patches
+    zero.py         ZeRO stage 1/2 subclass realising the planned-padding layout
+    heads.py        per_head_muon: DeepSpeed's own attention-head resolution
+    megatron.py     mpu / AutoTP group discovery, the Megatron-DeepSpeed hook
+    runtime_info.py what the main job reads from an engine (timers, groups, plans)
+    accelerator.py  asking (and, for tests, widening) the CPU accelerator's capabilities
+
+``install()`` registers ``"CanzonaMuon"``, ``"CanzonaShampoo"`` and ``"CanzonaSOAP"`` with
+DeepSpeed's engine; ``import canzona_ds`` arranges for it to run as soon as ``deepspeed``
+is imported.
 """
 from __future__ import annotations
 
 
 def install() -> None:
-    """Register CanzonaMuon with DeepSpeed now (imports deepspeed)."""
-    from canzona_ds.integration.deepspeed_zero1 import install as _install
+    """Register the Canzona optimizer types with DeepSpeed now (imports deepspeed)."""
+    from .registry import install as _install
 
     _install()

@@ -1,67 +1,56 @@
 """Megatron-DeepSpeed and DeepSpeed-AutoTP glue for the TP runtime (canzona_ds.tp).
 
-Three things:
-
 1. Group discovery.  :func:`groups_from_mpu` reads a Megatron ``parallel_state`` /
    Megatron-DeepSpeed ``mpu`` (``get_tensor_model_parallel_*`` with the older
    ``get_model_parallel_*`` names as fallback, ``get_data_parallel_*``);
    :func:`groups_from_deepspeed` reads ``deepspeed.utils.groups`` after DeepSpeed set up
    AutoTP (``"tensor_parallel": {"autotp_size": N}``).
 
-2. The optimizer.  :func:`build_tp_optimizer` turns a model (Megatron-marked or AutoTP
-   parameters) and a ds_config into :class:`canzona_ds.tp.optimizer.TPMuon`::
+2. ZeRO stage 0 client optimizer.  :func:`build_tp_optimizer` turns a model (Megatron-
+   marked or AutoTP parameters) and a ds_config into a :class:`CanzonaOptimizer` whose
+   TP-split matrices go through the micro-group runtime and whose other parameters are
+   updated locally (every DP rank steps everything: ZeRO stage 0)::
 
-       "optimizer": {"type": "CanzonaMuon", "params": {"lr": 0.02, "momentum": 0.95, ...}},
-       "canzona_tp": {"scheduler": "lpt_rollback", "c_max": null, "pipelined": true,
-                      "strategy": "asc", "cost": "numel"}
-
-   ``params`` is parsed by the ZeRO-1 integration's ``CanzonaMuonConfig`` (one parser,
-   one set of names); ``canzona_tp`` keys are :class:`canzona_ds.tp.TPMuonConfig` fields
-   (unknown keys are a ValueError).
+       "optimizer": {"type": "CanzonaMuon" | "CanzonaShampoo" | "CanzonaSOAP", "params": {...}},
+       "canzona_tp": {"scheduler": "lpt_rollback", "c_max": null, "pipelined": true, "cost": "numel"}
 
 3. The Megatron-DeepSpeed hook.  Megatron-DeepSpeed builds its own optimizer
    (``megatron/training.py: setup_model_and_optimizer -> get_megatron_optimizer``), builds
    its ``OptimizerParamScheduler`` against it and passes both to ``deepspeed.initialize``
    as client optimizer / client lr scheduler, so ds_config's optimizer section is never
    read.  :func:`patch_megatron_training` replaces
-   ``megatron.training.get_megatron_optimizer`` (any optimizer type other than
-   ``"CanzonaMuon"`` runs the original) and wraps ``deepspeed.initialize``:
+   ``megatron.training.get_megatron_optimizer`` (any other optimizer type runs the
+   original) and wraps ``deepspeed.initialize``:
 
-   * ``zero_optimization.stage`` 0 (fp32 only): the client optimizer is ``TPMuon``; DP
-     replicates the Muon step.  (Under ZeRO >= 1 or bf16/fp16 DeepSpeed re-flattens a
-     client optimizer's parameters and loses the TP shard identity.)
-   * stage 1 (fp32/bf16/fp16): ``get_megatron_optimizer`` returns a
-     :class:`DeferredCanzonaMuon` placeholder, which Megatron builds its scheduler against.
+   * ``zero_optimization.stage`` 0 (fp32 only): the client optimizer is the stage-0
+     CanzonaOptimizer of item 2;
+   * stage 1/2 (fp32/bf16/fp16): ``get_megatron_optimizer`` returns a
+     :class:`DeferredCanzona` placeholder, which Megatron builds its scheduler against.
      The wrapped ``deepspeed.initialize`` recognises the placeholder and calls the real one
-     with ``optimizer=None`` (DeepSpeed builds CanzonaMuon from ds_config: ZeRO-1 x TP,
-     item 4), the mpu, and the Megatron scheduler as a *callable* client scheduler that
-     re-targets it at the DeepSpeed-built optimizer (:class:`MegatronSchedulerTarget`:
-     Muon group ``lr_mult`` 1, AdamW group ``adam_lr / muon_lr``; weight decay written by
-     the scheduler also reaches the TP runtime).  Every other call passes through.
+     with ``optimizer=None`` (DeepSpeed builds the optimizer from ds_config: ZeRO x TP),
+     the mpu, and the Megatron scheduler as a *callable* client scheduler re-targeted at
+     the DeepSpeed-built optimizer (:class:`MegatronSchedulerTarget`: matrix group
+     ``lr_mult`` 1, AdamW group ``adam_lr / lr``).  Every other call passes through.
 
    ``launch/megatron_pretrain_gpt.py`` applies the patch before running pretrain_gpt.py.
 
-4. ZeRO-1 x TP (works, fp32/bf16/fp16): pass *no* client optimizer and give DeepSpeed the
-   mpu, ``deepspeed.initialize(model=..., model_parameters=..., config=ds_config, mpu=mpu)``
-   with ``"type": "CanzonaMuon"`` and ``"zero_optimization": {"stage": 1}``.  The ZeRO-1
-   integration (deepspeed_zero1.py) plans DP ownership over the TP-local shapes and steps
-   its owned TP-split matrices through ``TPMuonRuntime`` with the ``canzona_tp`` keys above;
-   docs/tp.md, tests/test_zero1_tp.py.
+4. ZeRO x TP without Megatron's training loop: pass *no* client optimizer and give
+   DeepSpeed the mpu, ``deepspeed.initialize(model=..., model_parameters=...,
+   config=ds_config, mpu=mpu)``, ZeRO stage 1 or 2 (docs/tp.md, tests/test_zero_tp.py).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import MutableMapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch.distributed as dist
 
-from ..tp.optimizer import TPMuon
-from ..tp.runtime import TPMuonConfig
-
-DS_CONFIG_TP_KEY = "canzona_tp"
+from ..optim import OPTIMIZER_TYPES
+from ..optim.config import CanzonaConfig
+from ..optim.optimizer import MATRIX, CanzonaOptimizer
+from .registry import DS_CONFIG_TP_KEY
 
 
 @dataclass(frozen=True)
@@ -69,7 +58,6 @@ class ParallelGroups:
     tp_group: Any
     tp_rank: int
     tp_size: int
-    dp_group: Any
     dp_rank: int
     dp_size: int
 
@@ -87,12 +75,11 @@ def groups_from_mpu(mpu) -> ParallelGroups:
     tp_group = _first(mpu, "get_tensor_model_parallel_group", "get_model_parallel_group")()
     tp_rank = _first(mpu, "get_tensor_model_parallel_rank", "get_model_parallel_rank")()
     tp_size = _first(mpu, "get_tensor_model_parallel_world_size", "get_model_parallel_world_size")()
-    dp_group = _first(mpu, "get_data_parallel_group")()
     dp_rank = _first(mpu, "get_data_parallel_rank")()
     dp_size = _first(mpu, "get_data_parallel_world_size")()
     if dist.is_initialized() and dist.get_world_size(tp_group) != tp_size:
         raise ValueError(f"mpu reports tp_size={tp_size} but its TP group has {dist.get_world_size(tp_group)} ranks")
-    return ParallelGroups(tp_group, tp_rank, tp_size, dp_group, dp_rank, dp_size)
+    return ParallelGroups(tp_group, tp_rank, tp_size, dp_rank, dp_size)
 
 
 def groups_from_deepspeed() -> ParallelGroups:
@@ -102,50 +89,48 @@ def groups_from_deepspeed() -> ParallelGroups:
     return groups_from_mpu(groups)
 
 
-def tp_config_from_ds_config(ds_config: Mapping[str, Any]) -> tuple[TPMuonConfig, dict, Callable]:
-    """(TPMuonConfig, AdamW kwargs, is_matrix(name, shape)) from a CanzonaMuon ds_config."""
-    from .config import CanzonaMuonConfig
-
+def config_from_ds_config(ds_config: Mapping[str, Any]) -> CanzonaConfig:
+    """The CanzonaConfig of a ds_config whose optimizer type is a Canzona type."""
     opt = ds_config.get("optimizer") or {}
-    if opt.get("type") != "CanzonaMuon":
-        raise ValueError(f"ds_config optimizer type={opt.get('type')!r}; the TP hook needs 'CanzonaMuon'")
-    c = CanzonaMuonConfig.from_params(opt.get("params"))
-    tp_keys = dict(ds_config.get(DS_CONFIG_TP_KEY) or {})
-    tp = TPMuonConfig.from_dict(dict(
-        lr=c.muon_lr, weight_decay=c.weight_decay, momentum=c.momentum, nesterov=c.nesterov,
-        ns_steps=c.ns_steps, adjust_lr_fn=c.adjust_lr_fn, ns_method=c.ns_method, **tp_keys))
-    adamw = dict(adamw_lr=c.adam_lr, adamw_betas=tuple(c.betas), adamw_eps=c.eps, adamw_weight_decay=c.weight_decay)
-    return tp, adamw, c.is_matrix
+    if opt.get("type") not in OPTIMIZER_TYPES:
+        raise ValueError(f"ds_config optimizer type={opt.get('type')!r}; the TP hook needs one of "
+                         f"{sorted(OPTIMIZER_TYPES)}")
+    return CanzonaConfig.from_ds(opt["type"], opt.get("params"), ds_config.get(DS_CONFIG_TP_KEY))
 
 
 def _zero_stage(ds_config: Mapping[str, Any]) -> int:
     return int((ds_config.get("zero_optimization") or {}).get("stage", 0))
 
 
-def build_tp_optimizer(model, ds_config: Mapping[str, Any], mpu=None) -> TPMuon:
-    """``TPMuon`` over ``model`` (a module or a list of Megatron model chunks)."""
+def build_tp_optimizer(model, ds_config: Mapping[str, Any], mpu=None) -> CanzonaOptimizer:
+    """ZeRO stage 0 CanzonaOptimizer over ``model`` (a module or a list of Megatron model
+    chunks): TP-split matrices hosted by the micro-group runtime, everything else local."""
     if _zero_stage(ds_config) != 0:
         raise ValueError(
-            f"zero_optimization.stage={_zero_stage(ds_config)}: TPMuon as a client optimizer needs stage 0 "
-            "(DeepSpeed re-flattens a client optimizer under ZeRO). For ZeRO-1 x TP use stage 1 through "
-            "patch_megatron_training (Megatron-DeepSpeed) or call deepspeed.initialize(model=..., "
-            "model_parameters=..., config=ds_config, mpu=mpu) with no client optimizer (docs/tp.md); "
-            "stages 2 and 3 are not supported")
+            f"zero_optimization.stage={_zero_stage(ds_config)}: a client optimizer needs stage 0 (DeepSpeed re-flattens "
+            "a client optimizer under ZeRO). For ZeRO x TP use stage 1/2 through patch_megatron_training "
+            "(Megatron-DeepSpeed) or call deepspeed.initialize(model=..., model_parameters=..., config=ds_config, "
+            "mpu=mpu) with no client optimizer (docs/tp.md)")
     for key in ("bf16", "fp16"):
         if (ds_config.get(key) or {}).get("enabled", False):
             raise ValueError(
                 f"{key}.enabled=true: DeepSpeed wraps a client optimizer in its {key.upper()} optimizer, which "
-                "flattens (and for bf16 DP-partitions) the parameters and loses the TP shards; the Megatron TP "
-                "hook runs fp32 at ZeRO stage 0; for bf16/fp16 use ZeRO-1 x TP: no client optimizer, "
-                "deepspeed.initialize(..., mpu=mpu) with zero_optimization.stage=1 (docs/tp.md)")
+                "flattens the parameters and loses the TP shards; the stage-0 TP optimizer runs fp32. For bf16/fp16 "
+                "use ZeRO x TP: no client optimizer, deepspeed.initialize(..., mpu=mpu) with zero_optimization.stage "
+                "1 or 2 (docs/tp.md)")
     groups = groups_from_mpu(mpu) if mpu is not None else groups_from_deepspeed()
-    tp, adamw, is_matrix = tp_config_from_ds_config(ds_config)
+    cfg = config_from_ds_config(ds_config)
     chunks = model if isinstance(model, (list, tuple)) else [model]
     named: list = []
     for k, chunk in enumerate(chunks):
         prefix = f"chunk{k}." if len(chunks) > 1 else ""
         named += [(prefix + n, p) for n, p in chunk.named_parameters()]
-    return TPMuon(named, groups.tp_group, tp, tp_size=groups.tp_size, matrix_filter=is_matrix, **adamw)
+    opt = CanzonaOptimizer(named, cfg, tp_group=groups.tp_group, tp_size=groups.tp_size)
+    # Megatron's OptimizerParamScheduler sets lr = schedule_lr * lr_mult for every group:
+    # with --lr = the matrix lr, the AdamW group keeps its ratio
+    for g in opt.param_groups:
+        g["lr_mult"] = 1.0 if g["canzona_role"] == MATRIX else cfg.adam_lr_ratio
+    return opt
 
 
 def _load_ds_config(args) -> dict:
@@ -159,8 +144,8 @@ def _load_ds_config(args) -> dict:
         return json.load(f)
 
 
-class DeferredCanzonaMuon:
-    """What the patched ``get_megatron_optimizer`` returns at ZeRO stage 1: a placeholder.
+class DeferredCanzona:
+    """What the patched ``get_megatron_optimizer`` returns at ZeRO stage 1/2: a placeholder.
 
     Megatron builds its ``OptimizerParamScheduler`` against it (the scheduler writes
     ``lr``/``weight_decay`` into ``param_groups``, harmless here) and hands both to
@@ -176,7 +161,7 @@ class DeferredCanzonaMuon:
         self.state: dict = {}
 
     def _not_routed(self, *a, **k):
-        raise RuntimeError("DeferredCanzonaMuon is a placeholder for the ZeRO-1 CanzonaMuon that "
+        raise RuntimeError("DeferredCanzona is a placeholder for the ZeRO CanzonaOptimizer that "
                            "deepspeed.initialize builds; this call did not go through the deepspeed.initialize "
                            "wrapped by canzona_ds.integration.megatron.patch_megatron_training")
 
@@ -185,18 +170,16 @@ class DeferredCanzonaMuon:
 
 class _GroupView(MutableMapping):
     """A param group as Megatron's scheduler sees it: ``lr_mult`` supplied here, writes go
-    to the real group; a ``weight_decay`` write also reaches the TP runtime."""
+    to the real group."""
 
-    def __init__(self, group: dict, lr_mult: float, on_weight_decay: Callable[[float], None] | None) -> None:
-        self._g, self._extra, self._on_wd = group, {"lr_mult": lr_mult}, on_weight_decay
+    def __init__(self, group: dict, lr_mult: float) -> None:
+        self._g, self._extra = group, {"lr_mult": lr_mult}
 
     def __getitem__(self, k):
         return self._extra[k] if k in self._extra else self._g[k]
 
     def __setitem__(self, k, v):
         self._g[k] = v
-        if k == "weight_decay" and self._on_wd is not None:
-            self._on_wd(v)
 
     def __delitem__(self, k):
         del self._g[k]
@@ -209,36 +192,25 @@ class _GroupView(MutableMapping):
 
 
 class MegatronSchedulerTarget:
-    """``param_groups`` of a DeepSpeed-built :class:`CanzonaMuon` for Megatron's scheduler.
+    """``param_groups`` of a DeepSpeed-built :class:`CanzonaOptimizer` for Megatron's scheduler.
 
     Megatron's ``OptimizerParamScheduler.step`` sets ``group['lr'] = lr * group.get('lr_mult', 1)``
     and ``group['weight_decay'] = wd * group.get('wd_mult', 1)`` for every group.  Here the
-    Muon group has ``lr_mult`` 1 (Megatron ``--lr`` is the Muon lr) and the AdamW group
-    ``adam_lr / muon_lr`` (ds_config ``optimizer.params``).  The TP runtime takes ``lr`` from
-    the group at each step but weight decay from its config, so a scheduler write of the
-    Muon group's ``weight_decay`` also replaces the runtime config's ``weight_decay``.
+    matrix group has ``lr_mult`` 1 (Megatron ``--lr`` is the matrix lr) and the AdamW group
+    ``adam_lr / lr`` (ds_config ``optimizer.params``).  Both groups' ``lr`` and
+    ``weight_decay`` are read at every step, by the local update and the TP runtime alike.
     """
 
     def __init__(self, optimizer) -> None:
-        from .optimizer import MATRIX
-
         self.optimizer = optimizer
-        cfg = optimizer.config
-        self.param_groups = []
-        for g in optimizer.param_groups:
-            is_matrix = g.get("canzona_role") == MATRIX
-            mult = 1.0 if is_matrix else cfg.adam_lr / cfg.muon_lr
-            self.param_groups.append(_GroupView(g, mult, self._set_tp_weight_decay if is_matrix else None))
-
-    def _set_tp_weight_decay(self, wd: float) -> None:
-        rt = getattr(self.optimizer, "tp_runtime", None)
-        if rt is not None and rt.config.weight_decay != wd:
-            rt.config = dataclasses.replace(rt.config, weight_decay=float(wd))
+        ratio = optimizer.config.adam_lr_ratio
+        self.param_groups = [_GroupView(g, 1.0 if g.get("canzona_role") == MATRIX else ratio)
+                             for g in optimizer.param_groups]
 
 
 def _retarget_scheduler(scheduler) -> Callable:
     """A DeepSpeed client-scheduler callable: point Megatron's scheduler at the optimizer
-    DeepSpeed built (``engine.basic_optimizer``, the CanzonaMuon ZeRO-1 wraps) and apply
+    DeepSpeed built (``engine.basic_optimizer``, the CanzonaOptimizer ZeRO wraps) and apply
     its current lr/wd."""
 
     def build(basic_optimizer):
@@ -259,13 +231,13 @@ def _wrap_deepspeed_initialize(deepspeed_module) -> None:
 
     def initialize(*args, **kwargs):
         placeholder = kwargs.get("optimizer")
-        if not isinstance(placeholder, DeferredCanzonaMuon):
+        if not isinstance(placeholder, DeferredCanzona):
             return original(*args, **kwargs)
         if args:
             raise TypeError("patched deepspeed.initialize: pass arguments by keyword (as Megatron-DeepSpeed does)")
         if kwargs.get("mpu") is None:
             raise ValueError(
-                "CanzonaMuon ZeRO-1 x TP through Megatron-DeepSpeed needs the mpu in deepspeed.initialize; "
+                "Canzona ZeRO x TP through Megatron-DeepSpeed needs the mpu in deepspeed.initialize; "
                 "Megatron-DeepSpeed passes it only with --no-pipeline-parallel (pipeline parallelism is not "
                 "supported)")
         from . import install
@@ -284,11 +256,11 @@ def _wrap_deepspeed_initialize(deepspeed_module) -> None:
 
 def patch_megatron_training(training_module=None, get_args: Callable | None = None, mpu=None,
                             deepspeed_module=None) -> Callable:
-    """Route Megatron-DeepSpeed's ``setup_model_and_optimizer`` to CanzonaMuon from ds_config.
+    """Route Megatron-DeepSpeed's ``setup_model_and_optimizer`` to the Canzona optimizer of the ds_config.
 
-    Stage 0: ``get_megatron_optimizer`` returns TPMuon.  Stage 1: it returns a
-    :class:`DeferredCanzonaMuon`, and the wrapped ``deepspeed.initialize`` builds
-    CanzonaMuon (ZeRO-1 x TP) with no client optimizer and re-targets Megatron's scheduler.
+    Stage 0: ``get_megatron_optimizer`` returns the stage-0 CanzonaOptimizer.  Stage 1/2: it
+    returns a :class:`DeferredCanzona`, and the wrapped ``deepspeed.initialize`` builds the
+    optimizer (ZeRO x TP) with no client optimizer and re-targets Megatron's scheduler.
     Defaults are the real modules (``megatron.training``, ``megatron.get_args``,
     ``megatron.core.mpu``, the ``deepspeed`` that ``megatron.training`` imported); tests
     pass stand-ins.  Returns the original ``get_megatron_optimizer``.  Idempotent.
@@ -310,19 +282,14 @@ def patch_megatron_training(training_module=None, get_args: Callable | None = No
 
     def get_megatron_optimizer(model, *a, **k):
         ds_config = _load_ds_config(get_args())
-        if (ds_config.get("optimizer") or {}).get("type") != "CanzonaMuon":
+        if (ds_config.get("optimizer") or {}).get("type") not in OPTIMIZER_TYPES:
             return original(model, *a, **k)
-        if _zero_stage(ds_config) == 1:
-            tp_config_from_ds_config(ds_config)  # fail early on bad keys
-            return DeferredCanzonaMuon(ds_config, mpu)
+        if _zero_stage(ds_config) in (1, 2):
+            config_from_ds_config(ds_config)  # fail early on bad keys
+            return DeferredCanzona(ds_config, mpu)
         return build_tp_optimizer(model, ds_config, mpu=mpu)
 
     get_megatron_optimizer._canzona_patched = True
     get_megatron_optimizer._canzona_original = original
     training_module.get_megatron_optimizer = get_megatron_optimizer
     return original
-
-
-def named_tp_params(modules: Iterable) -> list[tuple[str, Any]]:
-    """(name, param) of every parameter marked tensor-parallel (Megatron or AutoTP)."""
-    return [(n, p) for m in modules for n, p in m.named_parameters() if getattr(p, "tensor_model_parallel", False)]

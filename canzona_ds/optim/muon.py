@@ -1,123 +1,199 @@
-"""Muon math: one small function each, shared by every runtime (single process, ZeRO-1, TP).
+"""Muon (Jordan et al.): momentum, then Newton-Schulz orthogonalisation of the whole matrix.
 
-``muon_update`` is bit-for-bit the update of ``torch.optim.Muon`` (torch 2.13) when called
-with the same settings: momentum as ``buf.lerp_(grad, 1 - momentum)``, Nesterov as
-``grad.lerp(buf, momentum)``, Newton-Schulz in bfloat16 on the wide orientation, the
-``adjust_lr_fn`` scaling, then decoupled weight decay.  The reference test checks that.
+:class:`MuonRule` with the default settings is bit-for-bit ``torch.optim.Muon`` (torch
+2.13): momentum as ``buf.lerp_(grad, 1 - momentum)``, Nesterov as
+``grad.lerp(buf, momentum)``, Newton-Schulz in bfloat16 on the wide orientation of the
+matrix, torch's ``adjust_lr_fn`` scaling, then decoupled weight decay (tests check it).
 
 ``ns_method``:
-    "standard"  torch.optim.Muon's quintic iteration (default; exact match)
-    "gram"      the same polynomial evaluated with the Gram matrix kept small: for a wide
-                X (m <= n) the iteration only ever multiplies (m, m) matrices until the last
-                product with X.  Faster for wide matrices; equal in exact arithmetic,
-                differs in bf16 rounding, so it is opt-in.
+    "standard"  torch.optim.Muon's quintic iteration X <- aX + (bA + cA^2)X, A = X X^T.
+    "gram"      the same polynomial iterated on the small Gram matrix R = X X^T (m x m
+                for a wide m x n X): X_k = Q_k X_0, so only the last product touches n.
+                Squaring the matrix squares its condition number, so in half precision R
+                loses the small singular values; as the Gram Newton-Schulz method
+                prescribes, the iteration restarts (X = Q X, R recomputed from X) after
+                ``GRAM_RESTART`` iterations.  Without the restart a bf16 Gram iteration
+                reached singular values of 1e3-5e5 on power-law and near-rank-1 spectra;
+                with it they stay at ~1.2 like "standard" (tests/test_optim_muon.py).  It
+                runs in bfloat16 like "standard", so its directions have the same dtype.
+                Equal to "standard" in exact arithmetic; differs by rounding: opt-in.
+
+Per-head (``num_heads``, DeepSpeed's ``per_head_muon``): an attention projection of shape
+(heads * head_dim, in) is orthogonalised head by head, (heads, head_dim, in) batched, and
+the learning rate is scaled by the head's shape (DeepSpeed's semantics).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
+from .rule import Flops, MatrixInfo, MatrixRule, check_bool, check_choice, check_int, check_number, matmul_flops
+
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-NS_STEPS = 5
-EPS = 1e-7
 NS_METHODS = ("standard", "gram")
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "none")
+#: largest accepted ns_steps (a count of 1e9 would hang the step; 100 is 20x the default)
+MAX_NS_STEPS = 100
+#: largest accepted |coefficient| (known coefficient sets stay below 10); bigger values
+#: overflow bf16 after a few iterations and turn every matrix non-finite
+MAX_NS_COEFFICIENT = 100.0
+#: gram: iterations between restarts (DeepSpeed's gram Muon restarts after 2)
+GRAM_RESTART = 2
+#: gram: dtype of the Gram-matrix iteration (the same as "standard")
+GRAM_DTYPE = torch.bfloat16
 
 
-def newton_schulz(
-    G: Tensor,
-    steps: int = NS_STEPS,
-    coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
-    eps: float = EPS,
-    method: str = "standard",
-    dtype: torch.dtype = torch.bfloat16,
-) -> Tensor:
-    """Approximate the orthogonal factor U V^T of G (2-D) by a quintic Newton-Schulz."""
-    if G.ndim != 2:
-        raise ValueError(f"newton_schulz needs a 2-D matrix, got shape {tuple(G.shape)}")
-    a, b, c = coefficients
-    X = G.to(dtype)
-    tall = G.size(0) > G.size(1)
-    if tall:
-        X = X.T
-    # Ensure spectral norm is at most 1
-    X = X.div(X.norm().clamp(min=eps))
+def newton_schulz(G: Tensor, steps: int = 5, coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+                  eps: float = 1e-7, method: str = "standard") -> Tensor:
+    """Approximate the orthogonal factor U V^T of ``G`` (..., m, n), batched over leading dims.
+
+    Returns bfloat16."""
+    if G.ndim < 2:
+        raise ValueError(f"newton_schulz needs a matrix, got shape {tuple(G.shape)}")
+    tall = G.size(-2) > G.size(-1)
     if method == "standard":
-        for _ in range(steps):
-            A = X @ X.T
-            B = torch.addmm(A, A, A, beta=b, alpha=c)
-            X = torch.addmm(X, B, X, beta=a)
+        X = G.bfloat16()
+        if tall:
+            X = X.mT
+        # Ensure spectral norm is at most 1
+        X = X.div(X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps))
+        X = _standard_iterations(X, steps, coefficients)
     elif method == "gram":
-        # X_k = Q_k X_0 with Q_k (m x m): Q_{k+1} = (a I + b A_k + c A_k^2) Q_k,
-        # A_k = X_k X_k^T = Q_k A_0 Q_k^T.  Only the final product touches n.
-        A0 = X @ X.T
-        Q = torch.eye(X.size(0), dtype=X.dtype, device=X.device)
-        for _ in range(steps):
-            A = Q @ A0 @ Q.T
-            B = torch.addmm(A, A, A, beta=b, alpha=c)
-            Q = torch.addmm(Q, B, Q, beta=a)
-        X = Q @ X
+        X = G.float()
+        if tall:
+            X = X.mT
+        X = X.div(X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)).to(GRAM_DTYPE)
+        X = _gram_iterations(X, steps, coefficients)
     else:
-        raise ValueError(f"Unknown ns_method={method!r}. Allowed: {list(NS_METHODS)}")
-    if tall:
-        X = X.T
+        raise ValueError(f"Invalid ns_method={method!r}. Allowed: {list(NS_METHODS)}.")
+    return X.mT if tall else X
+
+
+def _standard_iterations(X: Tensor, steps: int, coefficients: tuple[float, float, float]) -> Tensor:
+    a, b, c = coefficients
+    for _ in range(steps):
+        A = X @ X.mT
+        B = torch.baddbmm(A, A, A, beta=b, alpha=c) if A.ndim == 3 else torch.addmm(A, A, A, beta=b, alpha=c)
+        X = torch.baddbmm(X, B, X, beta=a) if X.ndim == 3 else torch.addmm(X, B, X, beta=a)
     return X
 
 
-def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: tuple[int, ...]) -> float:
-    """torch.optim.Muon's learning-rate scaling by matrix shape."""
-    A, B = shape[0], math.prod(shape[1:])
+def _gram_iterations(X: Tensor, steps: int, coefficients: tuple[float, float, float]) -> Tensor:
+    """X_{k+1} = p(R_k) X_k with p(R) = aI + bR + cR^2 and R_k = X_k X_k^T, carried as
+    X_k = Q X_j (j = last restart) and R_{k+1} = p(R_k) R_k p(R_k) (p(R) commutes with R)."""
+    a, b, c = coefficients
+    m, n = X.size(-2), X.size(-1)
+    if m == n:  # square: no smaller Gram matrix to iterate on
+        return _standard_iterations(X, steps, coefficients)
+    eye = torch.eye(m, dtype=X.dtype, device=X.device)
+    R = X @ X.mT
+    Q = None
+    for k in range(steps):
+        if k and k % GRAM_RESTART == 0:  # restart: materialise X, recompute R from it
+            X = Q @ X
+            R = X @ X.mT
+            Q = None
+        P = a * eye + b * R + c * (R @ R)
+        Q = P if Q is None else P @ Q
+        if k < steps - 1 and (k + 1) % GRAM_RESTART:
+            R = P @ R @ P
+    return Q @ X
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: tuple[int, int]) -> float:
+    """torch.optim.Muon's learning-rate scaling by the (2-D) matrix shape."""
+    A, B = shape
     if adjust_lr_fn is None or adjust_lr_fn == "original":
         return lr * math.sqrt(max(1.0, A / B))
     if adjust_lr_fn == "match_rms_adamw":
         return lr * 0.2 * math.sqrt(max(A, B))
     if adjust_lr_fn == "none":
         return lr
-    raise ValueError(f"Unknown adjust_lr_fn={adjust_lr_fn!r}. Allowed: {list(ADJUST_LR_FNS)}")
+    raise ValueError(f"Invalid adjust_lr_fn={adjust_lr_fn!r}. Allowed: {list(ADJUST_LR_FNS)}.")
 
 
-def muon_direction(
-    grad: Tensor,
-    momentum_buffer: Tensor,
-    momentum: float,
-    nesterov: bool = True,
-    ns_steps: int = NS_STEPS,
-    ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
-    eps: float = EPS,
-    ns_method: str = "standard",
-) -> Tensor:
-    """Update momentum in place and return the orthogonalised direction (grad's shape)."""
-    momentum_buffer.lerp_(grad, 1 - momentum)
-    update = grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
-    shape = update.shape
-    O = newton_schulz(update.reshape(shape[0], -1), ns_steps, ns_coefficients, eps, ns_method)
-    return O.reshape(shape)
+@dataclass(frozen=True)
+class MuonRule(MatrixRule):
+    name: ClassVar[str] = "muon"
+    default_lr: ClassVar[float] = 0.02  # DeepSpeed's MuonWithAuxAdam defaults
+    default_adam_lr: ClassVar[float] = 3e-4
+    # DeepSpeed's "Muon" reads betas/eps as the AdamW half's; ns_eps is torch.optim.Muon's eps
+    config_aliases: ClassVar[dict] = {"betas": "adam_betas", "eps": "adam_eps", "muon_lr": "lr_matrix"}
 
+    #: momentum coefficient, in [0, 1)
+    momentum: float = 0.95
+    #: Nesterov momentum (torch.optim.Muon ``nesterov``)
+    nesterov: bool = True
+    #: Newton-Schulz iterations, integer in [1, 100]
+    ns_steps: int = 5
+    #: quintic Newton-Schulz coefficients (a, b, c), each |x| <= 100
+    ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS
+    #: epsilon of the Frobenius normalisation before Newton-Schulz (torch's Muon ``eps``), in (0, 1e-2]
+    ns_eps: float = 1e-7
+    #: Newton-Schulz evaluation: "standard" (torch.optim.Muon, bit-exact) or "gram" (see module doc)
+    ns_method: str = "standard"
+    #: learning-rate scaling by shape: null/"original" (torch's default), "match_rms_adamw", "none"
+    adjust_lr_fn: str | None = None
 
-def apply_update(param: Tensor, direction: Tensor, lr: float, weight_decay: float, adjust_lr_fn: str | None, shape=None) -> None:
-    """Decoupled weight decay, then ``param -= adjusted_lr * direction`` (in param's dtype)."""
-    shape = tuple(param.shape) if shape is None else tuple(shape)
-    param.mul_(1 - lr * weight_decay)
-    param.add_(direction.to(param.dtype), alpha=-adjusted_lr(lr, adjust_lr_fn, shape))
+    def __post_init__(self) -> None:
+        check_number("momentum", self.momentum, 0.0, 1.0, high_open=True)
+        check_bool("nesterov", self.nesterov)
+        check_int("ns_steps", self.ns_steps, 1, MAX_NS_STEPS)
+        if not isinstance(self.ns_coefficients, (tuple, list)) or len(self.ns_coefficients) != 3:
+            raise ValueError(f"Invalid ns_coefficients={self.ns_coefficients!r}. Must be three numbers (a, b, c).")
+        for i, c in enumerate(self.ns_coefficients):
+            check_number(f"ns_coefficients[{i}]", c, -MAX_NS_COEFFICIENT, MAX_NS_COEFFICIENT)
+        object.__setattr__(self, "ns_coefficients", tuple(float(c) for c in self.ns_coefficients))
+        check_number("ns_eps", self.ns_eps, 0.0, 1e-2, low_open=True)
+        check_choice("ns_method", self.ns_method, NS_METHODS)
+        check_choice("adjust_lr_fn", self.adjust_lr_fn, ADJUST_LR_FNS)
 
+    # ---------------------------------------------------------------- the math
+    def init_state(self, info: MatrixInfo, like: Tensor) -> dict[str, Tensor]:
+        return {"momentum_buffer": torch.zeros(info.shape, dtype=like.dtype, device=like.device)}
 
-def muon_update(
-    param: Tensor,
-    grad: Tensor,
-    momentum_buffer: Tensor,
-    *,
-    lr: float,
-    weight_decay: float,
-    momentum: float,
-    nesterov: bool = True,
-    ns_steps: int = NS_STEPS,
-    ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
-    eps: float = EPS,
-    adjust_lr_fn: str | None = None,
-    ns_method: str = "standard",
-) -> None:
-    """One Muon step for one matrix, in place (param, momentum_buffer)."""
-    O = muon_direction(grad, momentum_buffer, momentum, nesterov, ns_steps, ns_coefficients, eps, ns_method)
-    apply_update(param, O, lr, weight_decay, adjust_lr_fn)
+    def direction(self, grad: Tensor, state: dict[str, Tensor], info: MatrixInfo, step: int) -> Tensor:
+        buf = state["momentum_buffer"]
+        buf.lerp_(grad, 1 - self.momentum)
+        update = grad.lerp(buf, self.momentum) if self.nesterov else buf
+        rows, cols = info.shape2d
+        if info.num_heads:
+            heads = info.num_heads
+            O = newton_schulz(update.reshape(heads, rows // heads, cols), self.ns_steps, self.ns_coefficients,
+                              self.ns_eps, self.ns_method)
+        else:
+            O = newton_schulz(update.reshape(rows, cols), self.ns_steps, self.ns_coefficients, self.ns_eps,
+                              self.ns_method)
+        return O.reshape(grad.shape)
+
+    def direction_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
+        return torch.bfloat16  # Newton-Schulz's output: TP update shards travel at half the bytes, losslessly
+
+    def scales(self, lr: float, weight_decay: float, info: MatrixInfo, step: int) -> tuple[float, float]:
+        rows, cols = info.shape2d
+        if info.num_heads:  # DeepSpeed's per-head Muon scales by the head's shape
+            rows //= info.num_heads
+        return 1.0 - lr * weight_decay, adjusted_lr(lr, self.adjust_lr_fn, (rows, cols))
+
+    # ---------------------------------------------------------------- the cost
+    def flops(self, shape: tuple[int, int], num_heads: int | None = None) -> Flops:
+        heads = num_heads or 1
+        rows, cols = shape[0] // heads, shape[1]
+        m, n = sorted((rows, cols))
+        if self.ns_method == "gram" and m != n:
+            # R = X X^T once per restart; per iteration P = aI + bR + cR^2 (one m^3 product),
+            # Q = P Q and R = P R P (three m^3 products, fewer at restarts); final Q X
+            restarts = math.ceil(self.ns_steps / GRAM_RESTART)
+            per = restarts * matmul_flops(m, n, m) + self.ns_steps * 4 * matmul_flops(m, m, m)
+            per += matmul_flops(m, m, n) * restarts
+        else:
+            per = self.ns_steps * (2 * matmul_flops(m, n, m) + matmul_flops(m, m, m))
+        f = heads * per
+        return Flops(f, f)
+
+    def state_bytes(self, shape: tuple[int, int], num_heads: int | None = None) -> float:
+        return 4.0 * shape[0] * shape[1]  # fp32 momentum

@@ -34,7 +34,7 @@ def compare(
     model: str | Path,
     dp: int,
     tp: int = 1,
-    optimizer: str = "muon",
+    cost_model=None,
     alpha: float = 1.0,
     cost: str = "numel",
     c_max: float | None = None,
@@ -46,6 +46,9 @@ def compare(
         raise ValueError(f"Unknown DP planner={dp_planner!r}. Allowed: {sorted(DP_PLANNERS)}")
     if tp_scheduler not in TP_SCHEDULERS:
         raise ValueError(f"Unknown TP scheduler={tp_scheduler!r}. Allowed: {sorted(TP_SCHEDULERS)}")
+    if cost_model is None:
+        raise ValueError("compare() needs the optimizer's cost model, e.g. canzona_ds.optim.cost_model('muon').")
+    optimizer = cost_model.name
     specs = model_specs(model, tp=tp)
     mats = matrix_specs(specs)
     summary: dict = {
@@ -69,11 +72,11 @@ def compare(
         summary["note"] = "model has no matrix parameters: nothing for a matrix optimizer to plan"
         return out
     for name in DP_PLANNERS:
-        plan = plan_dp(mats, dp, planner=name, alpha=alpha, cost=cost, optimizer=optimizer, bucket_numel=bucket_numel)
+        plan = plan_dp(mats, dp, planner=name, alpha=alpha, cost=cost, model=cost_model, bucket_numel=bucket_numel)
         out.dp_plans[name] = plan
-        summary["dp_planners"][name] = dp_report(plan, optimizer).as_dict()
+        summary["dp_planners"][name] = dp_report(plan, cost_model).as_dict()
     default = out.dp_plans[dp_planner]
-    flops = rank_costs(default, "flops", optimizer)
+    flops = rank_costs(default, "flops", cost_model)
     busiest = max(range(dp), key=lambda r: (flops[r], -r))
     owned = [mats[i] for i in default.rank_params[busiest] if mats[i].tp_size > 1]
     split = [s for s in mats if s.tp_size > 1]
@@ -82,9 +85,9 @@ def compare(
         summary["tp_note"] = "no TP-split matrices to schedule (tp=1 or the busiest DP rank owns none)"
         return out
     for name in TP_SCHEDULERS:
-        plan = plan_tp(owned, tp, scheduler=name, c_max=c_max, cost=cost, optimizer=optimizer)
+        plan = plan_tp(owned, tp, scheduler=name, c_max=c_max, cost=cost, model=cost_model)
         out.tp_plans[name] = plan
-        summary["tp_schedulers"][name] = tp_report(plan, optimizer).as_dict()
-        whole = plan_tp(split, tp, scheduler=name, c_max=c_max, cost=cost, optimizer=optimizer)
-        summary["tp_whole_model"][name] = tp_report(whole, optimizer).as_dict()
+        summary["tp_schedulers"][name] = tp_report(plan, cost_model).as_dict()
+        whole = plan_tp(split, tp, scheduler=name, c_max=c_max, cost=cost, model=cost_model)
+        summary["tp_whole_model"][name] = tp_report(whole, cost_model).as_dict()
     return out

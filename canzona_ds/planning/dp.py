@@ -11,8 +11,9 @@ The runtime realises a plan in DeepSpeed's flat buffer like this ("planned paddi
 Every matrix lies wholly inside one rank's range, so DeepSpeed's stock equal-chunk
 code (reduce to owner, partitioned step, all-gather) keeps working unchanged and the
 optimizer step needs no communication.  The cost is ``padding = dp*P - S`` elements in
-the replicated buffer and the post-step all-gather; the planners minimise it by
-balancing ``numel`` (memory) together with the compute cost.
+the replicated buffer and the post-step all-gather (computed in ONE place,
+``planning/layout.py``); the planners keep it small by balancing ``numel`` together with
+the compute cost.
 
 Planners are pure functions of (specs, world size, settings): every rank computes the
 same plan; :meth:`OwnershipPlan.fingerprint` lets the runtime verify that.
@@ -48,8 +49,6 @@ class OwnershipPlan:
     rank_load: tuple[float, ...]
     #: per rank, elements of its parameters (before padding)
     rank_numel: tuple[int, ...]
-    #: every rank's range is padded to this many elements (multiple of ``align``)
-    shard_numel: int
     #: matrices cut by a rank boundary (only ``equal_chunk`` has any)
     split_params: tuple[int, ...] = ()
     cost_model: str = "numel"
@@ -61,14 +60,24 @@ class OwnershipPlan:
     def total_numel(self) -> int:
         return sum(self.rank_numel)
 
-    @property
-    def padding(self) -> int:
-        """Extra elements the padded layout adds: ``dp * P - S``."""
-        return self.world_size * self.shard_numel - self.total_numel
+    def layout(self, param_alignment: int = 1, start_alignment: int | None = None):
+        """The planned-padding layout of this plan (:func:`canzona_ds.planning.layout.plan_layout`,
+        the one place padding is computed); defaults: DeepSpeed ZeRO's alignment."""
+        from .layout import DS_START_ALIGNMENT, plan_layout
+
+        if self.split_params:
+            raise ValueError(f"planner {self.planner!r} splits matrices: it has no planned-padding layout.")
+        return plan_layout([len(r) for r in self.rank_params], [self.specs[i].numel for i in self.buffer_order()],
+                           param_alignment, DS_START_ALIGNMENT if start_alignment is None else start_alignment)
 
     @property
     def padding_fraction(self) -> float:
-        return self.padding / self.total_numel if self.total_numel else 0.0
+        """Padding of the planned layout (DeepSpeed's alignment) / useful elements; for
+        ``equal_chunk`` the stock layout's tail padding."""
+        if self.split_params or self.planner == "equal_chunk":
+            chunk = -(-self.total_numel // self.world_size)
+            return (chunk * self.world_size - self.total_numel) / self.total_numel if self.total_numel else 0.0
+        return self.layout().padding_fraction
 
     def rank_offsets(self, rank: int) -> list[tuple[int, int]]:
         """(spec index, element offset inside the rank's range) in buffer order."""
@@ -89,24 +98,17 @@ class OwnershipPlan:
             "world_size": self.world_size,
             "specs": [(s.name, list(s.shape)) for s in self.specs],
             "rank_params": [list(r) for r in self.rank_params],
-            "shard_numel": self.shard_numel,
         }
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _round_up(x: int, align: int) -> int:
-    return -(-x // align) * align
-
-
-def _validate(specs: Sequence[ParamSpec], world_size: int, alpha: float | None, align: int = 1) -> None:
+def _validate(specs: Sequence[ParamSpec], world_size: int, alpha: float | None) -> None:
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"Invalid world_size={world_size!r}. Must be an int >= 1.")
     if len(specs) == 0:
         raise ValueError("Empty parameter list: nothing to plan (specs=[]).")
     if alpha is not None and not (0.0 <= alpha <= 1.0):
         raise ValueError(f"Invalid alpha={alpha!r}. Must be within [0, 1].")
-    if isinstance(align, bool) or not isinstance(align, int) or align < 1:
-        raise ValueError(f"Invalid align={align!r}. Must be an int >= 1.")
 
 
 def _finish(
@@ -115,7 +117,6 @@ def _finish(
     world_size: int,
     rank_params: list[list[int]],
     loads: Sequence[float],
-    align: int,
     t0: float,
     cost_model: str,
     alpha: float | None = None,
@@ -123,7 +124,6 @@ def _finish(
     owner: list[int] | None = None,
     rank_numel: list[int] | None = None,
     rank_load: list[float] | None = None,
-    shard_numel: int | None = None,
     extra: dict | None = None,
 ) -> OwnershipPlan:
     if owner is None:
@@ -135,8 +135,6 @@ def _finish(
         rank_numel = [sum(specs[i].numel for i in idxs) for idxs in rank_params]
     if rank_load is None:
         rank_load = [sum(loads[i] for i in idxs) for idxs in rank_params]
-    if shard_numel is None:
-        shard_numel = _round_up(max(max(rank_numel), 1), align)
     return OwnershipPlan(
         planner=planner,
         world_size=world_size,
@@ -145,7 +143,6 @@ def _finish(
         rank_params=tuple(tuple(r) for r in rank_params),
         rank_load=tuple(float(x) for x in rank_load),
         rank_numel=tuple(rank_numel),
-        shard_numel=shard_numel,
         split_params=split_params,
         cost_model=cost_model,
         alpha=alpha,
@@ -158,7 +155,6 @@ def plan_lpt(
     specs: Sequence[ParamSpec],
     world_size: int,
     loads: Sequence[float],
-    align: int = 1,
     cost_model: str = "numel",
 ) -> OwnershipPlan:
     """Global LPT: heaviest matrix first onto the least-loaded rank (ties: lower numel, rank).
@@ -166,7 +162,7 @@ def plan_lpt(
     Inside a rank, parameters keep their original model order.
     """
     t0 = time.perf_counter()
-    _validate(specs, world_size, None, align)
+    _validate(specs, world_size, None)
     order = sorted(range(len(specs)), key=lambda i: (-loads[i], -specs[i].numel, i))
     heap = [(0.0, 0, r) for r in range(world_size)]
     rank_params: list[list[int]] = [[] for _ in range(world_size)]
@@ -176,14 +172,13 @@ def plan_lpt(
         heapq.heappush(heap, (load + loads[i], numel + specs[i].numel, r))
     for r in rank_params:
         r.sort()
-    return _finish("lpt", specs, world_size, rank_params, loads, align, t0, cost_model)
+    return _finish("lpt", specs, world_size, rank_params, loads, t0, cost_model)
 
 
 def plan_equal_chunk(
     specs: Sequence[ParamSpec],
     world_size: int,
     loads: Sequence[float],
-    align: int = 1,
     cost_model: str = "numel",
 ) -> OwnershipPlan:
     """DeepSpeed's stock ZeRO-1 slicing: model-order buffer cut into ``ceil(S/dp)`` chunks.
@@ -196,9 +191,9 @@ def plan_equal_chunk(
     of every split matrix i.
     """
     t0 = time.perf_counter()
-    _validate(specs, world_size, None, align)
+    _validate(specs, world_size, None)
     total = sum(s.numel for s in specs)
-    chunk = _round_up(max(-(-total // world_size), 1), align)
+    chunk = max(-(-total // world_size), 1)
     rank_params: list[list[int]] = [[] for _ in range(world_size)]
     rank_numel = [0] * world_size
     rank_load = [0.0] * world_size
@@ -224,9 +219,9 @@ def plan_equal_chunk(
             slices[i] = tuple(parts)
         start = end
     return _finish(
-        "equal_chunk", specs, world_size, rank_params, loads, align, t0, cost_model,
+        "equal_chunk", specs, world_size, rank_params, loads, t0, cost_model,
         split_params=tuple(split), owner=owner, rank_numel=rank_numel, rank_load=rank_load,
-        shard_numel=chunk, extra={"slices": slices},
+        extra={"slices": slices},
     )
 
 
@@ -244,13 +239,12 @@ def plan_naive_atomic(
     specs: Sequence[ParamSpec],
     world_size: int,
     loads: Sequence[float],
-    align: int = 1,
     cost_model: str = "numel",
 ) -> OwnershipPlan:
     """The paper's unbalanced ASC: each equal cut ``r*S/dp`` snapped to the nearest
     parameter boundary; model order preserved, every matrix atomic."""
     t0 = time.perf_counter()
-    _validate(specs, world_size, None, align)
+    _validate(specs, world_size, None)
     prefix = list(itertools.accumulate((s.numel for s in specs), initial=0))
     total = prefix[-1]
     cuts = [0]
@@ -258,7 +252,7 @@ def plan_naive_atomic(
         cuts.append(_nearest_cut(prefix, total * r / world_size, cuts[-1]))
     cuts.append(len(specs))
     rank_params = [list(range(cuts[r], cuts[r + 1])) for r in range(world_size)]
-    return _finish("naive_atomic", specs, world_size, rank_params, loads, align, t0, cost_model)
+    return _finish("naive_atomic", specs, world_size, rank_params, loads, t0, cost_model)
 
 
 def make_buckets(specs: Sequence[ParamSpec], bucket_numel: int | None) -> list[tuple[int, int]]:
@@ -287,7 +281,6 @@ def plan_alpha_balanced(
     specs: Sequence[ParamSpec],
     world_size: int,
     loads: Sequence[float],
-    align: int = 1,
     cost_model: str = "numel",
     alpha: float = 1.0,
     bucket_numel: int | None = DEFAULT_BUCKET_NUMEL,
@@ -301,7 +294,7 @@ def plan_alpha_balanced(
     ``bucket_rank_numel`` (S_{i,r}, for J_comm).
     """
     t0 = time.perf_counter()
-    _validate(specs, world_size, alpha, align)
+    _validate(specs, world_size, alpha)
     buckets = make_buckets(specs, bucket_numel)
     bucket_load = [sum(loads[a:b]) for a, b in buckets]
     mu = sum(bucket_load) / world_size
@@ -332,22 +325,20 @@ def plan_alpha_balanced(
             row.append(sum(specs[i].numel for i in range(cuts[r], cuts[r + 1])))
         bucket_rank_numel.append(row)
     return _finish(
-        "alpha_balanced", specs, world_size, rank_params, loads, align, t0, cost_model, alpha=alpha,
+        "alpha_balanced", specs, world_size, rank_params, loads, t0, cost_model, alpha=alpha,
         extra={"buckets": buckets, "bucket_rank_numel": bucket_rank_numel},
     )
 
 
-def _criteria(specs: Sequence[ParamSpec], loads: Sequence[float], optimizer: str) -> np.ndarray:
-    """Columns to balance together: the planner's load, numel (= padding), FLOPs and state
-    bytes of ``optimizer``; columns proportional to an earlier one are dropped."""
-    from .cost import flops, state_bytes
+def _criteria(specs: Sequence[ParamSpec], loads: Sequence[float], model) -> np.ndarray:
+    """Columns to balance together: the planner's load, numel (= padding), and, with a cost
+    model, the optimizer's FLOPs and memory; columns proportional to an earlier one are
+    dropped."""
+    from .cost import cost_vector
 
-    columns = [
-        [float(s.numel) for s in specs],
-        list(loads),
-        [flops(s, optimizer) for s in specs],
-        [state_bytes(s, optimizer) for s in specs],
-    ]
+    columns = [[float(s.numel) for s in specs], list(loads)]
+    if model is not None:
+        columns += [cost_vector(specs, "flops", model), cost_vector(specs, "memory", model)]
     kept: list[np.ndarray] = []
     for col in columns:
         v = np.asarray(col, dtype=np.float64)
@@ -569,9 +560,8 @@ def plan_multi_lpt(
     specs: Sequence[ParamSpec],
     world_size: int,
     loads: Sequence[float],
-    align: int = 1,
     cost_model: str = "numel",
-    optimizer: str = "muon",
+    model=None,
     refine_iters: int | None = None,
     lexicographic: bool = True,
 ) -> OwnershipPlan:
@@ -601,8 +591,8 @@ def plan_multi_lpt(
     and ``criterion_max`` (final worst rank per criterion, mean = 1).
     """
     t0 = time.perf_counter()
-    _validate(specs, world_size, None, align)
-    X = _criteria(specs, loads, optimizer) * world_size
+    _validate(specs, world_size, None)
+    X = _criteria(specs, loads, model) * world_size
     iters = refine_iters if refine_iters is not None else 4 * (len(specs) + world_size)
     candidates = [_greedy_min_max(X, specs, loads, world_size)]
     packed = _multifit(X, world_size, upper=_score(candidates[0], X, world_size)[0])
@@ -636,7 +626,7 @@ def plan_multi_lpt(
     for i in range(len(specs)):
         rank_params[int(assign[i])].append(i)
     return _finish(
-        "multi_lpt", specs, world_size, rank_params, loads, align, t0, cost_model,
+        "multi_lpt", specs, world_size, rank_params, loads, t0, cost_model,
         extra={"refine_steps": steps, "criteria": X.shape[1], "start": ("lpt", "multifit")[best],
                "minmax_score": minimax, "criterion_max": [round(float(v), 12) for v in final]},
     )
@@ -650,23 +640,23 @@ class DPRequest:
     world_size: int
     #: per spec, the cost-model load
     loads: Sequence[float]
-    align: int
     cost_model: str
     alpha: float
-    optimizer: str
+    #: the optimizer's cost model (planning.cost.CostModel), or None (numel only)
+    model: object
     #: bucket size of ``alpha_balanced`` (elements); None = one bucket
     bucket_numel: int | None
 
 
 #: planner name -> fn(DPRequest) -> OwnershipPlan
 DP_PLANNERS: dict[str, Callable[[DPRequest], OwnershipPlan]] = {
-    "equal_chunk": lambda q: plan_equal_chunk(q.specs, q.world_size, q.loads, q.align, q.cost_model),
-    "naive_atomic": lambda q: plan_naive_atomic(q.specs, q.world_size, q.loads, q.align, q.cost_model),
+    "equal_chunk": lambda q: plan_equal_chunk(q.specs, q.world_size, q.loads, q.cost_model),
+    "naive_atomic": lambda q: plan_naive_atomic(q.specs, q.world_size, q.loads, q.cost_model),
     "alpha_balanced": lambda q: plan_alpha_balanced(
-        q.specs, q.world_size, q.loads, q.align, q.cost_model, alpha=q.alpha, bucket_numel=q.bucket_numel
+        q.specs, q.world_size, q.loads, q.cost_model, alpha=q.alpha, bucket_numel=q.bucket_numel
     ),
-    "lpt": lambda q: plan_lpt(q.specs, q.world_size, q.loads, q.align, q.cost_model),
-    "multi_lpt": lambda q: plan_multi_lpt(q.specs, q.world_size, q.loads, q.align, q.cost_model, q.optimizer),
+    "lpt": lambda q: plan_lpt(q.specs, q.world_size, q.loads, q.cost_model),
+    "multi_lpt": lambda q: plan_multi_lpt(q.specs, q.world_size, q.loads, q.cost_model, q.model),
 }
 #: planners that keep every matrix whole on one rank
 ATOMIC_DP_PLANNERS = ("naive_atomic", "alpha_balanced", "lpt", "multi_lpt")
@@ -679,8 +669,7 @@ def plan_dp(
     planner: str = DEFAULT_DP_PLANNER,
     alpha: float = 1.0,
     cost: str = "numel",
-    optimizer: str = "muon",
-    align: int = 1,
+    model=None,
     bucket_numel: int | None = DEFAULT_BUCKET_NUMEL,
 ) -> OwnershipPlan:
     """Plan ownership of ``specs`` (all atomic) over ``world_size`` DP ranks.
@@ -688,18 +677,18 @@ def plan_dp(
     Args:
         planner: planner name (see ``DP_PLANNERS``).
         alpha: balance factor of ``alpha_balanced`` (ignored by the others), in [0, 1].
-        cost: cost model name used as the load (see ``cost.COST_FUNCTIONS``).
-        optimizer: which optimizer's FLOPs / state the cost models count.
-        align: every rank's range is rounded up to a multiple of this many elements.
+        cost: cost name the planner balances (``planning.cost.COST_MODELS``).
+        model: the optimizer's cost model (e.g. ``canzona_ds.optim.cost_model("muon")``);
+            needed for every cost but ``numel``; ``multi_lpt`` also balances its FLOPs and
+            memory.  TP-split specs are charged the DP owner's share of the full matrix.
         bucket_numel: bucket size of ``alpha_balanced`` in elements (None: one bucket).
     """
-    from .cost import check_cost, check_optimizer, cost_vector  # local import keeps the module graph one-way
+    from .cost import check_cost, cost_vector  # local import keeps the module graph one-way
 
-    _validate(specs, world_size, alpha, align)
+    _validate(specs, world_size, alpha)
     check_cost(cost)
-    check_optimizer(optimizer)
     if planner not in DP_PLANNERS:
         raise ValueError(f"Unknown DP planner={planner!r}. Allowed: {sorted(DP_PLANNERS)}")
-    loads = cost_vector(specs, cost=cost, optimizer=optimizer)
-    request = DPRequest(specs, world_size, loads, align, cost, alpha, optimizer, bucket_numel)
+    loads = cost_vector(specs, cost=cost, model=model)
+    request = DPRequest(specs, world_size, loads, cost, alpha, model, bucket_numel)
     return DP_PLANNERS[planner](request)

@@ -15,15 +15,17 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
-from .cost import cost_vector
+from .cost import MASTER_GRAD_BYTES, cost_vector
 from .dp import OwnershipPlan
 from .tp import MicroGroupPlan
 
 
-def rank_costs(plan: OwnershipPlan, cost: str, optimizer: str = "muon") -> list[float]:
-    """Per DP rank load under ``cost``; split matrices (equal_chunk) charge FLOPs in full
-    to every rank they touch and numel/memory pro rata to the slice."""
-    loads = cost_vector(plan.specs, cost=cost, optimizer=optimizer)
+def rank_costs(plan: OwnershipPlan, cost: str, model=None) -> list[float]:
+    """Per DP rank load under ``cost``.  A matrix cut by a rank boundary (only
+    ``equal_chunk``, DeepSpeed's stock slicing) is updated in full on every rank it touches
+    (DeepSpeed's Muon), so FLOPs and optimizer state are charged in full to each of them;
+    its master weight and gradient (and ``numel``) pro rata to the slice."""
+    loads = cost_vector(plan.specs, cost=cost, model=model)
     out = [0.0] * plan.world_size
     slices = plan.extra.get("slices", {})
     for r, idxs in enumerate(plan.rank_params):
@@ -33,7 +35,13 @@ def rank_costs(plan: OwnershipPlan, cost: str, optimizer: str = "muon") -> list[
     for i, parts in slices.items():
         numel = plan.specs[i].numel
         for r, n in parts:
-            out[r] += loads[i] if cost == "flops" else (loads[i] * n / numel if numel else 0.0)
+            if cost in ("flops", "peak_flops"):
+                out[r] += loads[i]
+            elif cost == "memory":
+                state = loads[i] - numel * MASTER_GRAD_BYTES
+                out[r] += n * MASTER_GRAD_BYTES + state
+            else:
+                out[r] += loads[i] * n / numel if numel else 0.0
     return out
 
 
@@ -51,8 +59,10 @@ def _bound(loads: Sequence[float], ranks: int) -> float:
 class DPReport:
     planner: str
     world_size: int
-    #: max/avg of Newton-Schulz (or Shampoo/SOAP) FLOPs per rank
+    #: max/avg of the optimizer's amortised FLOPs per rank
     flops_ratio: float
+    #: max/avg of the optimizer's peak-step FLOPs per rank (refresh steps of Shampoo/SOAP)
+    peak_flops_ratio: float
     #: max/avg of optimizer-state bytes per rank
     memory_ratio: float
     #: max/avg of elements per rank (= 1 + padding fraction for atomic plans)
@@ -74,13 +84,16 @@ class DPReport:
         return asdict(self)
 
 
-def dp_report(plan: OwnershipPlan, optimizer: str = "muon") -> DPReport:
-    flops = rank_costs(plan, "flops", optimizer)
-    memory = rank_costs(plan, "memory", optimizer)
-    flops_each = cost_vector(plan.specs, "flops", optimizer)
-    memory_each = cost_vector(plan.specs, "memory", optimizer)
-    loads = rank_costs(plan, plan.cost_model, optimizer)
-    mu = sum(cost_vector(plan.specs, plan.cost_model, optimizer)) / plan.world_size
+def dp_report(plan: OwnershipPlan, model) -> DPReport:
+    """Balance of ``plan`` under the optimizer's cost ``model`` (e.g. optim.cost_model("muon"))."""
+    flops = rank_costs(plan, "flops", model)
+    peak = rank_costs(plan, "peak_flops", model)
+    memory = rank_costs(plan, "memory", model)
+    flops_each = cost_vector(plan.specs, "flops", model)
+    peak_each = cost_vector(plan.specs, "peak_flops", model)
+    memory_each = cost_vector(plan.specs, "memory", model)
+    loads = rank_costs(plan, plan.cost_model, model)
+    mu = sum(cost_vector(plan.specs, plan.cost_model, model)) / plan.world_size
     if "bucket_rank_numel" in plan.extra:
         buckets = plan.extra["bucket_rank_numel"]
     else:
@@ -90,6 +103,7 @@ def dp_report(plan: OwnershipPlan, optimizer: str = "muon") -> DPReport:
         planner=plan.planner,
         world_size=plan.world_size,
         flops_ratio=_ratio(flops, sum(flops_each)),
+        peak_flops_ratio=_ratio(peak, sum(peak_each)),
         memory_ratio=_ratio(memory, sum(memory_each)),
         numel_ratio=_ratio(plan.rank_numel, plan.total_numel),
         flops_lower_bound=_bound(flops_each, plan.world_size),
@@ -125,9 +139,9 @@ class TPReport:
         return asdict(self)
 
 
-def tp_report(plan: MicroGroupPlan, optimizer: str = "muon") -> TPReport:
-    flops_each = cost_vector(plan.specs, "flops", optimizer, full=True)
-    memory_each = cost_vector(plan.specs, "memory", optimizer, full=True)
+def tp_report(plan: MicroGroupPlan, model) -> TPReport:
+    flops_each = cost_vector(plan.specs, "flops", model, hosted=True)
+    memory_each = cost_vector(plan.specs, "memory", model, hosted=True)
     flops = [0.0] * plan.tp_size
     memory = [0.0] * plan.tp_size
     serial = 0.0

@@ -205,29 +205,28 @@ def plan_tp(
     scheduler: str = DEFAULT_TP_SCHEDULER,
     c_max: float | None = None,
     cost: str = "numel",
-    optimizer: str = "muon",
+    model=None,
 ) -> MicroGroupPlan:
     """Schedule the TP-split matrices ``specs`` (TP-local shards) over a TP group.
 
-    A task's load is the cost of the *full* matrix (``cost_vector(..., full=True)``): the
+    A task's load is the cost of the *full* matrix (``cost_vector(..., hosted=True)``): the
     host reassembles it and runs the optimizer on all of it.
 
     Args:
         scheduler: name in ``TP_SCHEDULERS``.
         c_max: per-group makespan capacity, in units of ``cost``; None = the largest task
             (the smallest valid value: groups as small as balance allows, so they pipeline).
-        cost: cost model name (``numel``, ``flops``, ``memory``).
-        optimizer: optimizer whose FLOPs / state the cost model counts.
+        cost: cost name (``numel``, ``flops``, ``peak_flops``, ``memory``).
+        model: the optimizer's cost model (needed for every cost but ``numel``).
     """
-    from .cost import check_cost, check_optimizer, cost_vector
+    from .cost import check_cost, cost_vector
 
     check_cost(cost)
-    check_optimizer(optimizer)
     if scheduler not in TP_SCHEDULERS:
         raise ValueError(f"Unknown TP scheduler={scheduler!r}. Allowed: {sorted(TP_SCHEDULERS)}")
     if len(specs) == 0:
         raise ValueError("Empty parameter list: nothing to schedule (specs=[]).")
-    loads = cost_vector(specs, cost=cost, optimizer=optimizer, full=True)
+    loads = cost_vector(specs, cost=cost, model=model, hosted=True)
     if c_max is None:
         c_max = max(loads) if max(loads) > 0 else 1.0
     return TP_SCHEDULERS[scheduler](specs, tp_size, c_max, loads, cost)

@@ -1,8 +1,8 @@
-"""Runtime of a MicroGroupPlan: exact Muon for tensor-parallel matrices (TP-ASC).
+"""Hosted runtime of a micro-group plan: any matrix rule on tensor-parallel matrices (TP-ASC).
 
 See :mod:`canzona_ds.tp.runtime` for the interface and the data layout.
 """
-from .runtime import STRATEGIES, StepStats, TPMatrix, TPMuonConfig, TPMuonRuntime
+from .runtime import MicroGroupRuntime, StepStats, TPMatrix
 from .verify import verify_same_across_group
 
-__all__ = ["STRATEGIES", "StepStats", "TPMatrix", "TPMuonConfig", "TPMuonRuntime", "verify_same_across_group"]
+__all__ = ["MicroGroupRuntime", "StepStats", "TPMatrix", "verify_same_across_group"]

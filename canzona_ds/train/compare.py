@@ -20,7 +20,8 @@ from canzona_ds.train.metrics import (MATPLOTLIB_MISSING, have_matplotlib, plot_
 from canzona_ds.train.reference import run_reference
 from canzona_ds.train.trainer import OptimizerUnavailable, data_parallel_size, is_rank0, load_ds_config, train
 
-MUON_TYPES = ("canzonamuon", "muon")
+#: runs whose optimizer the single-process reference can reproduce (lower-cased types)
+REFERENCE_TYPES = ("canzonamuon", "canzonashampoo", "canzonasoap", "muon")
 
 
 def run_compare(cfg: RunConfig, progress: bool = True) -> dict:
@@ -41,15 +42,15 @@ def run_compare(cfg: RunConfig, progress: bool = True) -> dict:
     if is_rank0():
         curves = {n: read_metrics(r.metrics_path) for n, r in runs.items()}
         report["runs"] = {n: {"ds_config": _ds_path_of(cfg, n), **r.summary} for n, r in runs.items()}
-        muon_run = next((n for n in runs if n.lower() in MUON_TYPES), None)
+        muon_run = next((n for n in runs if n.lower() in REFERENCE_TYPES), None)
         if cfg.reference_steps and muon_run is not None:
-            params = load_ds_config(_ds_path_of(cfg, muon_run))["optimizer"]
+            section = load_ds_config(_ds_path_of(cfg, muon_run))["optimizer"]
             dp = data_parallel_size(_ds_path_of(cfg, muon_run), world)
-            ref = run_reference(cfg, dp, params.get("params", {}), cfg.reference_steps)
+            ref = run_reference(cfg, dp, section, cfg.reference_steps)
             (out_dir / "reference.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ref))
             report["reference"] = {"steps": len(ref), "hparams_from": muon_run,
                                    "max_abs_loss_diff": {n: max(abs(a["loss"] - b["loss"]) for a, b in zip(c, ref))
-                                                         for n, c in curves.items() if n.lower() in MUON_TYPES}}
+                                                         for n, c in curves.items() if n.lower() in REFERENCE_TYPES}}
             print(_reference_table(curves, ref), flush=True)
         print(summary_table({n: r.summary for n, r in runs.items()}), flush=True)
         if have_matplotlib():
@@ -75,8 +76,9 @@ def _ds_path_of(cfg: RunConfig, opt_type: str) -> str:
 
 
 def _reference_table(curves: dict[str, list[dict]], ref: list[dict]) -> str:
-    names = [n for n in curves if n.lower() in MUON_TYPES]
-    lines = ["single-process exact Muon reference (torch.optim.Muon + AdamW) vs ZeRO-1 runs, loss per step:",
+    names = [n for n in curves if n.lower() in REFERENCE_TYPES]
+    lines = ["single-process reference (optim.reference: the rule on whole matrices + AdamW) vs the ZeRO runs, "
+             "loss per step:",
              "step".rjust(5) + "reference".rjust(12) + "".join(n.rjust(14) for n in names)]
     for i, r in enumerate(ref):
         lines.append(f"{r['step']:5d}{r['loss']:12.5f}" + "".join(

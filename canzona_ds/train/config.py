@@ -50,7 +50,7 @@ class RunConfig:
     eval_every: int = 50
     #: held-out batches (of micro_batch windows) per evaluation
     eval_batches: int = 4
-    #: DeepSpeed config JSON (its optimizer section picks CanzonaMuon / Muon / AdamW)
+    #: DeepSpeed config JSON (its optimizer section picks Canzona* / Muon / AdamW)
     ds_config: str = "configs/ds_cpu_canzona.json"
     #: run output folder: metrics, plots, summary
     log_dir: str = "runs/tiny"

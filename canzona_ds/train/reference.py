@@ -1,60 +1,51 @@
-"""Single-process exact Muon reference: torch.optim.Muon (matrices) + torch.optim.AdamW (the
-rest), same init, same global batches, same learning-rate schedule as the distributed run.
+"""The main job's single-process reference (``--compare``): ``optim.reference.ReferenceOptimizer``
+with the run's optimizer settings, same init, same global batches, same lr schedule.
 
 It walks each step's global batch micro-batch by micro-batch in the order the DP ranks
 would, scaling every micro loss by 1 / (grad_accum * dp), so its gradient is the average
-DeepSpeed forms.  Hyper-parameters come from the params block of a Muon-style ds_config
-(keys as DeepSpeed's built-in Muon reads them: lr, muon_lr, adam_lr, momentum, betas, eps,
-weight_decay).
+DeepSpeed forms.  The settings come from the ds_config's optimizer section: a Canzona type
+as is; DeepSpeed's own ``"Muon"`` as ``"CanzonaMuon"`` with the same keys (DeepSpeed-only
+keys such as ``torch_adam`` are dropped), so the reference says what exact Muon would do.
 """
 from __future__ import annotations
 
-import torch
-
 from canzona_ds.data import BatchSampler, DataConfig
 from canzona_ds.models.qwen3 import build_model
-from canzona_ds.planning.params import default_is_matrix
 from canzona_ds.train.config import RunConfig
 from canzona_ds.train.schedule import lr_multiplier
 
-#: keys the reference needs spelled out in the ds_config (no guessing of defaults)
-REQUIRED_KEYS = ("momentum", "weight_decay", "betas", "eps")
+#: DeepSpeed "Muon" params with no meaning for the reference (DeepSpeed implementation switches)
+DEEPSPEED_ONLY_KEYS = ("torch_adam", "adam_w_mode", "fused")
 
 
-def reference_hparams(params: dict) -> dict:
-    p = dict(params)
-    missing = [k for k in REQUIRED_KEYS if k not in p]
-    if "lr" not in p and not ("muon_lr" in p and "adam_lr" in p):
-        missing.append("lr (or muon_lr and adam_lr)")
-    if missing:
-        raise ValueError(f"The Muon reference needs these optimizer params in the ds_config: {missing}. "
-                         f"Got: {sorted(p)}")
-    return {"muon_lr": float(p["muon_lr"] if "muon_lr" in p else p["lr"]),
-            "adam_lr": float(p["adam_lr"] if "adam_lr" in p else p["lr"]),
-            "momentum": float(p["momentum"]), "weight_decay": float(p["weight_decay"]),
-            "betas": tuple(float(b) for b in p["betas"]), "eps": float(p["eps"])}
+def reference_config(optimizer_section: dict):
+    """The CanzonaConfig the reference runs, from a ds_config ``optimizer`` section."""
+    from canzona_ds.optim import OPTIMIZER_TYPES
+    from canzona_ds.optim.config import CanzonaConfig
+
+    opt_type = str(optimizer_section.get("type"))
+    params = dict(optimizer_section.get("params") or {})
+    if opt_type.lower() == "muon":
+        opt_type = "CanzonaMuon"
+        params = {k: v for k, v in params.items() if k not in DEEPSPEED_ONLY_KEYS}
+    if opt_type not in OPTIMIZER_TYPES:
+        raise ValueError(f"The reference runs matrix optimizers: {sorted(OPTIMIZER_TYPES)} or 'Muon'; got {opt_type!r}.")
+    return CanzonaConfig.from_ds(opt_type, params)
 
 
-def run_reference(cfg: RunConfig, dp: int, optimizer_params: dict, steps: int) -> list[dict]:
+def run_reference(cfg: RunConfig, dp: int, optimizer_section: dict, steps: int) -> list[dict]:
     """Losses of the first ``steps`` optimizer steps: ``[{"step": n, "loss": ...}, ...]``."""
+    from canzona_ds.optim.reference import ReferenceOptimizer
+
     accum, _ = cfg.batch_layout(dp)
-    hp = reference_hparams(optimizer_params)
+    config = reference_config(optimizer_section)
     model = build_model(cfg.model_config(), cfg.seed)
-    matrices = [p for n, p in model.named_parameters() if default_is_matrix(n, tuple(p.shape))]
-    others = [p for n, p in model.named_parameters() if not default_is_matrix(n, tuple(p.shape))]
-    muon = torch.optim.Muon(matrices, lr=hp["muon_lr"], momentum=hp["momentum"], weight_decay=hp["weight_decay"],
-                            nesterov=True, adjust_lr_fn="original")
-    adamw = torch.optim.AdamW(others, lr=hp["adam_lr"], betas=hp["betas"], eps=hp["eps"],
-                              weight_decay=hp["weight_decay"])
-    opts = (muon, adamw)
-    base = [[g["lr"] for g in o.param_groups] for o in opts]
+    opt = ReferenceOptimizer(model.named_parameters(), config)
     sampler = BatchSampler(DataConfig(corpus=cfg.corpus, seq_len=cfg.seq_len, seed=cfg.seed))
     rows = []
     for step in range(min(steps, cfg.steps)):
         mult = lr_multiplier(step, cfg.steps, cfg.lr_schedule, cfg.warmup_steps, cfg.min_lr_ratio)
-        for o, lrs in zip(opts, base):
-            for g, lr in zip(o.param_groups, lrs):
-                g["lr"] = lr * mult
+        opt.set_lr(config.lr * mult, config.adam_lr * mult)
         total = 0.0
         for micro in range(accum):
             for rank in range(dp):
@@ -62,8 +53,8 @@ def run_reference(cfg: RunConfig, dp: int, optimizer_params: dict, steps: int) -
                 loss = model(x, y)[1]
                 (loss / (accum * dp)).backward()
                 total += float(loss.detach())
-        for o in opts:
-            o.step()
-            o.zero_grad(set_to_none=True)
+        opt.step()
+        opt.zero_grad()
         rows.append({"step": step + 1, "loss": total / (accum * dp)})
     return rows
+

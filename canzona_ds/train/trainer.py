@@ -29,7 +29,7 @@ from canzona_ds.train.config import RunConfig
 from canzona_ds.train.metrics import MetricsWriter, read_metrics, summarize_steps
 from canzona_ds.train.plan_summary import format_plan, summarize
 from canzona_ds.train.schedule import lr_multiplier
-from canzona_ds.train.timing import TimerTap
+from canzona_ds.integration.runtime_info import TimerTap, canzona_optimizer, data_parallel_rank, realised_layout
 
 #: ds_config keys the run config owns (set from it; a different value in the JSON is an error)
 BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
@@ -109,18 +109,18 @@ def build_ds_config(cfg: RunConfig, ds_path: str | Path, dp: int) -> dict:
 def _initialize(model, ds: dict):
     """deepspeed.initialize, by strategy:
 
-    * ds_config optimizer section (CanzonaMuon / Muon / AdamW) built by DeepSpeed (ZeRO-1);
-    * AutoTP + CanzonaMuon at ZeRO stage 1: also from ds_config; DeepSpeed sets
-      ``engine.mpu`` to its AutoTP groups, so CanzonaMuon's ZeRO-1 x TP path runs TP-ASC;
-    * AutoTP + CanzonaMuon at stage 0: DeepSpeed shards the Linears inside ``initialize``, so
-      the exact TP Muon (``canzona_ds.tp.TPMuon`` via ``integration.megatron.build_tp_optimizer``)
-      is passed as a client-optimizer *factory* that runs after sharding and sees the shards.
+    * ds_config optimizer section (Canzona* / Muon / AdamW) built by DeepSpeed (ZeRO);
+    * AutoTP + a Canzona type at ZeRO stage 1/2: also from ds_config; DeepSpeed sets
+      ``engine.mpu`` to its AutoTP groups, so the optimizer's TP hosting runs TP-ASC;
+    * AutoTP + a Canzona type at stage 0: DeepSpeed shards the Linears inside ``initialize``,
+      so the stage-0 optimizer (``integration.megatron.build_tp_optimizer``) is passed as a
+      client-optimizer *factory* that runs after sharding and sees the shards.
     """
     import deepspeed
 
     try:
         zero_stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
-        if tensor_parallel_size(ds) > 1 and str(ds["optimizer"]["type"]) == "CanzonaMuon" and zero_stage == 0:
+        if tensor_parallel_size(ds) > 1 and str(ds["optimizer"]["type"]).startswith("Canzona") and zero_stage == 0:
             from canzona_ds.integration.megatron import build_tp_optimizer
 
             client = {k: v for k, v in ds.items() if k != "optimizer"}
@@ -131,8 +131,8 @@ def _initialize(model, ds: dict):
     except AssertionError as e:  # DeepSpeed reports unknown optimizer types with an assert
         if "not a supported DeepSpeed Optimizer" in str(e):
             raise OptimizerUnavailable(
-                f"optimizer type {ds['optimizer']['type']!r} is not available: {e}. 'CanzonaMuon' needs the "
-                "canzona_ds DeepSpeed integration (import canzona_ds registers it); use configs/ds_cpu_muon.json "
+                f"optimizer type {ds['optimizer']['type']!r} is not available: {e}. The Canzona types need the "
+                "canzona_ds DeepSpeed integration (import canzona_ds registers them); use configs/ds_cpu_muon.json "
                 "(DeepSpeed's built-in Muon) meanwhile.") from None
         raise
     return engine
@@ -164,12 +164,6 @@ def evaluate(engine, sampler: BatchSampler, n_batches: int, batch: int, rank: in
     return _global_mean(total, count)
 
 
-def _data_parallel_rank(engine) -> int:
-    from deepspeed.utils import groups
-
-    return int(groups.get_data_parallel_rank())
-
-
 def train(cfg: RunConfig, name: str | None = None, progress: bool = True) -> RunResult:
     """One run of the main job in the current process group (all ranks call it)."""
     from tqdm.auto import tqdm
@@ -185,9 +179,9 @@ def train(cfg: RunConfig, name: str | None = None, progress: bool = True) -> Run
     model = build_model(cfg.model_config(), cfg.seed)
     engine = _initialize(model, ds)
     # the data shard follows the DP rank; AutoTP ranks of one DP group read the same batch
-    rank = _data_parallel_rank(engine) if dp < world else (dist.get_rank() if dist.is_initialized() else 0)
+    rank = data_parallel_rank(engine) if dp < world else (dist.get_rank() if dist.is_initialized() else 0)
     tap = TimerTap(engine)
-    plan = summarize(engine.module, dp, engine.optimizer).to_dict()
+    plan = summarize(engine.module, dp, canzona_optimizer(engine), realised_layout(engine)).to_dict()
 
     base_lrs = [float(g["lr"]) for g in engine.optimizer.param_groups]
     start_step = 0

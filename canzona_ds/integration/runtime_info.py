@@ -1,4 +1,12 @@
-"""Step-time breakdown from DeepSpeed's own engine/ZeRO timers, captured instead of printed.
+"""What the main job reads from a DeepSpeed engine: everything here touches engine internals,
+so nothing outside ``integration/`` has to.
+
+* :class:`TimerTap` - the step-time breakdown from DeepSpeed's own timers;
+* :func:`canzona_optimizer` - the CanzonaOptimizer an engine runs (its plan, layout, rule);
+* :func:`data_parallel_rank` - this rank's index in the data-parallel group;
+* :func:`release_shm_buffer` - DeepSpeed's leaked CPU shared-memory buffer.
+
+Step-time breakdown from DeepSpeed's own engine/ZeRO timers, captured instead of printed.
 
 With ``wall_clock_breakdown`` DeepSpeed times each phase and *prints and resets* its timers
 through ``SynchronizedWallClockTimer.log``.  ``TimerTap`` replaces ``log`` on the engine's
@@ -57,3 +65,48 @@ class TimerTap:
             out[col] = sum(self.totals[n] for n in present) if present else None
         self.totals.clear()
         return out
+
+
+def canzona_optimizer(engine):
+    """The :class:`~canzona_ds.optim.optimizer.CanzonaOptimizer` ``engine`` steps, or None."""
+    from ..optim.optimizer import CanzonaOptimizer
+
+    for obj in (getattr(engine, "basic_optimizer", None), getattr(engine, "optimizer", None),
+                getattr(getattr(engine, "optimizer", None), "optimizer", None)):
+        if isinstance(obj, CanzonaOptimizer):
+            return obj
+    return None
+
+
+def realised_layout(engine):
+    """The planned-padding Layout ZeRO realised for the matrix group (None without one)."""
+    return getattr(getattr(engine, "optimizer", None), "canzona_layout", None)
+
+
+def data_parallel_rank(engine) -> int:
+    """This rank's index in the data-parallel group DeepSpeed set up (AutoTP included)."""
+    from deepspeed.utils import groups
+
+    return int(groups.get_data_parallel_rank())
+
+
+def release_shm_buffer() -> bool:
+    """Unlink this rank's DeepSpeed CPU shared-memory all-reduce buffer; True if one was removed.
+
+    DeepSpeed 0.19.8's CPU comm op (``ops/csrc/cpu/comm/shm.cpp``, ``shm_initialize``)
+    creates ``/dev/shm/deepspeed_allreduce_buffer_{uid}_{MASTER_ADDR}_{MASTER_PORT}_{rank}``
+    (~69 MB) per rank and never unlinks it, so every run leaves them behind in RAM-backed
+    tmpfs.  Call once per process after its last collective: unlinking removes only the
+    name, the other ranks' existing mappings stay valid.
+    """
+    import os
+
+    addr, port, rank = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"), os.environ.get("RANK")
+    if not (addr and port and rank):
+        return False
+    path = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}"
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False

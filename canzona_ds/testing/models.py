@@ -1,14 +1,14 @@
-"""Small test models, data, and the two runners every ZeRO-1 test compares.
+"""Small test models, data, and the two runners every ZeRO test compares.
 
 ``TinyLM``: an embedding, a LayerNorm, heterogeneous matrices (fused qkv 48x16, proj 16x16
-+ bias, fc1 40x16, fc2 16x40, a 3-D "conv" 8x4x4), and an lm_head.  Shapes are chosen so
-the stock equal-chunk split cuts matrices at DP=2 and DP=4.
++ bias, fc1 40x16, fc2 16x40), and an lm_head.  Shapes are chosen so DeepSpeed's stock
+equal-chunk split cuts matrices at DP=2 and DP=4.
 
-``run_engine``   a real DeepSpeed engine (call inside ``run_distributed``), rank r gets rows
-                 [r*B, (r+1)*B) of each global batch.
-``run_reference``  one process: per-rank gradients computed separately, averaged exactly as
-                 ZeRO-1 does (each divided by dp, then summed), then torch.optim.Muon on the
-                 matrices and torch.optim.AdamW on the rest.
+``run_engine``     a real DeepSpeed engine (call inside ``run_distributed``); rank r gets
+                   rows [r*B, (r+1)*B) of each global batch.
+``run_reference``  one process: each DP rank's gradient computed separately, averaged as
+                   ZeRO averages them (each divided by dp, then summed), optionally
+                   clipped as DeepSpeed clips, then ``optim.reference.ReferenceOptimizer``.
 """
 from __future__ import annotations
 
@@ -19,6 +19,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 VOCAB, D, T = 32, 16, 6
+
+#: hyper-parameters the distributed tests use, per optimizer type (small refresh periods so a
+#: few steps include preconditioner refreshes)
+HP = {
+    "CanzonaMuon": dict(lr=0.02, adam_lr=0.01, momentum=0.9, weight_decay=0.1, betas=[0.9, 0.95], eps=1e-8),
+    "CanzonaShampoo": dict(lr=0.01, adam_lr=0.01, weight_decay=0.1, betas=[0.9, 0.99], precondition_frequency=2,
+                           start_preconditioning_step=2, epsilon=1e-8),
+    "CanzonaSOAP": dict(lr=0.01, adam_lr=0.01, weight_decay=0.1, betas=[0.9, 0.95], precondition_frequency=2),
+}
+TYPES = tuple(HP)
 
 
 class TinyLM(nn.Module):
@@ -45,6 +55,9 @@ class TinyLM(nn.Module):
         return F.cross_entropy(self.lm_head(h).flatten(0, 1).float(), y.flatten())
 
 
+MATRICES = ("qkv.weight", "proj.weight", "fc1.weight", "fc2.weight")
+
+
 def make_model(seed: int = 0, with_matrices: bool = True) -> TinyLM:
     torch.manual_seed(seed)
     return TinyLM(with_matrices)
@@ -56,16 +69,14 @@ def batches(steps: int, global_batch: int, seed: int = 1):
              torch.randint(0, VOCAB, (global_batch, T), generator=g)) for _ in range(steps)]
 
 
-HP = dict(lr=0.02, adam_lr=0.01, momentum=0.9, weight_decay=0.1, betas=[0.9, 0.95], eps=1e-8)
-
-
-def ds_config(dp: int, micro: int = 2, gas: int = 1, params: dict | None = None, **extra) -> dict:
+def ds_config(dp: int, micro: int = 2, gas: int = 1, optimizer: str = "CanzonaMuon", params: dict | None = None,
+              stage: int = 1, **extra) -> dict:
     cfg = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": gas,
         "train_batch_size": micro * gas * dp,
-        "optimizer": {"type": "CanzonaMuon", "params": dict(HP if params is None else params)},
-        "zero_optimization": {"stage": 1},
+        "optimizer": {"type": optimizer, "params": dict(HP.get(optimizer, {}) if params is None else params)},
+        "zero_optimization": {"stage": stage},
         "gradient_clipping": 0.0,
         "steps_per_print": 10 ** 9,
     }
@@ -84,71 +95,57 @@ def params_of(module: nn.Module) -> dict:
 
 def run_engine(rank: int, dp: int, cfg: dict, steps: int, micro: int = 2, gas: int = 1, seed: int = 0,
                model: nn.Module | None = None, after_init=None):
-    """Train ``steps`` optimizer steps on a DeepSpeed engine; return the final parameters."""
-    import canzona_ds  # noqa: F401 - registers CanzonaMuon
+    """Train ``steps`` optimizer steps on a DeepSpeed engine; return (parameters, losses, engine)."""
+    import canzona_ds  # noqa: F401 - registers the Canzona types
     import deepspeed
 
     model = make_model(seed) if model is None else model
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     if after_init is not None:
         after_init(engine)
-    data = batches(steps * gas, micro * dp)
-    dtype = next(engine.module.parameters()).dtype
     losses = []
-    for x, y in data:
+    for x, y in batches(steps * gas, micro * dp):
         x, y = x[rank * micro:(rank + 1) * micro], y[rank * micro:(rank + 1) * micro]
         loss = engine(x, y)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    del dtype
     return params_of(engine.module), losses, engine
 
 
-def reference_grads(model: nn.Module, x: list, y: list, dp: int, micro: int, gas: int = 1):
-    """ZeRO-1's averaged gradient, in its order: per rank, accumulate grad(loss / gas) over the
+def reference_grads(model: nn.Module, x: list, y: list, dp: int, micro: int, gas: int = 1) -> dict:
+    """ZeRO's averaged gradient, in its order: per rank, accumulate grad(loss / gas) over the
     micro-steps; then divide by dp and sum over ranks (exact for power-of-two dp and gas)."""
-    total = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    from canzona_ds.optim.reference import zero_average
+
+    per_rank = []
     for r in range(dp):
         model.zero_grad(set_to_none=True)
         rows = slice(r * micro, (r + 1) * micro)
         for m in range(gas):
             (model(x[m][rows], y[m][rows]) / gas).backward()
-        for n, p in model.named_parameters():
-            total[n] += p.grad / dp
-    return total
+        per_rank.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    return zero_average(per_rank)
 
 
-def run_reference(dp: int, steps: int, micro: int = 2, gas: int = 1, seed: int = 0, hp: dict | None = None,
-                  clip: float = 0.0):
-    """torch.optim.Muon (matrices) + torch.optim.AdamW (rest) on ZeRO-1's averaged gradients.
-
-    ``clip > 0``: DeepSpeed's gradient clipping first: every gradient times
-    ``1 / max(1, (global_l2_norm + 1e-6) / clip)`` (stage_1_and_2.unscale_and_clip_grads)."""
-    from canzona_ds.integration.config import CanzonaMuonConfig
+def run_reference(dp: int, steps: int, optimizer: str = "CanzonaMuon", params: dict | None = None, micro: int = 2,
+                  gas: int = 1, seed: int = 0, clip: float = 0.0, model: nn.Module | None = None) -> dict:
+    """The single-process reference on ZeRO's averaged (and DeepSpeed-clipped) gradients."""
+    from canzona_ds.optim.config import CanzonaConfig
+    from canzona_ds.optim.reference import ReferenceOptimizer, deepspeed_clip
 
     torch.set_num_threads(1)  # same reduction order as the 1-thread ranks
-    hp = dict(HP if hp is None else hp)
-    cfg = CanzonaMuonConfig.from_params(hp)
-    model = make_model(seed)
-    mats = [p for n, p in model.named_parameters() if cfg.is_matrix(n, tuple(p.shape))]
-    rest = [p for n, p in model.named_parameters() if not cfg.is_matrix(n, tuple(p.shape))]
-    muon = torch.optim.Muon(mats, lr=cfg.muon_lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum,
-                            nesterov=cfg.nesterov, ns_steps=cfg.ns_steps, eps=cfg.ns_eps)
-    adamw = torch.optim.AdamW(rest, lr=cfg.adam_lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                              weight_decay=cfg.weight_decay)
+    cfg = CanzonaConfig.from_ds(optimizer, dict(HP[optimizer] if params is None else params))
+    model = make_model(seed) if model is None else model
+    opt = ReferenceOptimizer(model.named_parameters(), cfg)
     data = batches(steps * gas, micro * dp)
     for s in range(steps):
         chunk = data[s * gas:(s + 1) * gas]
-        grads = reference_grads(model, [c[0] for c in chunk], [c[1] for c in chunk], dp, micro, gas)
-        if clip > 0:
-            norm = sum(g.double().pow(2).sum() for g in grads.values()).sqrt()
-            factor = torch.clamp((norm + 1e-6) / clip, min=1.0)
-            grads = {n: g.mul(1.0 / factor) for n, g in grads.items()}
+        grads = deepspeed_clip(reference_grads(model, [c[0] for c in chunk], [c[1] for c in chunk], dp, micro, gas),
+                               clip)
         for n, p in model.named_parameters():
             p.grad = grads[n]
-        muon.step()
-        adamw.step()
+        opt.step()
     return params_of(model)
 
 

@@ -1,0 +1,174 @@
+"""ds_config ``"type"`` names -> :class:`~canzona_ds.optim.optimizer.CanzonaOptimizer`; engine patches.
+
+:func:`install` (run by ``import canzona_ds`` as soon as ``deepspeed`` is imported) wraps
+three ``DeepSpeedEngine`` methods on the class; each falls through to the stock code
+unless the optimizer is one of ``OPTIMIZER_TYPES`` ("CanzonaMuon", "CanzonaShampoo",
+"CanzonaSOAP"):
+
+* ``_is_supported_optimizer``: accept our type names (stock: built-ins and ``torch.optim``);
+* ``_configure_basic_optimizer``: build the optimizer from ds_config (:func:`build_optimizer`);
+* ``_configure_zero_optimizer``: build :mod:`canzona_ds.integration.zero`'s subclass instead
+  of the stock ``DeepSpeedZeroOptimizer`` (engine.py reads that class from a module global,
+  so the global is swapped for the duration of this one call).
+
+``CanzonaOptimizer`` is added to ZeRO's exact-type list of supported optimizers.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..optim import OPTIMIZER_TYPES
+from ..optim.config import CanzonaConfig
+from ..optim.optimizer import CanzonaOptimizer
+from .pinned import check_deepspeed
+
+DS_CONFIG_TP_KEY = "canzona_tp"
+
+_installed = False
+
+
+# ---------------------------------------------------------------------------- config checks
+def check_engine_config(engine, cfg: CanzonaConfig) -> None:
+    """Refuse ds_config settings the Canzona optimizers do not support, naming the setting."""
+    stage = engine.zero_optimization_stage()
+    name = engine.optimizer_name()
+    if stage not in (0, 1, 2):
+        raise ValueError(f"{name} supports zero_optimization.stage 0, 1 or 2; got stage={stage}. ZeRO-3 partitions "
+                         "every parameter across ranks, which whole-matrix updates cannot use.")
+    if stage == 0 and (engine.bfloat16_enabled() or engine.fp16_enabled()):
+        kind = "bf16" if engine.bfloat16_enabled() else "fp16"
+        raise ValueError(f"{name} with {kind}.enabled=true needs zero_optimization.stage 1 or 2 (at stage 0 DeepSpeed "
+                         f"wraps the optimizer in its {kind.upper()} optimizer, which flattens the matrices).")
+    model_dtype, grad_accum_dtype = engine.get_data_types()
+    if stage == 1 and model_dtype == torch.bfloat16 and grad_accum_dtype == torch.float32:
+        raise ValueError(f"{name} does not support bf16 with data_types.grad_accum_dtype='fp32' at stage 1 yet "
+                         "(DeepSpeed routes it to BF16_Optimizer). Use stage 2, or remove grad_accum_dtype.")
+    if stage and engine.zero_round_robin_gradients():
+        raise ValueError(f"{name} does not support zero_optimization.round_robin_gradients=true (it reorders "
+                         "parameters, breaking the ownership plan). Set it to false.")
+    if stage and engine.zero_use_cpu_optimizer():
+        device = engine.zero_offload_optimizer().device
+        raise ValueError(f"{name} does not support zero_optimization.offload_optimizer.device={device.value!r} yet. "
+                         "Allowed: 'none' (or remove offload_optimizer).")
+    if getattr(engine, "zenflow", False):
+        raise ValueError(f"{name} does not support zero_optimization.zenflow.")
+    if engine.has_moe_layers:
+        raise ValueError(f"{name} does not support MoE layers yet.")
+
+
+def _dp_world_size(engine) -> int:
+    from deepspeed import comm as dist
+
+    return dist.get_world_size(group=engine.seq_data_parallel_group)
+
+
+def _named_parameters(engine, model_parameters) -> list:
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    params = []
+    if model_parameters is None:
+        model_parameters = engine.module.parameters()
+    items = list(model_parameters) if not isinstance(model_parameters, torch.Tensor) else [model_parameters]
+    for item in items:
+        if isinstance(item, dict):
+            extra = sorted(set(item) - {"params"})
+            if extra:
+                raise ValueError(f"{engine.optimizer_name()} does not take per-group settings (got keys {extra} in a "
+                                 "model_parameters group). Pass plain parameters and set hyper-parameters in "
+                                 "ds_config optimizer.params.")
+            params.extend(item["params"])
+        elif isinstance(item, torch.Tensor):
+            params.append(item)
+        else:
+            raise TypeError(f"model_parameters must be parameters or param-group dicts, got {type(item).__name__}.")
+    missing = [p for p in params if id(p) not in names]
+    if missing:
+        raise ValueError(f"{len(missing)} of model_parameters are not parameters of the model given to "
+                         f"deepspeed.initialize; {engine.optimizer_name()} needs their names.")
+    zero_init = [names[id(p)] for p in params if hasattr(p, "ds_id") or hasattr(p, "ds_status")]
+    if zero_init:
+        raise ValueError(f"{engine.optimizer_name()} cannot use parameters built under deepspeed.zero.Init (e.g. "
+                         f"{zero_init[0]!r} is partitioned, ZeRO-3 style, with shape {tuple(params[0].shape)}): build "
+                         "the model without zero.Init for ZeRO stage 0/1/2.")
+    return [(names[id(p)], p) for p in params]
+
+
+def _tp_groups(engine, named, cfg: CanzonaConfig):
+    """(tp_group, tp_size) from the engine's mpu (Megatron's, or DeepSpeed's AutoTP groups)."""
+    mpu = getattr(engine, "mpu", None)
+    if mpu is not None:
+        from .megatron import groups_from_mpu
+
+        groups = groups_from_mpu(mpu)
+        if groups.tp_size > 1:
+            return groups.tp_group, groups.tp_size
+    tagged = [n for n, p in named if getattr(p, "tensor_model_parallel", False)
+              and (hasattr(p, "partition_dim") or getattr(p, "ds_autotp_universal_checkpoint_meta", None))]
+    if tagged:
+        # without the TP group every rank would update its own shard: an approximation
+        raise ValueError(
+            f"{len(tagged)} parameters are marked tensor_model_parallel (e.g. {tagged[0]!r}) but "
+            f"{engine.optimizer_name()} found no TP group: deepspeed.initialize got no mpu. Pass mpu=<Megatron "
+            "parallel_state> to deepspeed.initialize (or use tensor_parallel.autotp_size).")
+    return None, 1
+
+
+def build_optimizer(engine, model_parameters) -> CanzonaOptimizer:
+    """ds_config ``"type": "Canzona*"`` -> a :class:`CanzonaOptimizer` over the engine's module."""
+    ds = engine._config._param_dict
+    cfg = CanzonaConfig.from_ds(engine.optimizer_name(), engine.optimizer_params(), ds.get(DS_CONFIG_TP_KEY))
+    check_engine_config(engine, cfg)
+    named = _named_parameters(engine, model_parameters)
+    tp_group, tp_size = _tp_groups(engine, named, cfg)
+    if cfg.per_head_muon:
+        from .heads import tag_heads
+
+        tag_heads(engine.module, named, tp_size)
+    stage = engine.zero_optimization_stage()
+    dp = _dp_world_size(engine) if stage in (1, 2) else 1
+    return CanzonaOptimizer(named, cfg, dp_world_size=dp, zero=stage in (1, 2), tp_group=tp_group, tp_size=tp_size)
+
+
+# ---------------------------------------------------------------------------- install
+def install() -> None:
+    """Teach DeepSpeed's engine the Canzona optimizer types (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    check_deepspeed()
+    import deepspeed.runtime.engine as engine_mod
+    from deepspeed.runtime.zero import utils as zero_utils
+
+    from .zero import zero_optimizer_class
+
+    Engine = engine_mod.DeepSpeedEngine
+    stock_is_supported = Engine._is_supported_optimizer
+    stock_basic = Engine._configure_basic_optimizer
+    stock_zero = Engine._configure_zero_optimizer
+
+    def _is_supported_optimizer(self, optimizer_name):
+        return optimizer_name in OPTIMIZER_TYPES or stock_is_supported(self, optimizer_name)
+
+    def _configure_basic_optimizer(self, model_parameters):
+        if self.optimizer_name() in OPTIMIZER_TYPES:
+            return build_optimizer(self, model_parameters)
+        return stock_basic(self, model_parameters)
+
+    def _configure_zero_optimizer(self, optimizer):
+        if not isinstance(optimizer, CanzonaOptimizer):
+            return stock_zero(self, optimizer)
+        check_engine_config(self, optimizer.config)
+        if optimizer.plan is None:  # no matrices: plain AdamW, stock ZeRO
+            return stock_zero(self, optimizer)
+        stock_cls = engine_mod.DeepSpeedZeroOptimizer
+        engine_mod.DeepSpeedZeroOptimizer = zero_optimizer_class()
+        try:
+            return stock_zero(self, optimizer)
+        finally:
+            engine_mod.DeepSpeedZeroOptimizer = stock_cls
+
+    Engine._is_supported_optimizer = _is_supported_optimizer
+    Engine._configure_basic_optimizer = _configure_basic_optimizer
+    Engine._configure_zero_optimizer = _configure_zero_optimizer
+    if CanzonaOptimizer not in zero_utils.ZERO_SUPPORTED_OPTIMIZERS:
+        zero_utils.ZERO_SUPPORTED_OPTIMIZERS.append(CanzonaOptimizer)
+    _installed = True

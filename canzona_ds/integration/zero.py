@@ -1,0 +1,191 @@
+"""ZeRO stage 1/2 with planned padding: a :class:`~canzona_ds.planning.layout.Layout` realised
+in DeepSpeed's flat buffer.
+
+DeepSpeed flattens each param group into one buffer and cuts it into dp equal ranges.  We
+choose only two things for the matrix group, both of which DeepSpeed 0.19.8 already
+supports: the parameter order (the optimizer puts the matrices in the plan's buffer
+order) and the per-parameter padding list (``round_robin_bit16_padding``, which DeepSpeed
+uses for ``parameter_alignment``)::
+
+    stock equal chunks       | W0  W1  W2 | W2' W3  W4 |     W2 straddles: both ranks need it
+    planned padding          | W0  W3  pad | W1  W2  W4 |    every rank range is P elements,
+                               ^ rank 0 (P)  ^ rank 1 (P)   each matrix lies in one range
+
+The stock equal-range code then works unchanged: stage 1 reduces each gradient slice to
+its owner, stage 2 keeps only the owner's gradient partition (the partition boundaries are
+parameter boundaries, so no parameter's gradient is split), the partitioned step, the
+post-step all-gather, checkpoints and ``zero_to_fp32``.  The AdamW group keeps stock
+slicing.  Our overrides, each small:
+
+* ``flatten_dense_tensors_aligned`` - write the layout's padding and offsets for the
+  matrix group, once, at construction;
+* ``state_dict`` / ``_load_legacy_checkpoint`` - record the layout and verify it on load
+  (a different DP size or plan is refused here: see canzona_ds/integration/elastic.py for
+  resuming at another size);
+* ``_load_universal_checkpoint`` - refused with a message.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Any
+
+import torch
+
+from ..optim.optimizer import MATRIX, CanzonaOptimizer, FlatView
+from .pinned import check_instance
+
+LAYOUT_KEY = "canzona_layout"
+
+
+def _make_zero_class():
+    from deepspeed import comm as dist
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    class CanzonaZeroOptimizer(DeepSpeedZeroOptimizer):
+        """Stock ZeRO-1/2 with the matrix group laid out by the ownership plan."""
+
+        #: route each gradient slice to its owner with dist.reduce (DeepSpeed's
+        #: use_multi_rank_bucket_allreduce=false) instead of all-reducing whole buckets
+        reduce_to_owner = True
+
+        def __init__(self, init_optimizer: CanzonaOptimizer, *args: Any, **kwargs: Any) -> None:
+            if not isinstance(init_optimizer, CanzonaOptimizer):
+                raise TypeError(f"CanzonaZeroOptimizer needs a CanzonaOptimizer, got {type(init_optimizer).__name__}")
+            roles = [g["canzona_role"] for g in init_optimizer.param_groups]
+            self._canzona = init_optimizer
+            self._canzona_group = roles.index(MATRIX) if MATRIX in roles else None
+            self.canzona_layout = None
+            if self.reduce_to_owner:
+                kwargs["use_multi_rank_bucket_allreduce"] = False
+            super().__init__(init_optimizer, *args, **kwargs)
+            check_instance(self)
+            if self._canzona_group is not None:
+                self._canzona_finish_layout(self._canzona_group)
+
+        # -- layout ------------------------------------------------------------------
+        def flatten_dense_tensors_aligned(self, tensor_list, alignment, use_cpu_data=False, param_padding=None):
+            i = len(self.bit16_groups_flat)
+            if param_padding is not None and i == self._canzona_group and self.canzona_layout is None:
+                self._canzona_apply_layout(i, param_padding)
+            return super().flatten_dense_tensors_aligned(tensor_list, alignment, use_cpu_data, param_padding)
+
+        def _canzona_apply_layout(self, i: int, param_padding: list) -> None:
+            """Replace group i's per-parameter padding and offsets by the plan's layout."""
+            plan = self._canzona.plan
+            group = self.round_robin_bit16_groups[i]
+            if [id(p) for p in group] != [id(p) for p in self.bit16_groups[i]] or len(group) != len(plan.specs):
+                raise RuntimeError("ZeRO reordered or dropped matrices of the CanzonaOptimizer group; cannot lay out "
+                                   "the ownership plan.")
+            dp = dist.get_world_size(group=self.real_dp_process_group[i])
+            if dp != plan.world_size:
+                raise RuntimeError(f"Plan made for {plan.world_size} DP ranks, ZeRO group has {dp}.")
+            param_alignment = 16 // math.gcd(16, group[0].element_size()) if self.parameter_alignment else 1
+            layout = plan.layout(param_alignment, self.nccl_start_alignment_factor)
+            if list(layout.numels) != [p.numel() for p in group]:
+                raise RuntimeError("The ownership plan's matrix sizes differ from the ZeRO group's parameters.")
+            param_padding[:] = layout.padding
+            self.round_robin_bit16_offsets[i][:] = layout.offsets
+            self.canzona_layout = layout
+
+        def _canzona_finish_layout(self, i: int) -> None:
+            """Check the realised layout against the plan, agree across ranks, bind views."""
+            layout = self.canzona_layout
+            opt = self._canzona
+            rank = dist.get_rank(group=self.real_dp_process_group[i])
+            if layout is None or self.partition_size[i] != layout.shard_numel or \
+                    self.bit16_groups_flat[i].numel() != layout.buffer_numel:
+                raise RuntimeError(f"Planned layout not realised: partition_size={self.partition_size[i]}, "
+                                   f"layout={None if layout is None else layout.shard_numel}.")
+            group = self.round_robin_bit16_groups[i]
+            P = layout.shard_numel
+            owners = layout.owners()
+            for p, off, owner, name in zip(group, layout.offsets, owners, opt.matrix_names):
+                if not (owner * P <= off and off + p.numel() <= (owner + 1) * P):
+                    raise RuntimeError(f"Matrix {name} [{off}, {off + p.numel()}) straddles the ZeRO partition "
+                                       f"boundary of its owner rank {owner} (P={P}).")
+            mine = [p for p, o in zip(group, owners) if o == rank]
+            if [id(p) for p in self.params_in_partition[i]] != [id(p) for p in mine] or self.first_offset[i] != 0:
+                raise RuntimeError("ZeRO's partition bookkeeping disagrees with the ownership plan.")
+            # Checkpoints strip groups_padding[i] trailing elements of each rank's partition and
+            # zero_to_fp32 walks round_robin_bit16_padding: with our explicit per-parameter
+            # padding up to dp*P nothing may be stripped.
+            self.groups_padding[i] = 0
+            if self._is_muon_group(group) or self._muon_update_lacks_loss_scale(i):
+                raise RuntimeError("DeepSpeed's built-in Muon path is active on CanzonaOptimizer parameters; it "
+                                   "would orthogonalise twice.")
+            meta = self.canzona_layout_meta()
+            gathered = [None] * layout.world_size
+            torch.distributed.all_gather_object(gathered, meta["fingerprint"], group=self.real_dp_process_group[i])
+            if len(set(gathered)) != 1:
+                raise RuntimeError(f"DP ranks disagree on the CanzonaOptimizer layout: {gathered}. Every rank must see "
+                                   "the same model, ds_config and canzona_ds/deepspeed versions.")
+            views = [FlatView(opt.matrix_names[j], off, tuple(group[j].shape)) for j, off in layout.rank_views(rank)]
+            if opt.tp_matrices:
+                self._canzona_check_tp(rank)
+            opt.bind_partition(self.single_partition_of_fp32_groups[i], views)
+
+        def _canzona_check_tp(self, dp_rank: int) -> None:
+            """DP x TP: every TP rank must hold the same DP plan, at the same DP index, so
+            the shards of a matrix meet on one host."""
+            from ..tp import verify_same_across_group
+
+            opt = self._canzona
+            verify_same_across_group(opt.plan.fingerprint(), opt.tp_group,
+                                     what="DP ownership plan (over the TP-local matrix shapes)")
+            verify_same_across_group(f"dp_rank={dp_rank}", opt.tp_group, what="DP rank within the TP group (mpu)")
+
+        def canzona_layout_meta(self) -> dict:
+            """What the layout depends on, recorded in checkpoints."""
+            opt, layout = self._canzona, self.canzona_layout
+            if opt.plan is None or layout is None:
+                return {"fingerprint": "no-matrices", "world_size": None, "planner": None, "shard_numel": None}
+            payload = [opt.plan.fingerprint(), layout.fingerprint(), opt.config.fingerprint()]
+            return {"fingerprint": hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16],
+                    "world_size": layout.world_size, "planner": opt.plan.planner,
+                    "shard_numel": layout.shard_numel, "matrix_names": list(opt.matrix_names),
+                    "rank_counts": list(layout.rank_counts), "offsets": list(layout.offsets),
+                    "rule": opt.rule.name}
+
+        # -- checkpoints --------------------------------------------------------------
+        def state_dict(self):
+            sd = super().state_dict()
+            sd[LAYOUT_KEY] = self.canzona_layout_meta()
+            return sd
+
+        def _load_legacy_checkpoint(self, state_dict_list, load_optimizer_states=True, load_from_fp32_weights=False):
+            dp = dist.get_world_size(group=self.dp_process_group)
+            rank = dist.get_rank(group=self.dp_process_group)
+            mine = state_dict_list[rank] if rank < len(state_dict_list) else None
+            mine = mine if mine is not None else next((s for s in state_dict_list if s is not None), None)
+            saved = mine.get(LAYOUT_KEY) if mine is not None else None
+            current = self.canzona_layout_meta()
+            if saved is None:
+                raise ValueError("This ZeRO checkpoint was not written by a Canzona optimizer (no 'canzona_layout'); "
+                                 "load it with the optimizer that wrote it, or load the module weights only "
+                                 "(load_optimizer_states=False, load_module_only=True).")
+            if len(state_dict_list) != dp or saved["fingerprint"] != current["fingerprint"]:
+                raise ValueError(
+                    f"Canzona checkpoint layout differs from this run: saved with DP={saved['world_size']} "
+                    f"(planner={saved['planner']}, P={saved['shard_numel']}, {len(state_dict_list)} shards), "
+                    f"now DP={current['world_size']} (planner={current['planner']}, P={current['shard_numel']}). "
+                    "Resume at the same DP size and optimizer params, or convert the checkpoint for the new size "
+                    "(docs/checkpoints.md).")
+            return super()._load_legacy_checkpoint(state_dict_list, load_optimizer_states, load_from_fp32_weights)
+
+        def _load_universal_checkpoint(self, checkpoint_folder, load_optimizer_states, load_from_fp32_weights):
+            raise ValueError("Canzona optimizers do not load DeepSpeed universal checkpoints; see docs/checkpoints.md "
+                             "for resuming at another DP/TP size.")
+
+    return CanzonaZeroOptimizer
+
+
+_ZERO_CLASS = None
+
+
+def zero_optimizer_class():
+    global _ZERO_CLASS
+    if _ZERO_CLASS is None:
+        _ZERO_CLASS = _make_zero_class()
+    return _ZERO_CLASS

@@ -1,0 +1,178 @@
+"""The matrix-optimizer interface: a rule for one whole matrix, plus what it costs.
+
+Every matrix optimizer canzona-ds runs (Muon, Shampoo, SOAP, or one you write) is a
+:class:`MatrixRule`.  The distributed machinery never looks inside a rule: the DP owner
+(ZeRO) or the TP host (after the micro-group all-to-all) calls the same three methods on
+the FULL matrix, and every rank applies the result the same way::
+
+    state = rule.init_state(info, like=master_weight)        # once, on the weight's device
+    D     = rule.direction(G, state, info, step)             # full gradient -> full direction
+    decay, step_size = rule.scales(lr, weight_decay, info, step)
+    W.mul_(decay).add_(D, alpha=-step_size)                  # apply_update(), element-wise
+
+``apply_update`` is element-wise, so a TP rank applying its shard of ``D`` gets exactly
+its shard of the single-process update: that is why hosting is exact.  ``step`` is the
+optimizer's step count (1 for the first step), the same on every rank, so scales need no
+per-matrix state and every TP rank can compute them.
+
+A rule is also a cost model (pure arithmetic, no tensors): :meth:`MatrixRule.flops` and
+:meth:`MatrixRule.state_bytes` of a 2-D shape are what the DP planner and the TP
+scheduler balance.  Adding an optimizer = one file with a ``MatrixRule`` subclass and a
+``register_rule`` call (see ``canzona_ds/optim/__init__.py``).
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Mapping
+
+import torch
+from torch import Tensor
+
+from ..planning.cost import Flops
+
+
+@dataclass(frozen=True)
+class MatrixInfo:
+    """What a rule knows about one matrix besides its gradient."""
+
+    name: str
+    #: shape of the whole (TP=1) matrix; trailing dims are flattened into columns
+    shape: tuple[int, ...]
+    #: Muon per-head orthogonalisation: dim 0 holds this many equal heads (None: whole matrix)
+    num_heads: int | None = None
+
+    @property
+    def shape2d(self) -> tuple[int, int]:
+        return (self.shape[0], math.prod(self.shape[1:]))
+
+
+#: FLOPs of a symmetric eigendecomposition with eigenvectors, per k^3 (Golub & Van Loan:
+#: tridiagonalisation 4/3 k^3 + accumulating Q 4/3 k^3 + implicit QR sweeps ~6 k^3)
+EIGH_FLOPS_PER_K3 = 9.0
+#: FLOPs of a Householder QR of a k x k matrix with Q formed, per k^3 (4/3 + 4/3, rounded)
+QR_FLOPS_PER_K3 = 8.0 / 3.0
+
+
+def matmul_flops(m: int, k: int, n: int) -> float:
+    """(m x k) @ (k x n)."""
+    return 2.0 * m * k * n
+
+
+class MatrixRule(ABC):
+    """One matrix optimizer: its math on one whole matrix and its cost.
+
+    Subclasses are frozen dataclasses of their hyper-parameters (validated in
+    ``__post_init__``; every field documented with ``#:`` comments), so two ranks holding
+    equal rules compute identical updates and :meth:`describe` can fingerprint them.
+    """
+
+    #: registry name ("muon", "shampoo", "soap")
+    name: ClassVar[str]
+    #: default learning rate of the matrix half when ds_config gives no ``lr``
+    default_lr: ClassVar[float]
+    #: default AdamW learning rate of the other parameters when ds_config gives no ``lr``
+    default_adam_lr: ClassVar[float]
+    #: ds_config ``params`` keys that mean something else for this rule than the field of
+    #: the same name would suggest, e.g. Muon's ``betas``/``eps`` are the AdamW half's
+    #: (DeepSpeed's own Muon reads them that way).  key -> canonical CanzonaConfig key.
+    config_aliases: ClassVar[Mapping[str, str]] = {}
+
+    # ---------------------------------------------------------------- the math
+    @abstractmethod
+    def init_state(self, info: MatrixInfo, like: Tensor) -> dict[str, Tensor]:
+        """Fresh state of one matrix, on ``like``'s device (the fp32 master weight)."""
+
+    @abstractmethod
+    def direction(self, grad: Tensor, state: dict[str, Tensor], info: MatrixInfo, step: int) -> Tensor:
+        """Update ``state`` in place from the full gradient and return the update direction
+        (``grad``'s shape).  ``step`` counts optimizer steps from 1."""
+
+    def direction_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
+        """dtype of :meth:`direction`'s result for a gradient of ``grad_dtype``; TP hosts send
+        direction shards in it, so every rank must know it without being told."""
+        return grad_dtype
+
+    def scales(self, lr: float, weight_decay: float, info: MatrixInfo, step: int) -> tuple[float, float]:
+        """(decay factor, step size) for ``W.mul_(decay).add_(D, alpha=-step_size)``.
+        Default: decoupled weight decay ``1 - lr * weight_decay`` and ``lr``."""
+        return 1.0 - lr * weight_decay, lr
+
+    # ---------------------------------------------------------------- the cost
+    @abstractmethod
+    def flops(self, shape: tuple[int, int], num_heads: int | None = None) -> Flops:
+        """FLOPs of one step of this rule on a matrix of 2-D ``shape``."""
+
+    @abstractmethod
+    def state_bytes(self, shape: tuple[int, int], num_heads: int | None = None) -> float:
+        """Bytes of optimizer state this rule keeps for a matrix of 2-D ``shape``
+        (not counting the master weight and gradient, which every optimizer has)."""
+
+    # ---------------------------------------------------------------- identity
+    def describe(self) -> dict[str, Any]:
+        """Name and every hyper-parameter, JSON-serialisable (for fingerprints and logs)."""
+        out: dict[str, Any] = {"rule": self.name}
+        for f in fields(self):  # type: ignore[arg-type]
+            v = getattr(self, f.name)
+            out[f.name] = list(v) if isinstance(v, tuple) else v
+        return out
+
+
+def apply_update(param: Tensor, direction: Tensor, decay: float, step_size: float) -> None:
+    """``param = decay * param - step_size * direction`` in ``param``'s dtype (in place).
+
+    The order (decay first, then the step) is torch.optim.Muon's / AdamW's, so Muon is
+    bit-exact against torch.  Element-wise: applying a shard of ``direction`` to a shard
+    of ``param`` gives that shard of the full update.
+    """
+    if decay != 1.0:
+        param.mul_(decay)
+    if step_size != 0.0:
+        param.add_(direction.to(param.dtype), alpha=-step_size)
+
+
+def check_number(name: str, value: Any, low: float | None = None, high: float | None = None, *,
+                 low_open: bool = False, high_open: bool = False) -> None:
+    """Raise ValueError naming ``name`` unless ``value`` is a finite number within bounds."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value < high if high_open else value <= high
+    if not ok:
+        lo = "" if low is None else ("(" if low_open else "[") + f"{low:g}"
+        hi = "" if high is None else f"{high:g}" + (")" if high_open else "]")
+        where = f" Must be a finite number within {lo or '(-inf'}, {hi or 'inf)'}."
+        raise ValueError(f"Invalid {name}={value!r}.{where}")
+
+
+def check_int(name: str, value: Any, low: int, high: int) -> None:
+    """Raise ValueError naming ``name`` unless ``value`` is an int in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"Invalid {name}={value!r}. Must be an integer within [{low}, {high}].")
+
+
+def check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"Invalid {name}={value!r}. Must be true or false.")
+
+
+def check_choice(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"Invalid {name}={value!r}. Allowed: {list(allowed)}.")
+
+
+def eigh_descending(matrix: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Eigenvalues (descending) and eigenvectors (columns) of a symmetric matrix, computed
+    in ``dtype``; retried in float64 if the solver fails to converge in a lower precision.
+    Returned in ``dtype``."""
+    m = matrix.to(dtype)
+    try:
+        vals, vecs = torch.linalg.eigh(m)
+    except torch.linalg.LinAlgError:
+        if dtype == torch.float64:
+            raise
+        vals, vecs = torch.linalg.eigh(m.double())
+        vals, vecs = vals.to(dtype), vecs.to(dtype)
+    return vals.flip(0), vecs.flip(1)

@@ -1,0 +1,138 @@
+"""Count collective calls and bytes, by wrapping ``deepspeed.comm`` and ``torch.distributed``.
+
+``with CommCounter() as c: ...`` records every collective issued inside the block as a
+:class:`Record`: the layer ("torch" or "deepspeed"), the op, the size of the process group
+it ran on, the payload the caller handed in (for all-gathers: the gathered output), and
+the bytes one rank sends under the usual bandwidth-optimal algorithms with p ranks in THAT
+group (ring / reduce-scatter based)::
+
+    all_reduce                 2 (p-1)/p * n        reduce                 (p-1)/p * n
+    all_gather(_into_tensor)     (p-1)/p * out      reduce_scatter(_tensor)  (p-1)/p * in
+    broadcast                          n            all_to_all(_single)      (p-1)/p * n
+
+DeepSpeed's calls reach torch.distributed through ``deepspeed.comm``; both layers are
+wrapped, and ``count("deepspeed")`` / ``count("torch")`` keep them apart so nothing is
+counted twice.  ``by_group()`` splits counts by group size (e.g. the TP group vs the DP
+group of a DP x TP run).
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+OPS = ("all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+       "reduce_scatter_tensor", "broadcast", "all_to_all", "all_to_all_single", "all_gather_object",
+       "broadcast_object_list", "barrier", "send", "recv", "isend", "irecv")
+
+_FACTOR = {"all_reduce": lambda p: 2 * (p - 1) / p, "broadcast": lambda p: 1.0 if p > 1 else 0.0,
+           "barrier": lambda p: 0.0}
+
+
+class Record(NamedTuple):
+    layer: str
+    op: str
+    group_size: int
+    payload_bytes: int
+    wire_bytes: float
+
+
+def _nbytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_nbytes(t) for t in x)
+    return 0
+
+
+def _group_size(group) -> int:
+    import torch.distributed as tdist
+
+    if not tdist.is_initialized():
+        return 1
+    if group is not None and not isinstance(group, torch.distributed.ProcessGroup):
+        return tdist.get_world_size()  # deepspeed.comm may pass its own wrappers; fall back to the world
+    return tdist.get_world_size(group)
+
+
+@dataclass
+class CommCounter:
+    records: list = field(default_factory=list)
+
+    def __enter__(self) -> "CommCounter":
+        import torch.distributed as tdist
+
+        self._saved = []
+        modules = [("torch", tdist)]
+        try:
+            import deepspeed.comm as dcomm
+
+            modules.append(("deepspeed", dcomm))
+        except ImportError:
+            pass
+        for layer, mod in modules:
+            for op in OPS:
+                fn = getattr(mod, op, None)
+                if fn is None:
+                    continue
+                self._saved.append((mod, op, fn))
+                setattr(mod, op, self._wrap(layer, op, fn))
+        return self
+
+    def _wrap(self, layer, op, fn):
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError):
+            sig = None
+
+        def wrapped(*args, **kwargs):
+            group = kwargs.get("group")
+            if group is None and sig is not None:
+                try:
+                    group = sig.bind_partial(*args, **kwargs).arguments.get("group")
+                except TypeError:
+                    group = None
+            p = _group_size(group)
+            tensors = [a for a in args[:2] if isinstance(a, (torch.Tensor, list, tuple))]
+            if op in ("all_gather_into_tensor", "all_gather"):
+                payload = _nbytes(tensors[0]) if tensors else 0  # output holds all p pieces
+            elif op == "reduce_scatter" and len(tensors) > 1:
+                payload = _nbytes(tensors[-1])
+            else:
+                payload = _nbytes(tensors[0]) if tensors else 0
+            factor = _FACTOR.get(op, lambda q: (q - 1) / q)(p)
+            self.records.append(Record(layer, op, p, payload, payload * factor))
+            return fn(*args, **kwargs)
+
+        wrapped.__wrapped__ = fn
+        return wrapped
+
+    def __exit__(self, *exc) -> None:
+        for mod, op, fn in reversed(self._saved):
+            setattr(mod, op, fn)
+
+    # -- summaries -----------------------------------------------------------------
+    def count(self, layer: str = "deepspeed", ops: tuple[str, ...] | None = None) -> int:
+        return sum(1 for r in self.records if r.layer == layer and (ops is None or r.op in ops))
+
+    def wire_bytes(self, layer: str = "deepspeed", ops: tuple[str, ...] | None = None) -> float:
+        return sum(r.wire_bytes for r in self.records if r.layer == layer and (ops is None or r.op in ops))
+
+    def by_op(self, layer: str = "deepspeed") -> dict:
+        """op -> (calls, payload bytes, wire bytes)."""
+        out: dict = {}
+        for r in self.records:
+            if r.layer == layer:
+                c, pb, wb = out.get(r.op, (0, 0, 0.0))
+                out[r.op] = (c + 1, pb + r.payload_bytes, wb + r.wire_bytes)
+        return out
+
+    def by_group(self, layer: str = "torch") -> dict:
+        """group size -> calls."""
+        out: dict = {}
+        for r in self.records:
+            if r.layer == layer:
+                out[r.group_size] = out.get(r.group_size, 0) + 1
+        return out

@@ -1,0 +1,83 @@
+"""One helper for real multi-process runs: spawn ``world_size`` processes with a process group.
+
+``run_distributed(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` in each
+process with ``torch.distributed`` initialised and returns the per-rank return values
+(must be picklable).  ``device="cpu"`` uses gloo; ``device="cuda"`` uses NCCL with one GPU
+per rank (``rank``-th device), for the CUDA tier when enough GPUs are present.  A failure
+on any rank raises here with that rank's traceback; a rank that does not answer within
+``timeout`` seconds is reported (and every process is stopped), so a hang fails its test
+instead of the whole suite.
+"""
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+DEVICES = ("cpu", "cuda")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, device, fn, args, queue):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    try:
+        if device == "cuda":
+            torch.cuda.set_device(rank)
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world_size)
+        out = fn(rank, world_size, *args)
+        queue.put((rank, "ok", out))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, device: str = "cpu"):
+    if device not in DEVICES:
+        raise ValueError(f"Invalid device={device!r}. Allowed: {list(DEVICES)}.")
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, device, fn, args, queue))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    try:
+        for _ in range(world_size):
+            try:
+                rank, status, payload = queue.get(timeout=timeout)
+            except queue_mod.Empty:
+                missing = sorted(set(range(world_size)) - set(results))
+                errors.append(f"ranks {missing} did not finish within {timeout:.0f} s (hang or deadlock)")
+                break
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"--- rank {rank} ---\n{payload}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if errors else 30)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("distributed worker failed:\n" + "\n".join(errors))
+    return [results[r] for r in range(world_size)]
