@@ -3,7 +3,10 @@
     python benchmarks/plan_sweep.py                 # writes benchmarks/results/plan_sweep.{md,json}
     python benchmarks/plan_sweep.py --optimizer shampoo --out /tmp/sweep
 
-Pure planning (no processes, no GPU): every number is a property of the plans.
+Pure planning (no processes, no GPU): every number is a property of the plans.  Costs come
+from the rule's cost model (``canzona_ds.optim.cost_model(name)``, default
+hyper-parameters); a TP-split matrix weighs its DP owner's share of the full matrix and
+its TP host the full matrix (``planning/cost.py``).
 """
 from __future__ import annotations
 
@@ -13,8 +16,10 @@ import statistics
 import time
 from pathlib import Path
 
+from canzona_ds.optim import cost_model
 from canzona_ds.planning.compare import compare
-from canzona_ds.planning.dp import DEFAULT_DP_PLANNER, DP_PLANNERS, plan_dp
+from canzona_ds.planning.cost import CostModel
+from canzona_ds.planning.dp import DEFAULT_DP_PLANNER, plan_dp
 from canzona_ds.planning.models import matrix_specs, model_specs
 from canzona_ds.planning.report import numel_lp_bound, rank_costs
 from canzona_ds.planning.tp import DEFAULT_TP_SCHEDULER
@@ -25,30 +30,32 @@ TPS = (1, 2, 4, 8)
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def flops_makespan(model: str, dp: int, tp: int, planner: str, cost: str, optimizer: str) -> float:
-    plan = plan_dp(matrix_specs(model_specs(model, tp)), dp, planner=planner, cost=cost, optimizer=optimizer)
-    return max(rank_costs(plan, "flops", optimizer))
+def flops_makespan(model: str, dp: int, tp: int, planner: str, cost: str, rule: CostModel) -> float:
+    plan = plan_dp(matrix_specs(model_specs(model, tp)), dp, planner=planner, cost=cost, model=rule)
+    return max(rank_costs(plan, "flops", rule))
 
 
-def plan_time_ms(model: str, dp: int, tp: int, optimizer: str, repeats: int = 5) -> float:
+def plan_time_ms(model: str, dp: int, tp: int, rule: CostModel, repeats: int = 5) -> float:
     """Median wall time of building specs + the default DP plan (what a rank does at init)."""
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        plan_dp(matrix_specs(model_specs(model, tp)), dp, cost="flops", optimizer=optimizer)
+        plan_dp(matrix_specs(model_specs(model, tp)), dp, cost="flops", model=rule)
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 
 def sweep(optimizer: str) -> dict:
+    rule = cost_model(optimizer)
     rows = []
     for model in MODELS:
         for tp in TPS:
             for dp in DPS:
-                s = compare(model, dp, tp, optimizer=optimizer, cost="flops").summary
+                s = compare(model, dp, tp, cost_model=rule, cost="flops").summary
                 row = {"model": model, "dp": dp, "tp": tp, "matrices": s["matrices"]}
                 for name, r in s["dp_planners"].items():
-                    row[f"dp.{name}"] = {k: r[k] for k in ("flops_ratio", "memory_ratio", "numel_ratio", "padding_fraction", "split_matrices", "plan_ms")}
+                    row[f"dp.{name}"] = {k: r[k] for k in ("flops_ratio", "peak_flops_ratio", "memory_ratio", "numel_ratio",
+                                                           "padding_fraction", "split_matrices", "plan_ms")}
                 any_r = next(iter(s["dp_planners"].values()))
                 row["dp.bound"] = {k: any_r[k] for k in ("flops_lower_bound", "memory_lower_bound", "numel_lower_bound")}
                 for name, r in s["tp_schedulers"].items():
@@ -60,12 +67,12 @@ def sweep(optimizer: str) -> dict:
     for model, dp, tp in (("qwen3-32b", 16, 8), ("qwen3-32b", 32, 8), ("qwen3-32b", 128, 1), ("qwen3-8b", 64, 4), ("qwen3-0.6b", 64, 1)):
         entry = {"model": model, "dp": dp, "tp": tp}
         for planner in ("alpha_balanced", "lpt", DEFAULT_DP_PLANNER):
-            n = flops_makespan(model, dp, tp, planner, "numel", optimizer)
-            f = flops_makespan(model, dp, tp, planner, "flops", optimizer)
+            n = flops_makespan(model, dp, tp, planner, "numel", rule)
+            f = flops_makespan(model, dp, tp, planner, "flops", rule)
             entry[planner] = {"numel_planned": n, "flops_planned": f, "ratio": n / f}
         numel_vs_flops.append(entry)
-    timing = {f"qwen3-32b dp=128 tp={tp}": plan_time_ms("qwen3-32b", 128, tp, optimizer) for tp in (1, 8)}
-    return {"optimizer": optimizer, "default_dp_planner": DEFAULT_DP_PLANNER, "default_tp_scheduler": DEFAULT_TP_SCHEDULER,
+    timing = {f"qwen3-32b dp=128 tp={tp}": plan_time_ms("qwen3-32b", 128, tp, rule) for tp in (1, 8)}
+    return {"optimizer": optimizer, "optimizer_config": rule.describe(), "default_dp_planner": DEFAULT_DP_PLANNER, "default_tp_scheduler": DEFAULT_TP_SCHEDULER,
             "rows": rows, "numel_vs_flops": numel_vs_flops, "plan_time_ms": timing}
 
 
@@ -96,9 +103,13 @@ def targets(data: dict) -> list[str]:
                f"tp={worst['tp']}: {worst[d]['padding_fraction']:.2%}). {len(proven)} of them are impossible for ANY atomic "
                f"plan (configuration-LP lower bound on padding > 2%: "
                + ", ".join(f"{r['model']} dp={r['dp']} tp={r['tp']} {r[d]['padding_fraction']:.1%} >= {r['numel_lp_bound'] - 1:.1%}" for r in proven)
-               + f"). The other {len(tradeoff)} trade padding for FLOPs balance (the planner minimises max(FLOPs, numel) "
-               "ratio; bound, padding, FLOPs ratio): "
-               + ", ".join(f"{r['model']} dp={r['dp']} tp={r['tp']} LB {((r['numel_lp_bound'] or 1) - 1):.1%} pad {r[d]['padding_fraction']:.1%} FLOPs {r[d]['flops_ratio']:.3f}" for r in tradeoff))
+               + ("). " + (f"The other {len(tradeoff)} trade padding for FLOPs balance (the planner minimises max(FLOPs, numel) "
+                          "ratio; bound, padding, FLOPs ratio): "
+                          + ", ".join(f"{r['model']} dp={r['dp']} tp={r['tp']} LB {((r['numel_lp_bound'] or 1) - 1):.1%} "
+                                      f"pad {r[d]['padding_fraction']:.1%} FLOPs {r[d]['flops_ratio']:.3f}" for r in tradeoff)
+                          if tradeoff else "None trades padding for FLOPs balance (every config over 2% has an LP floor "
+                          f"above 2%); {sum(r[d]['padding_fraction'] - (r['numel_lp_bound'] - 1) <= 1e-3 for r in proven)} "
+                          f"of the {len(proven)} sit at that floor (within 0.1 points).")))
     ms = data["plan_time_ms"]
     out.append("- Planning Qwen3-32B at DP=128 in <= 100 ms: " + ", ".join(
         f"{k}: {v:.1f} ms ({'met' if v <= 100 else 'NOT met'})" for k, v in ms.items()))
@@ -111,8 +122,11 @@ def markdown(data: dict) -> str:
         "# Planner sweep (generated by `python benchmarks/plan_sweep.py`)",
         "",
         f"Optimizer: {data['optimizer']}. Cost model: flops. Default DP planner `{d}`, default TP scheduler "
-        f"`{data['default_tp_scheduler']}`. DP plan over one TP rank's matrices; TP schedule over the TP-split "
-        "matrices of the busiest DP rank. Ratios are max/avg (paper eq. 6); `pad` = padding / matrix elements; "
+        f"`{data['default_tp_scheduler']}`. DP plan over one TP rank's matrices, a TP-split matrix weighing its "
+        "owner's share (1/tp) of the full matrix's FLOPs and state; TP schedule over the TP-split "
+        "matrices of the busiest DP rank, each weighing the full matrix (its host runs all of it). "
+        "Ratios are max/avg (paper eq. 6); `pad` = padding / matrix elements (DeepSpeed's 2-element range "
+        "alignment, `planning/layout.py`); "
         "`LB` = lower bound (largest single matrix / average) that no atomic plan can beat.",
         "",
         "## Targets",
@@ -151,7 +165,7 @@ def markdown(data: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--optimizer", default="muon")
+    p.add_argument("--optimizer", default="muon", choices=["muon", "shampoo", "soap"])
     p.add_argument("--out", default=str(RESULTS / "plan_sweep"), help="path without extension")
     args = p.parse_args()
     data = sweep(args.optimizer)

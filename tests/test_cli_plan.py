@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import json
 
-from canzona_ds.cli.plan import main
+import pytest
+
+from canzona_ds.cli.plan import DP_KEYS, TP_KEYS, main
+from canzona_ds.optim import cost_model
 from canzona_ds.planning.dp import DP_PLANNERS
 from canzona_ds.planning.tp import TP_SCHEDULERS
 
@@ -14,9 +17,13 @@ def test_json_has_documented_keys(capsys):
     assert (out["model"], out["dp"], out["tp"]) == ("qwen3-32b", 32, 8)
     assert set(out["dp_planners"]) == set(DP_PLANNERS) and set(out["tp_schedulers"]) == set(TP_SCHEDULERS)
     for r in out["dp_planners"].values():
-        assert {"flops_ratio", "memory_ratio", "padding_fraction", "split_matrices", "plan_ms"} <= set(r)
+        assert {"flops_ratio", "peak_flops_ratio", "memory_ratio", "padding_fraction", "split_matrices",
+                "plan_ms"} <= set(r)
+        assert set(DP_KEYS) <= set(r)
+        assert r["peak_flops_ratio"] == pytest.approx(r["flops_ratio"])  # Muon: no periodic work
     for r in out["tp_schedulers"].values():
-        assert {"flops_ratio", "memory_ratio", "micro_groups", "plan_ms"} <= set(r)
+        assert {"flops_ratio", "memory_ratio", "micro_groups", "plan_ms"} <= set(r) and set(TP_KEYS) <= set(r)
+    assert out["optimizer"] == "muon" and out["optimizer_config"]["rule"] == "muon"
     assert out["default_dp_planner"] in DP_PLANNERS and out["default_tp_scheduler"] in TP_SCHEDULERS
     best = out["dp_planners"][out["default_dp_planner"]]
     assert best["flops_ratio"] <= out["dp_planners"]["alpha_balanced"]["flops_ratio"]
@@ -26,6 +33,46 @@ def test_table_and_options(capsys):
     assert main(["--model", "gpt2-small", "--dp", "8", "--tp", "2", "--optimizer", "soap", "--cost", "flops"]) == 0
     text = capsys.readouterr().out
     assert "DP planners" in text and "multi_lpt" in text and "lpt_rollback" in text
+    assert "optimizer=soap (precondition_frequency=10, max_precond_dim=10000)" in text
+    assert "peak max/avg" in text
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "shampoo", "soap"])
+@pytest.mark.parametrize("cost", ["flops", "peak_flops"])
+def test_every_optimizer_json(optimizer, cost, capsys):
+    assert main(["--model", "qwen3-1.7b", "--dp", "8", "--tp", "2", "--optimizer", optimizer, "--cost", cost,
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)  # exactly one JSON object
+    assert out["optimizer"] == optimizer and out["cost"] == cost
+    assert out["optimizer_config"] == cost_model(optimizer).describe()
+    assert set(out["dp_planners"]) == set(DP_PLANNERS) and set(out["tp_schedulers"]) == set(TP_SCHEDULERS)
+    for r in out["dp_planners"].values():
+        assert set(DP_KEYS) <= set(r)
+        assert r["flops_ratio"] >= r["flops_lower_bound"] - 1e-9
+    best = out["dp_planners"][out["default_dp_planner"]]
+    assert best["flops_ratio"] <= out["dp_planners"]["naive_atomic"]["flops_ratio"] + 1e-9
+
+
+def test_rule_hyper_parameters(capsys):
+    base = ["--model", "qwen3-1.7b", "--dp", "8", "--optimizer", "shampoo", "--json"]
+    assert main(base) == 0
+    default = json.loads(capsys.readouterr().out)
+    assert default["optimizer_config"]["precondition_frequency"] == 10
+    assert main(base + ["--precondition-frequency", "1"]) == 0
+    every_step = json.loads(capsys.readouterr().out)
+    assert every_step["optimizer_config"]["precondition_frequency"] == 1
+    # Shampoo refreshing every step: amortised == peak
+    for r in every_step["dp_planners"].values():
+        assert r["peak_flops_ratio"] == pytest.approx(r["flops_ratio"])
+    assert main(["--model", "qwen3-1.7b", "--dp", "8", "--optimizer", "soap", "--precondition-frequency", "3",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["optimizer_config"]["precondition_frequency"] == 3
+    assert main(["--model", "qwen3-1.7b", "--dp", "8", "--optimizer", "shampoo", "--max-preconditioner-dim", "65536",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["optimizer_config"]["max_preconditioner_dim"] == 65536
+    assert main(["--model", "qwen3-1.7b", "--dp", "8", "--optimizer", "soap", "--max-preconditioner-dim", "512",
+                 "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["optimizer_config"]["max_precond_dim"] == 512
 
 
 def test_errors_are_clear(capsys):
@@ -35,6 +82,17 @@ def test_errors_are_clear(capsys):
     assert "alpha=2.0" in capsys.readouterr().err
     assert main(["--model", "qwen3-0.6b", "--dp", "4", "--tp", "2", "--c-max", "1"]) == 2
     assert "largest task" in capsys.readouterr().err
+    assert main(["--model", "qwen3-0.6b", "--dp", "4", "--optimizer", "muon", "--precondition-frequency", "5"]) == 2
+    assert "--precondition-frequency is a Shampoo/SOAP setting" in capsys.readouterr().err
+    assert main(["--model", "qwen3-0.6b", "--dp", "4", "--max-preconditioner-dim", "64"]) == 2
+    assert "--max-preconditioner-dim is a Shampoo/SOAP setting" in capsys.readouterr().err
+    assert main(["--model", "qwen3-0.6b", "--dp", "4", "--optimizer", "shampoo", "--precondition-frequency", "0"]) == 2
+    assert "precondition_frequency=0" in capsys.readouterr().err
+    assert main(["--model", "qwen3-0.6b", "--dp", "0"]) == 2
+    assert "world_size=0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse: unknown optimizer
+        main(["--model", "qwen3-0.6b", "--dp", "4", "--optimizer", "adam"])
+    assert "invalid choice: 'adam'" in capsys.readouterr().err
 
 
 def test_model_without_matrices(tmp_path, capsys):
@@ -56,8 +114,6 @@ def test_plot_without_matplotlib(monkeypatch, tmp_path, capsys):
 
 
 def test_plot_writes_png(tmp_path):
-    import pytest
-
     pytest.importorskip("matplotlib")
     out = tmp_path / "plan.png"
     assert main(["--model", "qwen3-0.6b", "--dp", "4", "--tp", "2", "--plot", str(out)]) == 0

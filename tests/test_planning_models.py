@@ -58,3 +58,29 @@ def test_bad_model_and_tp():
         model_specs("qwen3-0.6b", tp=3)
     with pytest.raises(ValueError, match="tp=0"):
         model_specs("qwen3-0.6b", tp=0)
+
+
+@pytest.mark.parametrize("name", ["qwen3-32b", "qwen3-14b", "gpt2-small"])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_tp_split_specs_know_their_full_matrix(name, tp):
+    full = {s.name: s for s in model_specs(name, tp=1)}
+    for s in model_specs(name, tp=tp):
+        if not s.is_matrix:
+            continue
+        assert s.is_tp_split == (tp > 1)
+        assert s.full_matrix_shape == full[s.name].matrix_shape
+        assert s.numel * tp == full[s.name].numel
+        assert s.num_heads is None  # whole-matrix Muon unless a model tags heads
+
+
+def test_model_roles_agree_with_is_matrix():
+    # the one matrix-vs-AdamW rule gives Megatron's names the roles model_specs assigns
+    from canzona_ds.planning.params import specs_from_named_shapes
+
+    for name in ("qwen3-8b", "gpt2-small"):
+        specs = model_specs(name, tp=2)
+        derived = specs_from_named_shapes((s.name, s.shape) for s in specs)
+        assert [s.role for s in derived] == [s.role for s in specs]
+        assert {s.name for s in specs if s.is_matrix} == {
+            s.name for s in specs if s.name.split(".")[-2] in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+            and s.name.endswith(".weight")}

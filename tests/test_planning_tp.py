@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import pytest
 
+from canzona_ds.optim import cost_model
 from canzona_ds.planning.cost import cost_vector
 from canzona_ds.planning.models import matrix_specs, model_specs
 from canzona_ds.planning.params import ParamSpec
 from canzona_ds.planning.report import tp_report
 from canzona_ds.planning.tp import TP_SCHEDULERS, plan_tp
+
+MUON = cost_model("muon")
 
 
 def tp_specs(tp: int = 4, layers: int = 5) -> list[ParamSpec]:
@@ -18,9 +21,9 @@ def tp_specs(tp: int = 4, layers: int = 5) -> list[ParamSpec]:
 @pytest.mark.parametrize("factor", [1.0, 1.7, 100.0])
 def test_groups_respect_capacity_and_cover_tasks(scheduler, factor):
     specs = tp_specs()
-    loads = cost_vector(specs, "flops", full=True)
+    loads = cost_vector(specs, "flops", MUON, hosted=True)
     c_max = max(loads) * factor
-    plan = plan_tp(specs, 4, scheduler=scheduler, c_max=c_max, cost="flops")
+    plan = plan_tp(specs, 4, scheduler=scheduler, c_max=c_max, cost="flops", model=MUON)
     tasks = [i for g in plan.groups for i, _ in g.tasks]
     assert sorted(tasks) == list(range(len(specs)))
     for g in plan.groups:
@@ -31,22 +34,42 @@ def test_groups_respect_capacity_and_cover_tasks(scheduler, factor):
             per_rank[r] += loads[i]
         assert per_rank == pytest.approx(list(g.rank_load))
     assert all(plan.host[i] == r for g in plan.groups for i, r in g.tasks)
+    assert list(plan.rank_load) == pytest.approx([sum(loads[i] for i in range(len(specs)) if plan.host[i] == r)
+                                                  for r in range(4)])
     if scheduler == "no_fusion":
         assert len(plan.groups) == len(specs)
 
 
+@pytest.mark.parametrize("cost", ["flops", "peak_flops", "memory", "numel"])
+def test_tasks_are_charged_the_full_matrix(cost):
+    # the host reassembles the matrix and runs the optimizer on all of it
+    specs = tp_specs()
+    model = cost_model("soap")
+    plan = plan_tp(specs, 4, cost=cost, model=model)
+    full = cost_vector(specs, cost, model, hosted=True)
+    assert sum(plan.rank_load) == pytest.approx(sum(full))
+    assert sum(plan.rank_load) == pytest.approx(4 * sum(cost_vector(specs, cost, model)))  # = tp x the DP shares
+    if cost in ("flops", "peak_flops"):
+        f = model.flops(specs[0].full_matrix_shape)
+        assert full[0] == (f.amortised if cost == "flops" else f.peak)
+    assert plan.c_max == max(full)  # default capacity: the largest task
+
+
 def test_lpt_rollback_balances_better_than_round_robin():
     specs = matrix_specs(model_specs("qwen3-1.7b", tp=4))
-    lpt = tp_report(plan_tp(specs, 4, scheduler="lpt_rollback", cost="flops"))
-    rr = tp_report(plan_tp(specs, 4, scheduler="round_robin", cost="flops"))
+    lpt = tp_report(plan_tp(specs, 4, scheduler="lpt_rollback", cost="flops", model=MUON), MUON)
+    rr = tp_report(plan_tp(specs, 4, scheduler="round_robin", cost="flops", model=MUON), MUON)
     assert lpt.flops_ratio <= 1.05 < rr.flops_ratio
     assert lpt.micro_groups < len(specs)
     assert lpt.flops_ratio >= lpt.flops_lower_bound - 1e-12 or lpt.flops_lower_bound == 1.0
+    assert lpt.serial_ratio >= lpt.flops_ratio - 1e-12 and lpt.tasks == len(specs)
+    nf = tp_report(plan_tp(specs, 4, scheduler="no_fusion", cost="flops", model=MUON), MUON)
+    assert nf.micro_groups == len(specs) and nf.serial_ratio == pytest.approx(4.0)  # one host busy at a time
 
 
 def test_deterministic_fingerprint():
-    a = plan_tp(tp_specs(), 4, cost="flops")
-    b = plan_tp(list(tp_specs()), 4, cost="flops")
+    a = plan_tp(tp_specs(), 4, cost="flops", model=MUON)
+    b = plan_tp(list(tp_specs()), 4, cost="flops", model=cost_model("muon"))
     assert a.groups == b.groups and a.fingerprint() == b.fingerprint()
 
 
@@ -59,7 +82,8 @@ def test_c_max_below_largest_task_names_it():
 @pytest.mark.parametrize(
     "kwargs, match",
     [({"scheduler": "magic"}, "scheduler='magic'"), ({"cost": "bytes"}, "cost model='bytes'"),
-     ({"optimizer": "sgd"}, "optimizer='sgd'"), ({"tp_size": 0}, "tp_size=0")],
+     ({"cost": "flops"}, "cost model 'flops' needs the optimizer's cost model"), ({"tp_size": 0}, "tp_size=0"),
+     ({"tp_size": 2.5}, "tp_size=2.5"), ({"c_max": -1.0}, "c_max=-1.0")],
 )
 def test_bad_input(kwargs, match):
     args = {"specs": tp_specs(), "tp_size": 4, **kwargs}

@@ -3,6 +3,7 @@
     canzona-plan --model qwen3-32b --dp 32 --tp 8
     canzona-plan --model qwen3-32b --dp 32 --tp 8 --json
     canzona-plan --model path/to/config.json --dp 16 --tp 4 --optimizer shampoo --cost flops
+    canzona-plan --model qwen3-14b --dp 32 --tp 4 --optimizer soap --precondition-frequency 10
     canzona-plan --model qwen3-8b --dp 16 --tp 4 --plot loads.png     (needs matplotlib)
 
 The DP plan covers the matrices of one TP rank (TP-local shards); the TP schedule covers
@@ -21,8 +22,11 @@ from canzona_ds.planning.dp import DEFAULT_BUCKET_NUMEL, DEFAULT_DP_PLANNER, DP_
 from canzona_ds.planning.report import rank_costs
 from canzona_ds.planning.tp import DEFAULT_TP_SCHEDULER, TP_SCHEDULERS
 
-DP_KEYS = ("flops_ratio", "memory_ratio", "padding_fraction", "split_matrices", "plan_ms")
+#: documented keys of every DP planner / TP scheduler entry in --json (each entry has more)
+DP_KEYS = ("flops_ratio", "peak_flops_ratio", "memory_ratio", "padding_fraction", "split_matrices", "plan_ms")
 TP_KEYS = ("flops_ratio", "memory_ratio", "micro_groups", "plan_ms")
+#: --max-preconditioner-dim: the rule's field of that meaning
+MAX_DIM_FIELD = {"shampoo": "max_preconditioner_dim", "soap": "max_precond_dim"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "--precondition-frequency)")
     p.add_argument("--precondition-frequency", type=int, default=None,
                    help="Shampoo/SOAP refresh period (amortises the eigendecompositions); default: the rule's")
+    p.add_argument("--max-preconditioner-dim", type=int, default=None,
+                   help="Shampoo: longest side of a preconditioned block (max_preconditioner_dim, default 1024: "
+                        "blocked Shampoo, cost ~ numel); SOAP: sides longer than this are not rotated "
+                        "(max_precond_dim, default 10000)")
     p.add_argument("--alpha", type=float, default=1.0, help="alpha of alpha_balanced, in [0, 1]")
     p.add_argument("--cost", default="numel", choices=list(COST_MODELS), help="load the planners balance")
     p.add_argument("--c-max", type=float, default=None, help="TP micro-group capacity in --cost units (default: largest task)")
@@ -44,6 +52,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
     p.add_argument("--plot", metavar="PNG", help="draw per-rank loads (paper Figure 3 style); needs matplotlib")
     return p
+
+
+def rule_options(args: argparse.Namespace) -> dict:
+    """The rule hyper-parameters the flags set (ValueError for a flag the rule lacks)."""
+    hp: dict = {}
+    if args.precondition_frequency is not None:
+        if args.optimizer == "muon":
+            raise ValueError("--precondition-frequency is a Shampoo/SOAP setting; Muon has no periodic refresh.")
+        hp["precondition_frequency"] = args.precondition_frequency
+    if args.max_preconditioner_dim is not None:
+        if args.optimizer not in MAX_DIM_FIELD:
+            raise ValueError("--max-preconditioner-dim is a Shampoo/SOAP setting; Muon has no preconditioner.")
+        hp[MAX_DIM_FIELD[args.optimizer]] = args.max_preconditioner_dim
+    return hp
 
 
 def json_summary(summary: dict) -> dict:
@@ -56,19 +78,25 @@ def json_summary(summary: dict) -> dict:
 
 def format_table(summary: dict) -> str:
     s = summary
+    hp = {k: v for k, v in s.get("optimizer_config", {}).items()
+          if k in ("ns_steps", "ns_method", "precondition_frequency", "max_preconditioner_dim", "max_precond_dim")}
     lines = [
-        f"{s['model']}  dp={s['dp']} tp={s['tp']}  optimizer={s['optimizer']} cost={s['cost']} alpha={s['alpha']}",
+        f"{s['model']}  dp={s['dp']} tp={s['tp']}  optimizer={s['optimizer']}"
+        + (" (" + ", ".join(f"{k}={v}" for k, v in hp.items()) + ")" if hp else "")
+        + f" cost={s['cost']} alpha={s['alpha']}",
         f"matrices per TP rank: {s['matrices']} ({s['matrix_numel']:,} elements)",
     ]
     if "note" in s:
         return "\n".join(lines + [s["note"]])
     lines += ["", f"DP planners (default: {s['default_dp_planner']})",
-              f"{'planner':<16}{'FLOPs max/avg':>14}{'mem max/avg':>13}{'padding':>10}{'split':>7}{'J_comm':>14}{'ms':>9}"]
+              f"{'planner':<16}{'FLOPs max/avg':>14}{'peak max/avg':>14}{'mem max/avg':>13}{'padding':>10}{'split':>7}"
+              f"{'J_comm':>14}{'ms':>9}"]
     for name, r in s["dp_planners"].items():
-        lines.append(f"{name:<16}{r['flops_ratio']:>14.3f}{r['memory_ratio']:>13.3f}{r['padding_fraction']:>9.2%}"
-                     f"{r['split_matrices']:>7d}{r['j_comm']:>14.3g}{r['plan_ms']:>9.1f}")
+        lines.append(f"{name:<16}{r['flops_ratio']:>14.3f}{r['peak_flops_ratio']:>14.3f}{r['memory_ratio']:>13.3f}"
+                     f"{r['padding_fraction']:>9.2%}{r['split_matrices']:>7d}{r['j_comm']:>14.3g}{r['plan_ms']:>9.1f}")
     any_r = next(iter(s["dp_planners"].values()))
-    lines.append(f"{'lower bound':<16}{any_r['flops_lower_bound']:>14.3f}{any_r['memory_lower_bound']:>13.3f}")
+    lines.append(f"{'lower bound':<16}{any_r['flops_lower_bound']:>14.3f}{'':>14}{any_r['memory_lower_bound']:>13.3f}")
+    lines.append("(FLOPs: amortised over the refresh period; peak: the step that refreshes preconditioners)")
     if s["tp_schedulers"]:
         lines += ["", f"TP schedulers over the {next(iter(s['tp_schedulers'].values()))['tasks']} TP-split matrices of "
                   f"DP rank {s['tp_busiest_dp_rank']} (busiest; default: {s['default_tp_scheduler']})",
@@ -128,9 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     from canzona_ds.optim import cost_model
 
     try:
-        hp = {} if args.precondition_frequency is None or args.optimizer == "muon" else {
-            "precondition_frequency": args.precondition_frequency}
-        model = cost_model(args.optimizer, **hp)
+        model = cost_model(args.optimizer, **rule_options(args))
         result = compare(
             args.model, args.dp, args.tp, cost_model=model, alpha=args.alpha, cost=args.cost,
             c_max=args.c_max, bucket_numel=args.bucket_numel or None,

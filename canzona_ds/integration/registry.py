@@ -11,6 +11,10 @@ unless the optimizer is one of ``OPTIMIZER_TYPES`` ("CanzonaMuon", "CanzonaShamp
   of the stock ``DeepSpeedZeroOptimizer`` (engine.py reads that class from a module global,
   so the global is swapped for the duration of this one call).
 
+and ``DeepSpeedConfig._do_sanity_check`` validates our optimizer section as soon as DeepSpeed
+has parsed the ds_config, so a bad key or value is a clear error before DeepSpeed's own
+checks trip over it (e.g. ``params`` given as a list).
+
 ``CanzonaOptimizer`` is added to ZeRO's exact-type list of supported optimizers.
 """
 from __future__ import annotations
@@ -48,8 +52,8 @@ def check_engine_config(engine, cfg: CanzonaConfig) -> None:
                          "parameters, breaking the ownership plan). Set it to false.")
     if stage and engine.zero_use_cpu_optimizer():
         device = engine.zero_offload_optimizer().device
-        raise ValueError(f"{name} does not support zero_optimization.offload_optimizer.device={device.value!r} yet. "
-                         "Allowed: 'none' (or remove offload_optimizer).")
+        raise ValueError(f"{name} does not support zero_optimization.offload_optimizer.device="
+                         f"{str(getattr(device, 'value', device))!r} yet. Allowed: 'none' (or remove offload_optimizer).")
     if getattr(engine, "zenflow", False):
         raise ValueError(f"{name} does not support zero_optimization.zenflow.")
     if engine.has_moe_layers:
@@ -140,6 +144,16 @@ def install() -> None:
 
     from .zero import zero_optimizer_class
 
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    stock_sanity = DeepSpeedConfig._do_sanity_check
+
+    def _do_sanity_check(self):
+        if self.optimizer_name in OPTIMIZER_TYPES:
+            CanzonaConfig.from_ds(self.optimizer_name, self.optimizer_params, self._param_dict.get(DS_CONFIG_TP_KEY))
+        return stock_sanity(self)
+
+    DeepSpeedConfig._do_sanity_check = _do_sanity_check
     Engine = engine_mod.DeepSpeedEngine
     stock_is_supported = Engine._is_supported_optimizer
     stock_basic = Engine._configure_basic_optimizer

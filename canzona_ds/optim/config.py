@@ -198,10 +198,12 @@ class CanzonaConfig:
                 check_number(k, params[k], 0.0, MAX_LR, low_open=True)
         # aliases first (named as written), then the canonical keys
         canonical: dict[str, Any] = {}
+        written: dict[str, str] = {}
         for k, v in params.items():
             target = aliases.get(k, k)
             if target in canonical:
-                raise ValueError(f"{k!r} and {target!r} set the same setting; give one of them.")
+                raise ValueError(f"{written[target]!r} and {k!r} set the same setting; give one of them.")
+            written[target] = k
             if target in ("adam_betas", "betas"):
                 v = _as_pair(k, v)
             canonical[target] = v

@@ -185,11 +185,13 @@ class MuonRule(MatrixRule):
         rows, cols = shape[0] // heads, shape[1]
         m, n = sorted((rows, cols))
         if self.ns_method == "gram" and m != n:
-            # R = X X^T once per restart; per iteration P = aI + bR + cR^2 (one m^3 product),
-            # Q = P Q and R = P R P (three m^3 products, fewer at restarts); final Q X
-            restarts = math.ceil(self.ns_steps / GRAM_RESTART)
-            per = restarts * matmul_flops(m, n, m) + self.ns_steps * 4 * matmul_flops(m, m, m)
-            per += matmul_flops(m, m, n) * restarts
+            # per restart: R = X X^T and one product touching n (Q X); per iteration
+            # P = aI + bR + cR^2 (one m^3), Q = P Q (all but the first of a restart), and
+            # R = P R P (two m^3) except before a restart and after the last iteration
+            s = self.ns_steps
+            restarts = math.ceil(s / GRAM_RESTART)
+            cubes = s + (s - restarts) + 2 * ((s - 1) - (s - 1) // GRAM_RESTART)
+            per = restarts * (matmul_flops(m, n, m) + matmul_flops(m, m, n)) + cubes * matmul_flops(m, m, m)
         else:
             per = self.ns_steps * (2 * matmul_flops(m, n, m) + matmul_flops(m, m, m))
         f = heads * per

@@ -48,7 +48,6 @@ from torch import Tensor
 from torch.optim.adamw import adamw as _adamw_functional
 
 from ..planning.dp import OwnershipPlan, plan_dp
-from ..planning.layout import nonempty_first
 from ..planning.params import ParamSpec
 from .config import CanzonaConfig
 from .rule import MatrixInfo, apply_update
@@ -310,12 +309,4 @@ def _plan(specs: list[ParamSpec], dp: int, config: CanzonaConfig, rule) -> Owner
                          "a matrix optimizer needs every matrix whole on one rank.")
     if sorted(plan.buffer_order()) != list(range(len(specs))):
         raise RuntimeError(f"Planner {placement.planner!r} did not assign every matrix exactly once.")
-    order = nonempty_first(plan.rank_params)
-    if order != list(range(dp)):  # rank 0 must own a matrix (planning/layout.py); relabel ranks
-        from dataclasses import replace
-
-        plan = replace(plan, rank_params=tuple(plan.rank_params[r] for r in order),
-                       rank_load=tuple(plan.rank_load[r] for r in order),
-                       rank_numel=tuple(plan.rank_numel[r] for r in order),
-                       owner=tuple(order.index(o) for o in plan.owner))
-    return plan
+    return plan.nonempty_first()  # rank 0 must own a matrix (planning/layout.py): relabel ranks

@@ -159,10 +159,10 @@ class SOAPRule(MatrixRule):
         rot_l, rot_r = self.rotated(shape)
         side_l = matmul_flops(m, m, n) if rot_l else 0.0  # one rotation on the left
         side_r = matmul_flops(m, n, n) if rot_r else 0.0
-        per_step = 3 * (side_l + side_r)  # G', M', and N back
-        per_step += (matmul_flops(m, n, m) if rot_l else 0.0) + (matmul_flops(n, m, n) if rot_r else 0.0)  # L, R
+        stats = (matmul_flops(m, n, m) if rot_l else 0.0) + (matmul_flops(n, m, n) if rot_r else 0.0)  # L, R
+        per_step = 3 * (side_l + side_r) + stats  # G', M', and N back; the statistics
         refresh = sum(matmul_flops(k, k, k) + QR_FLOPS_PER_K3 * k**3 for k, rot in ((m, rot_l), (n, rot_r)) if rot)
-        first = sum(EIGH_FLOPS_PER_K3 * k**3 for k, rot in ((m, rot_l), (n, rot_r)) if rot)
+        first = stats + sum(EIGH_FLOPS_PER_K3 * k**3 for k, rot in ((m, rot_l), (n, rot_r)) if rot)
         return Flops(per_step + refresh / self.precondition_frequency, max(per_step + refresh, first))
 
     def state_bytes(self, shape: tuple[int, int], num_heads: int | None = None) -> float:

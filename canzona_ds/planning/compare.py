@@ -56,6 +56,7 @@ def compare(
         "dp": dp,
         "tp": tp,
         "optimizer": optimizer,
+        "optimizer_config": cost_model.describe() if hasattr(cost_model, "describe") else {"rule": optimizer},
         "cost": cost,
         "alpha": alpha,
         "matrices": len(mats),
@@ -78,8 +79,8 @@ def compare(
     default = out.dp_plans[dp_planner]
     flops = rank_costs(default, "flops", cost_model)
     busiest = max(range(dp), key=lambda r: (flops[r], -r))
-    owned = [mats[i] for i in default.rank_params[busiest] if mats[i].tp_size > 1]
-    split = [s for s in mats if s.tp_size > 1]
+    owned = [mats[i] for i in default.rank_params[busiest] if mats[i].is_tp_split]
+    split = [s for s in mats if s.is_tp_split]
     summary["tp_busiest_dp_rank"] = busiest
     if tp == 1 or not owned:
         summary["tp_note"] = "no TP-split matrices to schedule (tp=1 or the busiest DP rank owns none)"

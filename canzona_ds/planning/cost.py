@@ -92,6 +92,25 @@ def task_cost(spec: ParamSpec, cost: str, model: CostModel | None = None, hosted
     return (f.amortised if cost == "flops" else f.peak) * share
 
 
+def slice_cost(spec: ParamSpec, cost: str, load: float, part: int) -> float:
+    """Load on a rank that holds ``part`` of ``spec``'s elements when DeepSpeed's stock
+    equal-chunk slicing cuts it (``load`` = :func:`task_cost` of the whole spec).
+
+    A cut matrix is updated in full on every rank it touches (DeepSpeed's Muon runs the
+    whole-matrix step on each), so its FLOPs and optimizer state count in full there;
+    its master weight and gradient (``memory``) and ``numel`` pro rata to the slice.  An
+    AdamW (element-wise) parameter is charged pro rata in every cost."""
+    check_cost(cost)
+    numel = spec.numel
+    if isinstance(part, bool) or not isinstance(part, int) or not 0 <= part <= numel:
+        raise ValueError(f"Invalid part={part!r} of {spec.name!r}: must be an int within [0, {numel}].")
+    if spec.is_matrix and cost in ("flops", "peak_flops"):
+        return float(load)
+    if spec.is_matrix and cost == "memory":
+        return float(part) * MASTER_GRAD_BYTES + (load - numel * MASTER_GRAD_BYTES)
+    return load * part / numel if numel else 0.0
+
+
 def cost_vector(specs: Sequence[ParamSpec], cost: str = "numel", model: CostModel | None = None,
                 hosted: bool = False) -> list[float]:
     """:func:`task_cost` of every spec."""

@@ -26,7 +26,7 @@ import heapq
 import itertools
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -73,11 +73,37 @@ class OwnershipPlan:
     @property
     def padding_fraction(self) -> float:
         """Padding of the planned layout (DeepSpeed's alignment) / useful elements; for
-        ``equal_chunk`` the stock layout's tail padding."""
+        ``equal_chunk`` the stock layout's tail padding.
+
+        A plan whose rank 0 owns nothing (possible for ``naive_atomic``/``alpha_balanced``
+        when a big matrix sits first) has no layout as labelled; the runtime relabels its
+        ranks with :func:`~canzona_ds.planning.layout.nonempty_first` first, which changes
+        no rank's contents, so the padding is that of the relabelled plan."""
         if self.split_params or self.planner == "equal_chunk":
             chunk = -(-self.total_numel // self.world_size)
             return (chunk * self.world_size - self.total_numel) / self.total_numel if self.total_numel else 0.0
-        return self.layout().padding_fraction
+        return self.nonempty_first().layout().padding_fraction
+
+    def nonempty_first(self) -> "OwnershipPlan":
+        """This plan with its ranks relabelled by :func:`~canzona_ds.planning.layout.nonempty_first`
+        (ranks that own something keep their order, empty ones move last), so that rank 0
+        owns a matrix as the planned layout needs; ``self`` when that is already so.  No
+        rank's contents change, so every balance metric is the same."""
+        from .layout import nonempty_first
+
+        order = nonempty_first(self.rank_params)
+        if order == list(range(self.world_size)):
+            return self
+        if self.split_params:
+            raise ValueError(f"planner {self.planner!r} splits matrices: its ranks cannot be relabelled.")
+        new_of = {old: new for new, old in enumerate(order)}
+        extra = dict(self.extra)
+        if "bucket_rank_numel" in extra:
+            extra["bucket_rank_numel"] = [[row[r] for r in order] for row in extra["bucket_rank_numel"]]
+        return replace(self, rank_params=tuple(self.rank_params[r] for r in order),
+                       rank_load=tuple(self.rank_load[r] for r in order),
+                       rank_numel=tuple(self.rank_numel[r] for r in order),
+                       owner=tuple(new_of[o] for o in self.owner), extra=extra)
 
     def rank_offsets(self, rank: int) -> list[tuple[int, int]]:
         """(spec index, element offset inside the rank's range) in buffer order."""
@@ -185,11 +211,14 @@ def plan_equal_chunk(
 
     Matrices crossing a chunk boundary are split (``split_params``); their owner is the
     rank holding the first element.  ``rank_numel`` counts the actual slices.  A split
-    matrix's ``flops`` load is charged in full to every rank it touches (DeepSpeed's
-    built-in Muon runs the redundant Newton-Schulz on each); ``numel``/``memory`` loads
-    are charged pro rata to the slice.  ``extra["slices"][i]`` = ((rank, elements), ...)
-    of every split matrix i.
+    matrix is charged by :func:`canzona_ds.planning.cost.slice_cost`: its FLOPs (amortised
+    and peak) and optimizer state in full to every rank it touches (DeepSpeed's built-in
+    Muon runs the redundant whole-matrix step on each), its master weight and gradient and
+    ``numel`` pro rata to the slice (the same rule as ``report.rank_costs``).
+    ``extra["slices"][i]`` = ((rank, elements), ...) of every split matrix i.
     """
+    from .cost import slice_cost
+
     t0 = time.perf_counter()
     _validate(specs, world_size, None)
     total = sum(s.numel for s in specs)
@@ -210,10 +239,7 @@ def plan_equal_chunk(
             n = min(end, (r + 1) * chunk) - max(start, r * chunk)
             parts.append((r, max(n, 0)))
             rank_numel[r] += max(n, 0)
-            if cost_model == "flops":
-                rank_load[r] += loads[i]
-            else:
-                rank_load[r] += loads[i] * n / spec.numel if spec.numel else 0.0
+            rank_load[r] += slice_cost(spec, cost_model, loads[i], max(n, 0))
         if len(parts) > 1:
             split.append(i)
             slices[i] = tuple(parts)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -98,11 +99,18 @@ def plan_layout(rank_counts: Sequence[int], numels: Sequence[int], param_alignme
     for name, v in (("param_alignment", param_alignment), ("start_alignment", start_alignment)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"Invalid {name}={v!r}. Must be an int >= 1.")
-    counts = [int(c) for c in rank_counts]
-    if not counts or any(c < 0 for c in counts) or sum(counts) != len(numels):
-        raise ValueError(f"rank_counts={counts} must be >= 0 and add up to the {len(numels)} parameters.")
+    counts = list(rank_counts)
+    if not counts or any(isinstance(c, bool) or not isinstance(c, numbers.Integral) or c < 0 for c in counts) \
+            or sum(counts) != len(numels):
+        raise ValueError(f"Invalid rank_counts={counts!r}: must be ints >= 0 (one per rank) adding up to the "
+                         f"{len(numels)} parameters.")
+    counts = [int(c) for c in counts]
     if not numels:
         raise ValueError("plan_layout needs at least one parameter.")
+    for j, n in enumerate(numels):
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+            raise ValueError(f"Invalid numels[{j}]={n!r}. Must be an int >= 0 (a parameter's element count).")
+    numels = [int(n) for n in numels]
     if counts[0] == 0:
         raise ValueError("rank 0 owns no parameter: the padded layout pads after parameters, so rank 0 must own one "
                          "(reorder the ranks so that the empty ones come last).")

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
-from .cost import MASTER_GRAD_BYTES, cost_vector
+from .cost import cost_vector, slice_cost
 from .dp import OwnershipPlan
 from .tp import MicroGroupPlan
 
@@ -24,7 +24,8 @@ def rank_costs(plan: OwnershipPlan, cost: str, model=None) -> list[float]:
     """Per DP rank load under ``cost``.  A matrix cut by a rank boundary (only
     ``equal_chunk``, DeepSpeed's stock slicing) is updated in full on every rank it touches
     (DeepSpeed's Muon), so FLOPs and optimizer state are charged in full to each of them;
-    its master weight and gradient (and ``numel``) pro rata to the slice."""
+    its master weight and gradient (and ``numel``) pro rata to the slice
+    (:func:`canzona_ds.planning.cost.slice_cost`)."""
     loads = cost_vector(plan.specs, cost=cost, model=model)
     out = [0.0] * plan.world_size
     slices = plan.extra.get("slices", {})
@@ -33,15 +34,8 @@ def rank_costs(plan: OwnershipPlan, cost: str, model=None) -> list[float]:
             if i not in slices:
                 out[r] += loads[i]
     for i, parts in slices.items():
-        numel = plan.specs[i].numel
         for r, n in parts:
-            if cost in ("flops", "peak_flops"):
-                out[r] += loads[i]
-            elif cost == "memory":
-                state = loads[i] - numel * MASTER_GRAD_BYTES
-                out[r] += n * MASTER_GRAD_BYTES + state
-            else:
-                out[r] += loads[i] * n / numel if numel else 0.0
+            out[r] += slice_cost(plan.specs[i], cost, loads[i], n)
     return out
 
 

@@ -55,7 +55,9 @@ class SynchronousTP:
             work.wait()
         G = torch.cat([out[r * n_max: r * n_max + m.local_numel(r)].view(m.local_shape(r)) for r in range(tp)],
                       dim=m.partition_dim)
-        st = self.state.setdefault(m.name, self.rule.init_state(m.info, like=G))
+        st = self.state.get(m.name)
+        if st is None:  # once: setdefault would build (and drop) a fresh state every step
+            st = self.state[m.name] = self.rule.init_state(m.info, like=G)
         D = self.rule.direction(G, st, m.info, step)
         self.stats.flops += self.rule.flops(m.info.shape2d, m.num_heads).amortised
         decay, step_size = self.rule.scales(lr, weight_decay, m.info, step)
@@ -79,7 +81,9 @@ class ShardLocalTP:
         self.stats = StepStats()
         for m, p, g in zip(self.matrices, params, grads):
             info = MatrixInfo(m.name, tuple(p.shape))  # the shard's own shape
-            st = self.state.setdefault(m.name, self.rule.init_state(info, like=g))
+            st = self.state.get(m.name)
+            if st is None:
+                st = self.state[m.name] = self.rule.init_state(info, like=g)
             D = self.rule.direction(g, st, info, step)
             self.stats.flops += self.rule.flops(info.shape2d).amortised
             decay, step_size = self.rule.scales(lr, weight_decay, info, step)

@@ -26,7 +26,12 @@ HP = {
     "CanzonaMuon": dict(lr=0.02, adam_lr=0.01, momentum=0.9, weight_decay=0.1, betas=[0.9, 0.95], eps=1e-8),
     "CanzonaShampoo": dict(lr=0.01, adam_lr=0.01, weight_decay=0.1, betas=[0.9, 0.99], precondition_frequency=2,
                            start_preconditioning_step=2, epsilon=1e-8),
-    "CanzonaSOAP": dict(lr=0.01, adam_lr=0.01, weight_decay=0.1, betas=[0.9, 0.95], precondition_frequency=2),
+    # eps 1e-6, not SOAP's 1e-8: a tall matrix's left factor is rank-deficient (rank <= cols), so
+    # its null-space eigenvectors carry rounding noise (~1e-9 on these O(0.1) gradients) that
+    # SOAP divides by sqrt(V) + eps; with eps far above the noise, runs that differ only by
+    # rounding (4-rank summation order, bf16) stay close, as they do at LLM gradient scales
+    "CanzonaSOAP": dict(lr=0.01, adam_lr=0.01, weight_decay=0.1, betas=[0.9, 0.95], precondition_frequency=2,
+                        eps=1e-6),
 }
 TYPES = tuple(HP)
 
@@ -69,13 +74,17 @@ def batches(steps: int, global_batch: int, seed: int = 1):
              torch.randint(0, VOCAB, (global_batch, T), generator=g)) for _ in range(steps)]
 
 
-def ds_config(dp: int, micro: int = 2, gas: int = 1, optimizer: str = "CanzonaMuon", params: dict | None = None,
+def ds_config(dp: int, micro: int = 2, gas: int = 1, optimizer: str | dict = "CanzonaMuon", params: dict | None = None,
               stage: int = 1, **extra) -> dict:
+    """A ds_config for the tiny model; ``optimizer`` is a type name (params default to ``HP``)
+    or a whole ds_config optimizer section."""
+    section = optimizer if isinstance(optimizer, dict) else {
+        "type": optimizer, "params": dict(HP.get(optimizer, {}) if params is None else params)}
     cfg = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": gas,
         "train_batch_size": micro * gas * dp,
-        "optimizer": {"type": optimizer, "params": dict(HP.get(optimizer, {}) if params is None else params)},
+        "optimizer": section,
         "zero_optimization": {"stage": stage},
         "gradient_clipping": 0.0,
         "steps_per_print": 10 ** 9,
@@ -113,23 +122,34 @@ def run_engine(rank: int, dp: int, cfg: dict, steps: int, micro: int = 2, gas: i
     return params_of(engine.module), losses, engine
 
 
-def reference_grads(model: nn.Module, x: list, y: list, dp: int, micro: int, gas: int = 1) -> dict:
-    """ZeRO's averaged gradient, in its order: per rank, accumulate grad(loss / gas) over the
-    micro-steps; then divide by dp and sum over ranks (exact for power-of-two dp and gas)."""
+def reference_grads(model: nn.Module, x: list, y: list, dp: int, micro: int, gas: int = 1, stage: int = 1) -> dict:
+    """ZeRO's averaged gradient, in its order (exact for power-of-two dp and gas):
+
+    * stage 1: per rank, accumulate grad(loss / gas) over the micro-steps; at the boundary
+      divide by dp and sum over ranks;
+    * stage 2: every micro-step's gradient is averaged over the ranks right away (divided by
+      dp, summed) and the averages are accumulated."""
     from canzona_ds.optim.reference import zero_average
 
-    per_rank = []
-    for r in range(dp):
+    def grads_of(r: int, steps: range) -> dict:
         model.zero_grad(set_to_none=True)
         rows = slice(r * micro, (r + 1) * micro)
-        for m in range(gas):
+        for m in steps:
             (model(x[m][rows], y[m][rows]) / gas).backward()
-        per_rank.append({n: p.grad.clone() for n, p in model.named_parameters()})
-    return zero_average(per_rank)
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    if stage == 2 and gas > 1:
+        total = None
+        for m in range(gas):
+            avg = zero_average([grads_of(r, range(m, m + 1)) for r in range(dp)])
+            total = avg if total is None else {n: total[n] + avg[n] for n in total}
+        return total
+    return zero_average([grads_of(r, range(gas)) for r in range(dp)])
 
 
 def run_reference(dp: int, steps: int, optimizer: str = "CanzonaMuon", params: dict | None = None, micro: int = 2,
-                  gas: int = 1, seed: int = 0, clip: float = 0.0, model: nn.Module | None = None) -> dict:
+                  gas: int = 1, seed: int = 0, clip: float = 0.0, model: nn.Module | None = None,
+                  stage: int = 1) -> dict:
     """The single-process reference on ZeRO's averaged (and DeepSpeed-clipped) gradients."""
     from canzona_ds.optim.config import CanzonaConfig
     from canzona_ds.optim.reference import ReferenceOptimizer, deepspeed_clip
@@ -141,8 +161,8 @@ def run_reference(dp: int, steps: int, optimizer: str = "CanzonaMuon", params: d
     data = batches(steps * gas, micro * dp)
     for s in range(steps):
         chunk = data[s * gas:(s + 1) * gas]
-        grads = deepspeed_clip(reference_grads(model, [c[0] for c in chunk], [c[1] for c in chunk], dp, micro, gas),
-                               clip)
+        grads = deepspeed_clip(reference_grads(model, [c[0] for c in chunk], [c[1] for c in chunk], dp, micro, gas,
+                                               stage), clip)
         for n, p in model.named_parameters():
             p.grad = grads[n]
         opt.step()
@@ -155,3 +175,52 @@ def max_abs_diff(a: dict, b: dict) -> float:
 
 def clone(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module)
+
+
+class MatrixStepRecorder:
+    """Records what a :class:`~canzona_ds.optim.optimizer.CanzonaOptimizer` does to every matrix it
+    updates locally: per step, the gradient and master weight each saw, and the weight after.
+
+    :meth:`replay` reruns the rule from those gradients in a single process and returns the
+    largest difference from what the optimizer produced, so the machinery (flat-partition
+    views, state, step counts, scales) is checked bit for bit even where the gradients
+    themselves are not reproducible in one process (bf16/fp16 forward passes, DP=4 summation
+    order)."""
+
+    def __init__(self, optimizer) -> None:
+        self.opt = optimizer
+        self.steps: list[dict] = []
+        stock_items, stock_step = optimizer._matrix_items, optimizer._matrix_step
+        pending: dict = {}
+
+        def items(group):
+            out = stock_items(group)
+            pending.clear()
+            pending.update({n: (g.detach().clone(), p.detach().clone(), p) for n, p, g in out
+                            if n not in optimizer.tp_matrices})
+            return out
+
+        def step(group):
+            stock_step(group)
+            self.steps.append({n: (g, before, after.detach().clone()) for n, (g, before, after) in pending.items()})
+
+        optimizer._matrix_items, optimizer._matrix_step = items, step
+
+    def replay(self) -> float:
+        from canzona_ds.optim.rule import apply_update
+
+        rule, worst, state = self.opt.rule, 0.0, {}
+        group = next(g for g in self.opt.param_groups if g["canzona_role"] == "matrix")
+        for t, record in enumerate(self.steps, start=1):
+            for name, (grad, before, after) in record.items():
+                info = self.opt.infos[name]
+                W = before.clone()
+                st = state.setdefault(name, rule.init_state(info, like=W))
+                D = rule.direction(grad.clone(), st, info, t)
+                apply_update(W, D, *rule.scales(group["lr"], group["weight_decay"], info, t))
+                worst = max(worst, float((W - after).abs().max()))
+        return worst
+
+    def summary(self) -> dict:
+        return {"steps": len(self.steps), "matrices": sorted({n for s in self.steps for n in s}),
+                "replay_max_diff": self.replay()}

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from canzona_ds.planning.cost import AUX_BYTES_PER_ELEMENT, MASTER_GRAD_BYTES, cost_vector
+from canzona_ds.planning.cost import AUX_BYTES_PER_ELEMENT, MASTER_GRAD_BYTES, cost_vector, task_cost
 from canzona_ds.planning.dp import plan_dp, plan_equal_chunk
 from canzona_ds.planning.params import specs_from_module
 from canzona_ds.planning.report import rank_costs
@@ -85,9 +85,9 @@ def summarize(model, world_size: int, optimizer=None, layout=None) -> PlanSummar
     else:
         plan = plan_dp(matrices, world_size, cost="flops", model=model_cost)
         out.plan_source = "computed with planning.plan_dp(cost='flops'); the run's optimizer has no plan"
-    layout = layout if layout is not None else plan.layout()
+    layout = layout if layout is not None else plan.nonempty_first().layout()
     flops = rank_costs(plan, "flops", model_cost)
-    state = [sum(model_cost.state_bytes(plan.specs[i].matrix_shape, plan.specs[i].num_heads)
+    state = [sum(task_cost(plan.specs[i], "memory", model_cost) - plan.specs[i].numel * MASTER_GRAD_BYTES
                  for i in plan.rank_params[r]) for r in range(world_size)]
     memory = [layout.shard_numel * MASTER_GRAD_BYTES + state[r] + aux[r] * AUX_BYTES_PER_ELEMENT
               for r in range(world_size)]
