@@ -2,22 +2,28 @@
 
     python benchmarks/bench_tp.py                       # both parts -> benchmarks/results/tp.md
     python benchmarks/bench_tp.py --layers 4 --steps 5  # measured part settings
+    python benchmarks/bench_tp.py --rule shampoo        # another matrix rule (muon, shampoo, soap)
 
 Measured: a stack of Qwen3-shaped decoder layers (scaled down so a CPU step takes < 1 s),
 Megatron TP=2 layout, one process per TP rank, 1 thread each, gloo.  Every strategy
-runs the same random gradients from the same weights:
+runs the same random gradients from the same weights, with the same rule (``--rule``,
+default settings of its ``MatrixRule``):
 
-    asc-pipelined   TP-ASC, LPT micro-groups, gather(k+1)/scatter(k-1) overlap compute(k)
-    asc-blocking    TP-ASC, one micro-group at a time (the paper's runtime)
-    asc-no-fusion   TP-ASC hosts, one all-to-all pair per matrix (Figure 14's No-Fuse)
-    sc              TP-SC: all-gather every matrix, Newton-Schulz on every rank
-    local           shard-local Muon (DeepSpeed's built-in Muon under AutoTP): not exact
+    asc-pipelined   MicroGroupRuntime (TP-ASC), LPT micro-groups, gather(k+1)/scatter(k-1)
+                    overlap compute(k)
+    asc-blocking    MicroGroupRuntime, one micro-group at a time (the paper's runtime)
+    asc-no-fusion   MicroGroupRuntime hosts, one all-to-all pair per matrix (Figure 14's No-Fuse)
+    sc              testing.baselines.SynchronousTP (TP-SC): all-gather every matrix, the
+                    rule on every rank
+    local           testing.baselines.ShardLocalTP (DeepSpeed's built-in Muon under AutoTP):
+                    each shard as a whole matrix, not exact
 
 Step time = max over the two ranks, median over ``--steps`` timed steps (after 1 warm-up).
 
 Simulated: Qwen3-32B, TP=8, every TP-split matrix of the model (planning.models), three
 schedules (SC, ASC = round-robin hosts, LB-ASC = Algorithm 2 LPT micro-groups) under a
-stated cost model (compute rate, link bandwidth, per-collective latency).
+stated cost model (compute rate, link bandwidth, per-collective latency), with the rule's
+cost model (FLOPs, direction dtype).
 """
 from __future__ import annotations
 
@@ -29,17 +35,20 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
-STRATEGIES = {
-    "asc-pipelined": dict(strategy="asc", pipelined=True),
-    "asc-blocking": dict(strategy="asc", pipelined=False),
-    "asc-no-fusion": dict(strategy="asc", pipelined=True, scheduler="no_fusion"),
-    "sc": dict(strategy="sc", pipelined=False),
-    "local": dict(strategy="local"),
+from canzona_ds.optim import RULES  # noqa: E402
+
+#: label -> (baseline class in canzona_ds.testing.baselines, or None for MicroGroupRuntime; TPConfig fields)
+STRATEGIES: dict[str, tuple[str | None, dict]] = {
+    "asc-pipelined": (None, dict(pipelined=True)),
+    "asc-blocking": (None, dict(pipelined=False)),
+    "asc-no-fusion": (None, dict(pipelined=True, scheduler="no_fusion")),
+    "sc": ("SynchronousTP", {}),
+    "local": ("ShardLocalTP", {}),
 }
 
 
@@ -56,13 +65,27 @@ def layer_matrices(layers: int, hidden: int, heads: int, kv_heads: int, head_dim
     return out
 
 
-def _worker(rank, world, mats, steps, c_max):
+def _build(label: str, tpm: list, rule, c_max: float | None) -> Any:
+    """The runtime or baseline behind ``label`` (same step interface)."""
+    from canzona_ds.optim.config import TPConfig
+    from canzona_ds.testing import baselines
+    from canzona_ds.tp import MicroGroupRuntime
+
+    baseline, kw = STRATEGIES[label]
+    if baseline is None:
+        return MicroGroupRuntime(tpm, rule, None, TPConfig(c_max=c_max, **kw), state={})
+    return getattr(baselines, baseline)(tpm, rule, None)
+
+
+def _worker(rank: int, world: int, mats: list, steps: int, c_max: float | None, rule_name: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from canzona_ds.tp import TPMatrix, TPMuonConfig, TPMuonRuntime
+    from canzona_ds.optim import cost_model
+    from canzona_ds.tp import TPMatrix
 
     tp = world
+    rule = cost_model(rule_name)
     tpm = [TPMatrix(n, s, d, (s[d] // tp,) * tp) for n, s, d in mats]
 
     def shards(seed):
@@ -74,42 +97,42 @@ def _worker(rank, world, mats, steps, c_max):
         return out
 
     # strategies interleaved step by step, so load from other jobs hits them all alike
-    runtimes, params, times, first = {}, {}, {}, {}
-    for label, kw in STRATEGIES.items():
-        cfg = TPMuonConfig(lr=0.02, weight_decay=0.1, c_max=c_max if kw.get("strategy") == "asc" else None, **kw)
-        runtimes[label], params[label], times[label] = TPMuonRuntime(tpm, None, cfg), shards(1), []
+    runtimes, params, times = {}, {}, {}
+    for label in STRATEGIES:
+        runtimes[label], params[label], times[label] = _build(label, tpm, rule, c_max), shards(1), []
     stats = {}
     for s in range(steps + 1):
         grads = shards(100 + s)
         for label, rt in runtimes.items():
             dist.barrier()
             t0 = time.perf_counter()
-            stats[label] = rt.step(params[label], grads)
+            stats[label] = rt.step(params[label], grads, lr=0.02, weight_decay=0.1, step=s + 1)
             dt = torch.tensor([time.perf_counter() - t0])
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-            if s == 0:
-                first[label] = [p.clone().numpy() for p in params[label]]
-            else:
+            if s > 0:  # step 1 is the warm-up
                 times[label].append(dt.item())
     results = {}
     for label, rt in runtimes.items():
         st = stats[label]
+        plan = getattr(rt, "plan", None)
         results[label] = dict(
             step_s=statistics.median(times[label]), step_min=min(times[label]), step_all=times[label],
             bytes_sent=st.bytes_sent, collectives=dict(st.collectives), flops=st.flops,
-            groups=len(rt.plan.groups) if rt.plan is not None else None, first_params=first[label],
+            groups=len(plan.groups) if plan is not None else None,
+            final_params=[p.clone().numpy() for p in params[label]],
         )
     return results
 
 
 def measured(args) -> dict:
-    from _dist import run_distributed
+    from canzona_ds.testing.dist import run_distributed
 
     mats = layer_matrices(args.layers, args.hidden, args.heads, args.kv_heads, args.head_dim, args.ffn)
-    res = run_distributed(_worker, 2, mats, args.steps, args.c_max, timeout=1800)
+    res = run_distributed(_worker, 2, mats, args.steps, args.c_max, args.rule, timeout=1800)
     import numpy as np
 
-    # deviation of shard-local Muon from the exact (TP=1) update after one step
+    # deviation of the shard-local update from the exact (TP=1) one, over all steps (SOAP's step 1
+    # only builds its eigenbasis, so a one-step comparison would be 0/0)
     w0 = {}
     import torch
 
@@ -118,12 +141,13 @@ def measured(args) -> dict:
         w0[n] = torch.randn(*s, generator=g).mul_(0.02).numpy()
     dev_num = dev_den = 0.0
     for r in range(2):
-        exact, local = res[r]["asc-pipelined"]["first_params"], res[r]["local"]["first_params"]
+        exact, local = res[r]["asc-pipelined"]["final_params"], res[r]["local"]["final_params"]
         for k, (n, s, d) in enumerate(mats):
             start = np.split(w0[n], 2, axis=d)[r]
             dev_num += float(((local[k] - exact[k]) ** 2).sum())
             dev_den += float(((exact[k] - start) ** 2).sum())
-    summary = {"mats": mats, "ranks": [], "local_rel_dev": math.sqrt(dev_num / dev_den)}
+    summary = {"rule": args.rule, "mats": mats, "ranks": [],
+               "local_rel_dev": math.sqrt(dev_num / dev_den) if dev_den > 0 else float("nan")}
     for label in STRATEGIES:
         summary["ranks"].append(label)
         summary[label] = {
@@ -185,35 +209,42 @@ def replay(G: list[float], C: list[list[float]], S: list[float], tp: int, pipeli
     return max(t)
 
 
-def simulate(model: str, tp: int, tflops: float, gbps: float, latency_us: float, c_max_mib: float, dp: int = 1) -> dict:
+def simulate(model: str, tp: int, tflops: float, gbps: float, latency_us: float, c_max_mib: float, dp: int = 1,
+             rule_name: str = "muon") -> dict:
     """Per-rank FLOPs/bytes and estimated step makespans for SC, ASC, LB-ASC.
 
     Cost model (stated, not measured):
-      compute   Newton-Schulz FLOPs (planning.cost) / ``tflops`` per GPU
+      compute   the rule's amortised FLOPs (``MatrixRule.flops``, full matrices) / ``tflops`` per GPU
       comm      bytes a rank receives / ``gbps`` (all-to-all and all-gather on NVLink are
                 receive-bound per GPU) + ``latency_us`` per collective
-      SC        per matrix: all-gather of the fp32 grad, then every rank runs the full NS
+      SC        per matrix: all-gather of the fp32 grad, then every rank runs the full update
       ASC/LB    per micro-group k: gather G_k (fp32 shards to hosts; busiest receiver),
-                per-host compute C_k[r], scatter S_k (bf16 update shards); the runtime's
-                issue order is replayed by :func:`replay` (blocking or pipelined)
+                per-host compute C_k[r], scatter S_k (update shards in the rule's direction
+                dtype: bf16 for Muon, fp32 for Shampoo/SOAP); the runtime's issue order is
+                replayed by :func:`replay` (blocking or pipelined)
     """
+    import torch
+
+    from canzona_ds.optim import cost_model
     from canzona_ds.planning.cost import cost_vector
     from canzona_ds.planning.models import matrix_specs, model_specs
     from canzona_ds.planning.report import tp_report
     from canzona_ds.planning.tp import plan_tp
 
+    rule = cost_model(rule_name)
+    direction_bytes = torch.empty(0, dtype=rule.direction_dtype(torch.float32)).element_size()
     specs = [s for s in matrix_specs(model_specs(model, tp=tp)) if s.tp_partition_dim is not None]
     if dp > 1:  # the TP group of the busiest DP rank under the DP planner (LPT on FLOPs)
         from canzona_ds.planning import plan_dp
 
-        dplan = plan_dp(specs, dp, cost="flops")
+        dplan = plan_dp(specs, dp, cost="flops", model=rule)
         busiest = max(range(dp), key=lambda r: dplan.rank_load[r])
         specs = [specs[i] for i in dplan.rank_params[busiest]]
-    flops = cost_vector(specs, "flops", full=True)
+    flops = cost_vector(specs, "flops", model=rule, hosted=True)
     full_numel = [s.numel * tp for s in specs]
     rate, bw, lat = tflops * 1e12, gbps * 1e9, latency_us * 1e-6
-    out = {"model": model, "tp": tp, "dp": dp, "matrices": len(specs), "cost_model": dict(tflops=tflops, gbps=gbps,
-           latency_us=latency_us, c_max_mib=c_max_mib)}
+    out = {"model": model, "rule": rule_name, "tp": tp, "dp": dp, "matrices": len(specs),
+           "cost_model": dict(tflops=tflops, gbps=gbps, latency_us=latency_us, c_max_mib=c_max_mib)}
 
     # SC: every rank receives (tp-1)/tp of every fp32 matrix and computes everything
     sc_bytes = sum(n * 4 * (tp - 1) / tp for n in full_numel)
@@ -225,7 +256,7 @@ def simulate(model: str, tp: int, tflops: float, gbps: float, latency_us: float,
     c_max = c_max_mib * 2**20 / 4  # numel cost: elements of fp32 gradient per host per group
     for label, sched in (("ASC", "round_robin"), ("LB-ASC", "lpt_rollback"), ("LB-ASC no-fuse", "no_fusion")):
         plan = plan_tp(specs, tp, scheduler=sched, c_max=max(c_max, max(full_numel)), cost="numel")
-        rep = tp_report(plan)
+        rep = tp_report(plan, rule)
         G, C, S = [], [], []
         host_flops = [0.0] * tp
         host_bytes = [0.0] * tp
@@ -236,11 +267,11 @@ def simulate(model: str, tp: int, tflops: float, gbps: float, latency_us: float,
                 recv[h] += full_numel[i] * 4 * (tp - 1) / tp        # gather: fp32 shards in
                 comp[h] += flops[i]
                 host_flops[h] += flops[i]
-            send_back = [0.0] * tp                                   # scatter: bf16 shards in
+            send_back = [0.0] * tp                                   # scatter: direction shards in
             for i, h in grp.tasks:
                 for r in range(tp):
                     if r != h:
-                        send_back[r] += full_numel[i] * 2 / tp
+                        send_back[r] += full_numel[i] * direction_bytes / tp
             for r in range(tp):
                 host_bytes[r] += recv[r] + send_back[r]
             G.append(max(recv) / bw + lat)
@@ -256,7 +287,8 @@ def simulate(model: str, tp: int, tflops: float, gbps: float, latency_us: float,
 
 
 def write_md(meas: dict | None, sims: list[dict], path: Path, cmd: str) -> None:
-    L = ["# TP optimizer step: measured (TP=2, CPU) and simulated (Qwen3-32B, TP=8)", "",
+    rule = (meas or {}).get("rule") or (sims[0]["rule"] if sims else "muon")
+    L = [f"# TP optimizer step ({rule}): measured (TP=2, CPU) and simulated (Qwen3-32B, TP=8)", "",
          f"Command: `{cmd}`  ", "Machine: 2 shared CPU cores (other jobs running; load average ~4-5), "
          "torch CPU, gloo, 1 thread per rank.", ""]
     if meas:
@@ -264,7 +296,7 @@ def write_md(meas: dict | None, sims: list[dict], path: Path, cmd: str) -> None:
         L += ["## Measured: TP=2, optimizer step only", "",
               f"{len(meas['mats'])} matrices ({len(meas['mats']) // 4} Qwen3-style layers: fused QKV, proj, "
               "fused SwiGLU fc1, fc2; sizes in bench args). Step time: max over ranks, median of timed steps.", "",
-              "| strategy | step median (s) | vs TP-SC | step min (s) | min vs TP-SC | collectives / step | bytes sent / rank | NS GFLOP per rank (r0, r1) | FLOPs vs SC | exact |",
+              "| strategy | step median (s) | vs TP-SC | step min (s) | min vs TP-SC | collectives / step | bytes sent / rank | rule GFLOP per rank (r0, r1) | FLOPs vs SC | exact |",
               "|---|---|---|---|---|---|---|---|---|---|"]
         scmin = meas["sc"]["step_min"]
         for label in meas["ranks"]:
@@ -275,9 +307,9 @@ def write_md(meas: dict | None, sims: list[dict], path: Path, cmd: str) -> None:
                      f"{m['step_min'] / scmin:.2f}x | {coll} | "
                      f"{max(m['bytes_sent']) / 2**20:.2f} MiB | {fl[0] / 1e9:.1f}, {fl[1] / 1e9:.1f} | "
                      f"{max(fl) / max(meas['sc']['flops']):.2f} | {'no' if label == 'local' else 'yes'} |")
-        L += ["", f"Shard-local Muon deviates from the exact (TP=1) update by "
-              f"**{100 * meas['local_rel_dev']:.0f}%** (relative L2 of the one-step update, "
-              "all matrices) -- it orthogonalises each shard instead of the matrix.", "",
+        L += ["", f"The shard-local update deviates from the exact (TP=1) update by "
+              f"**{100 * meas['local_rel_dev']:.0f}%** (relative L2 of the update over all "
+              f"{len(meas['sc']['step_all']) + 1} steps, all matrices) -- it applies the rule to each shard instead of the matrix.", "",
               "Per-step times (s): " + "; ".join(f"{l}: " + ", ".join(f"{t:.3f}" for t in meas[l]["step_all"])
                                                   for l in meas["ranks"]), ""]
     for sim in sims:
@@ -293,14 +325,15 @@ def _sim_md(sim: dict) -> list[str]:
     scope = ("all TP-split matrices of the model" if sim["dp"] == 1 else
              f"the matrices of the busiest DP rank of DP={sim['dp']} (DP LPT plan on FLOPs), as in the paper's DP16xTP8")
     L = [f"## Simulated: {sim['model']}, TP={sim['tp']}, {scope}", "",
-          f"Cost model: {c['tflops']} TFLOP/s per GPU for Newton-Schulz, {c['gbps']} GB/s receive bandwidth per GPU "
+          f"Cost model: {c['tflops']} TFLOP/s per GPU for the {sim['rule']} update (its amortised FLOPs), "
+          f"{c['gbps']} GB/s receive bandwidth per GPU "
           f"(NVLink all-to-all / all-gather), {c['latency_us']} us per collective; C_max = {c['c_max_mib']} MiB "
-          "of fp32 gradient per host per group. Gradients travel fp32, update shards bf16. "
-          f"{sim['matrices']} matrices.", "",
-          "| schedule | NS TFLOP (busiest rank) | FLOPs max/avg | memory max/avg | GiB in (busiest rank) | collectives | step blocking (s) | step pipelined (s) |",
+          "of fp32 gradient per host per group. Gradients travel fp32, update shards in the rule's direction "
+          f"dtype ({'bf16' if sim['rule'] == 'muon' else 'fp32'}). {sim['matrices']} matrices.", "",
+          "| schedule | rule TFLOP (busiest rank) | FLOPs max/avg | memory max/avg | GiB in (busiest rank) | collectives | step blocking (s) | step pipelined (s) |",
           "|---|---|---|---|---|---|---|---|"]
     s = sim["SC"]
-    L.append(f"| SC (all-gather + redundant NS) | {s['flops_per_rank'] / 1e12:.2f} | 1.00 (all redundant) | - | "
+    L.append(f"| SC (all-gather + redundant update) | {s['flops_per_rank'] / 1e12:.2f} | 1.00 (all redundant) | - | "
              f"{s['bytes_per_rank'] / 2**30:.2f} | {s['collectives']} | {s['makespan_s']:.3f} | - |")
     for label in ("ASC", "LB-ASC", "LB-ASC no-fuse"):
         a = sim[label]
@@ -321,6 +354,7 @@ def main() -> None:
     ap.add_argument("--ffn", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=11)
     ap.add_argument("--c-max", type=float, default=None, help="micro-group cap (numel); default planner's")
+    ap.add_argument("--rule", default="muon", choices=sorted(RULES), help="matrix rule (default settings)")
     ap.add_argument("--skip-measured", action="store_true")
     ap.add_argument("--sim-model", default="qwen3-32b")
     ap.add_argument("--sim-tp", type=int, default=8)
@@ -334,7 +368,7 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     meas = None if args.skip_measured else measured(args)
     sim = [simulate(args.sim_model, args.sim_tp, args.sim_tflops, args.sim_gbps, args.sim_latency_us,
-                    args.sim_c_max_mib, dp=dp) for dp in (1, args.sim_dp)]
+                    args.sim_c_max_mib, dp=dp, rule_name=args.rule) for dp in (1, args.sim_dp)]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_md(meas, sim, out, "python benchmarks/bench_tp.py " + " ".join(sys.argv[1:]))

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Megatron-DeepSpeed GPT pretraining with CanzonaMuon (exact TP-ASC Muon) from ds_config.
-# configs/ds_megatron_tp.json: ZeRO stage 1 -> DP x TP through DeepSpeed ZeRO-1 (bf16 allowed);
-# Megatron's --lr schedule drives the Muon lr (AdamW: x adam_lr/muon_lr).
+# Megatron-DeepSpeed GPT pretraining with a Canzona optimizer from ds_config (CanzonaMuon in the shipped
+# config; CanzonaShampoo / CanzonaSOAP with their own optimizer.params, docs/config.md), exact under TP
+# (micro-group hosting).
+# configs/ds_megatron_tp.json: ZeRO stage 1 -> DP x TP through DeepSpeed ZeRO (stage 2 works the same;
+# bf16 allowed); Megatron's --lr schedule drives the matrix lr (AdamW: x adam_lr/lr).
 # Needs CUDA GPUs and a Megatron-DeepSpeed checkout (not on PyPI); NOT run in this repo's CI.
 #   MEGATRON_DS=/path/to/Megatron-DeepSpeed DATA=/path/to/data_text_document \
 #   VOCAB=gpt2-vocab.json MERGES=gpt2-merges.txt NGPU=8 TP=8 bash launch/megatron_pretrain_gpt.sh

@@ -4,7 +4,7 @@ DeepSpeed 0.19.8's CPU shared-memory all-reduce leaves a ~69 MB
 ``/dev/shm/deepspeed_allreduce_buffer_*`` file per rank per process group (it never unlinks
 it).  The suite starts dozens of DeepSpeed process groups, so without cleanup it would fill
 RAM-backed tmpfs.  After each test, remove this user's buffers that no live process maps.
-(The main job unlinks its own: ``canzona_ds.integration.deepspeed_zero1.release_shm_buffer``.)
+(The main job unlinks its own: ``canzona_ds.integration.runtime_info.release_shm_buffer``.)
 """
 from __future__ import annotations
 

@@ -25,6 +25,6 @@ def test_hf_trainer_with_canzona_muon(tmp_path):
                         "--micro-batch", "4", "--out", str(tmp_path)],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "DeepSpeed optimizer: CanzonaZeroOneOptimizer" in r.stdout + r.stderr
+    assert "DeepSpeed optimizer: CanzonaZeroOptimizer" in r.stdout + r.stderr
     losses = [h["loss"] for h in json.loads((tmp_path / "log_history.json").read_text()) if "loss" in h]
     assert len(losses) == 6 and losses[-1] < losses[0] - 1.0

@@ -66,11 +66,17 @@ def _config_worker(rank, dp, cfg, steps, tags=None):
     model = make_model(0)
     for name, flag in (tags or {}).items():
         model.get_parameter(name).use_muon = flag
+    from canzona_ds.optim.optimizer import CanzonaOptimizer
+
     recorder = []
-    params, losses, engine = run_engine(rank, dp, cfg, steps, model=model,
-                                        after_init=lambda e: recorder.append(MatrixStepRecorder(e.optimizer.optimizer)))
+
+    def attach(engine):
+        if isinstance(engine.optimizer.optimizer, CanzonaOptimizer):
+            recorder.append(MatrixStepRecorder(engine.optimizer.optimizer))
+
+    params, losses, engine = run_engine(rank, dp, cfg, steps, model=model, after_init=attach)
     return dict(params=params, losses=losses, finite=bool(all(np.isfinite(losses))),
-                inner=type(engine.optimizer).__name__, replay=recorder[0].summary())
+                inner=type(engine.optimizer).__name__, replay=recorder[0].summary() if recorder else None)
 
 
 def _fp16_overflow_worker(rank, dp, stage):

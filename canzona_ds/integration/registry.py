@@ -23,7 +23,7 @@ import torch
 
 from ..optim import OPTIMIZER_TYPES
 from ..optim.config import CanzonaConfig
-from ..optim.optimizer import CanzonaOptimizer
+from ..optim.optimizer import MATRIX, CanzonaOptimizer
 from .pinned import check_deepspeed
 
 DS_CONFIG_TP_KEY = "canzona_tp"
@@ -43,21 +43,48 @@ def check_engine_config(engine, cfg: CanzonaConfig) -> None:
         kind = "bf16" if engine.bfloat16_enabled() else "fp16"
         raise ValueError(f"{name} with {kind}.enabled=true needs zero_optimization.stage 1 or 2 (at stage 0 DeepSpeed "
                          f"wraps the optimizer in its {kind.upper()} optimizer, which flattens the matrices).")
-    model_dtype, grad_accum_dtype = engine.get_data_types()
-    if stage == 1 and model_dtype == torch.bfloat16 and grad_accum_dtype == torch.float32:
-        raise ValueError(f"{name} does not support bf16 with data_types.grad_accum_dtype='fp32' at stage 1 yet "
-                         "(DeepSpeed routes it to BF16_Optimizer). Use stage 2, or remove grad_accum_dtype.")
     if stage and engine.zero_round_robin_gradients():
         raise ValueError(f"{name} does not support zero_optimization.round_robin_gradients=true (it reorders "
                          "parameters, breaking the ownership plan). Set it to false.")
-    if stage and engine.zero_use_cpu_optimizer():
+    if stage and engine.zero_use_cpu_optimizer() and not engine.zero_cpu_offload():
         device = engine.zero_offload_optimizer().device
         raise ValueError(f"{name} does not support zero_optimization.offload_optimizer.device="
-                         f"{str(getattr(device, 'value', device))!r} yet. Allowed: 'none' (or remove offload_optimizer).")
+                         f"{str(getattr(device, 'value', device))!r}. Allowed: 'cpu', 'none' (NVMe offload of "
+                         "per-matrix optimizer state is not implemented).")
     if getattr(engine, "zenflow", False):
         raise ValueError(f"{name} does not support zero_optimization.zenflow.")
     if engine.has_moe_layers:
         raise ValueError(f"{name} does not support MoE layers yet.")
+
+
+#: lr settings of schedulers that are absolute values (a scalar means "every param group");
+#: with a Canzona optimizer they are the matrix lr, and the AdamW group gets them times
+#: adam_lr / lr, so the ds_config's lr split survives the schedule.  Schedulers not listed
+#: scale each group's own lr (WarmupCosineLR, torch's LambdaLR, StepLR, ...) and keep it anyway.
+SCHEDULER_LR_KEYS: dict[str, tuple[str, ...]] = {
+    "WarmupLR": ("warmup_min_lr", "warmup_max_lr"),
+    "WarmupDecayLR": ("warmup_min_lr", "warmup_max_lr"),
+    "OneCycle": ("cycle_min_lr", "cycle_max_lr"),
+    "LRRangeTest": ("lr_range_test_min_lr",),
+    "OneCycleLR": ("max_lr",),
+    "CyclicLR": ("base_lr", "max_lr"),
+}
+
+
+def group_lr_ratios(optimizer: CanzonaOptimizer) -> list[float]:
+    """Per param group, its lr relative to the matrix lr (1 for the matrix group)."""
+    return [1.0 if g["canzona_role"] == MATRIX else optimizer.config.adam_lr_ratio for g in optimizer.param_groups]
+
+
+def scale_scheduler_params(name: str, params: dict, optimizer: CanzonaOptimizer) -> dict:
+    """Scheduler params with every absolute lr setting made per group (see SCHEDULER_LR_KEYS)."""
+    params = dict(params)
+    ratios = group_lr_ratios(optimizer)
+    for key in SCHEDULER_LR_KEYS.get(name, ()):
+        value = params.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            params[key] = [value * r for r in ratios]
+    return params
 
 
 def _dp_world_size(engine) -> int:
@@ -180,6 +207,35 @@ def install() -> None:
         finally:
             engine_mod.DeepSpeedZeroOptimizer = stock_cls
 
+    stock_bf16 = Engine._configure_bf16_optimizer
+
+    def _configure_bf16_optimizer(self, optimizer):
+        # DeepSpeed sends bf16 + grad_accum_dtype fp32 at stage 1 to BF16_Optimizer, which
+        # flattens and re-partitions the parameters blind to matrices.  ZeRO-1 supports fp32
+        # gradient accumulation itself (a per-parameter fp32 accumulator), so route it there, and
+        # reduce in fp32 as BF16_Optimizer does unless communication_data_type is set.
+        if isinstance(optimizer, CanzonaOptimizer):
+            if self._config.communication_data_type is None:
+                self.communication_data_type = torch.float32
+            return self._configure_zero_optimizer(optimizer)
+        return stock_bf16(self, optimizer)
+
+    stock_scheduler = Engine._scheduler_from_config
+
+    def _scheduler_from_config(self, optimizer):
+        basic = getattr(self, "basic_optimizer", None)
+        name = self.scheduler_name()
+        if not isinstance(basic, CanzonaOptimizer) or name not in SCHEDULER_LR_KEYS:
+            return stock_scheduler(self, optimizer)
+        saved = self._config.scheduler_params
+        self._config.scheduler_params = scale_scheduler_params(name, saved or {}, basic)
+        try:
+            return stock_scheduler(self, optimizer)
+        finally:
+            self._config.scheduler_params = saved
+
+    Engine._configure_bf16_optimizer = _configure_bf16_optimizer
+    Engine._scheduler_from_config = _scheduler_from_config
     Engine._is_supported_optimizer = _is_supported_optimizer
     Engine._configure_basic_optimizer = _configure_basic_optimizer
     Engine._configure_zero_optimizer = _configure_zero_optimizer

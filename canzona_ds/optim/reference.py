@@ -9,8 +9,9 @@ matrix whole (the TP=1 model), no plan, no flat buffers, no collectives::
 
 With the Muon rule it equals ``torch.optim.Muon`` + ``torch.optim.AdamW`` bit for bit
 (tests/test_optim_muon.py), so for Muon the distributed results are checked against torch
-itself; Shampoo's and SOAP's rules are cross-checked against an independent public
-implementation (tests/test_optim_crosscheck.py).
+itself.  SOAP's rule is cross-checked against heavyball 3.2.1's SOAP, and Shampoo's against
+an independent from-the-paper Kronecker-product implementation (heavyball has no plain
+Shampoo): tests/test_optim_crosscheck.py, with every difference explained there.
 
 Helpers reproduce what DeepSpeed does to gradients before the step, so a single process
 can feed the reference the same gradients a DP run computes:

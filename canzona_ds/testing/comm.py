@@ -12,8 +12,8 @@ group (ring / reduce-scatter based)::
 
 DeepSpeed's calls reach torch.distributed through ``deepspeed.comm``; both layers are
 wrapped, and ``count("deepspeed")`` / ``count("torch")`` keep them apart so nothing is
-counted twice.  ``by_group()`` splits counts by group size (e.g. the TP group vs the DP
-group of a DP x TP run).
+counted twice.  ``by_group()`` splits counts by group size, ``by_group_ranks()`` by the
+group's global ranks (the TP group vs the DP group of a DP x TP run).
 """
 from __future__ import annotations
 
@@ -37,6 +37,8 @@ class Record(NamedTuple):
     group_size: int
     payload_bytes: int
     wire_bytes: float
+    #: global ranks of the process group (None: the default group)
+    group_ranks: tuple | None = None
 
 
 def _nbytes(x) -> int:
@@ -47,14 +49,15 @@ def _nbytes(x) -> int:
     return 0
 
 
-def _group_size(group) -> int:
+def _group(group) -> tuple[int, tuple | None]:
+    """(size, global ranks or None for the default group) of a process group."""
     import torch.distributed as tdist
 
     if not tdist.is_initialized():
-        return 1
-    if group is not None and not isinstance(group, torch.distributed.ProcessGroup):
-        return tdist.get_world_size()  # deepspeed.comm may pass its own wrappers; fall back to the world
-    return tdist.get_world_size(group)
+        return 1, None
+    if group is None or not isinstance(group, torch.distributed.ProcessGroup):
+        return tdist.get_world_size(), None  # the default group (or a wrapper deepspeed.comm passes)
+    return tdist.get_world_size(group), tuple(tdist.get_process_group_ranks(group))
 
 
 @dataclass
@@ -94,7 +97,7 @@ class CommCounter:
                     group = sig.bind_partial(*args, **kwargs).arguments.get("group")
                 except TypeError:
                     group = None
-            p = _group_size(group)
+            p, ranks = _group(group)
             tensors = [a for a in args[:2] if isinstance(a, (torch.Tensor, list, tuple))]
             if op in ("all_gather_into_tensor", "all_gather"):
                 payload = _nbytes(tensors[0]) if tensors else 0  # output holds all p pieces
@@ -103,7 +106,7 @@ class CommCounter:
             else:
                 payload = _nbytes(tensors[0]) if tensors else 0
             factor = _FACTOR.get(op, lambda q: (q - 1) / q)(p)
-            self.records.append(Record(layer, op, p, payload, payload * factor))
+            self.records.append(Record(layer, op, p, payload, payload * factor, ranks))
             return fn(*args, **kwargs)
 
         wrapped.__wrapped__ = fn
@@ -135,4 +138,14 @@ class CommCounter:
         for r in self.records:
             if r.layer == layer:
                 out[r.group_size] = out.get(r.group_size, 0) + 1
+        return out
+
+    def by_group_ranks(self, layer: str = "torch") -> dict:
+        """(op, group's global ranks or "world") -> calls: tells apart groups of equal size,
+        e.g. the TP and the DP group of a DP x TP run."""
+        out: dict = {}
+        for r in self.records:
+            if r.layer == layer:
+                key = (r.op, r.group_ranks if r.group_ranks is not None else "world")
+                out[key] = out.get(key, 0) + 1
         return out

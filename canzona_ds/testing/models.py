@@ -103,8 +103,9 @@ def params_of(module: nn.Module) -> dict:
 
 
 def run_engine(rank: int, dp: int, cfg: dict, steps: int, micro: int = 2, gas: int = 1, seed: int = 0,
-               model: nn.Module | None = None, after_init=None):
-    """Train ``steps`` optimizer steps on a DeepSpeed engine; return (parameters, losses, engine)."""
+               model: nn.Module | None = None, after_init=None, data: list | None = None):
+    """Train ``steps`` optimizer steps on a DeepSpeed engine; return (parameters, losses, engine).
+    ``data``: the global batches (default ``batches(steps * gas, micro * dp)``)."""
     import canzona_ds  # noqa: F401 - registers the Canzona types
     import deepspeed
 
@@ -113,7 +114,7 @@ def run_engine(rank: int, dp: int, cfg: dict, steps: int, micro: int = 2, gas: i
     if after_init is not None:
         after_init(engine)
     losses = []
-    for x, y in batches(steps * gas, micro * dp):
+    for x, y in (data if data is not None else batches(steps * gas, micro * dp)):
         x, y = x[rank * micro:(rank + 1) * micro], y[rank * micro:(rank + 1) * micro]
         loss = engine(x, y)
         engine.backward(loss)
@@ -136,7 +137,8 @@ def reference_grads(model: nn.Module, x: list, y: list, dp: int, micro: int, gas
         rows = slice(r * micro, (r + 1) * micro)
         for m in steps:
             (model(x[m][rows], y[m][rows]) / gas).backward()
-        return {n: p.grad.clone() for n, p in model.named_parameters()}
+        # a parameter this rank's batch did not use contributes zeros (DeepSpeed's reduction)
+        return {n: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}
 
     if stage == 2 and gas > 1:
         total = None
@@ -149,7 +151,7 @@ def reference_grads(model: nn.Module, x: list, y: list, dp: int, micro: int, gas
 
 def run_reference(dp: int, steps: int, optimizer: str = "CanzonaMuon", params: dict | None = None, micro: int = 2,
                   gas: int = 1, seed: int = 0, clip: float = 0.0, model: nn.Module | None = None,
-                  stage: int = 1) -> dict:
+                  stage: int = 1, data: list | None = None) -> dict:
     """The single-process reference on ZeRO's averaged (and DeepSpeed-clipped) gradients."""
     from canzona_ds.optim.config import CanzonaConfig
     from canzona_ds.optim.reference import ReferenceOptimizer, deepspeed_clip
@@ -158,7 +160,7 @@ def run_reference(dp: int, steps: int, optimizer: str = "CanzonaMuon", params: d
     cfg = CanzonaConfig.from_ds(optimizer, dict(HP[optimizer] if params is None else params))
     model = make_model(seed) if model is None else model
     opt = ReferenceOptimizer(model.named_parameters(), cfg)
-    data = batches(steps * gas, micro * dp)
+    data = data if data is not None else batches(steps * gas, micro * dp)
     for s in range(steps):
         chunk = data[s * gas:(s + 1) * gas]
         grads = deepspeed_clip(reference_grads(model, [c[0] for c in chunk], [c[1] for c in chunk], dp, micro, gas,
@@ -224,3 +226,42 @@ class MatrixStepRecorder:
     def summary(self) -> dict:
         return {"steps": len(self.steps), "matrices": sorted({n for s in self.steps for n in s}),
                 "replay_max_diff": self.replay()}
+
+
+class TinyAttention(nn.Module):
+    """An attention block named like HF models (q_proj/k_proj/v_proj/o_proj) with an HF-style
+    ``config``, so DeepSpeed's per-head resolution recognises it: q_proj holds 4 heads of
+    head_dim 8, k_proj/v_proj 2 KV heads (GQA), hidden 6 (so a head, 8 x 6, is taller than
+    wide and the per-head learning-rate scale sqrt(8/6) differs from the whole matrix's)."""
+
+    HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 4, 2, 8, 6
+
+    def __init__(self) -> None:
+        super().__init__()
+        from types import SimpleNamespace
+
+        h, hd = self.HIDDEN, self.HEAD_DIM
+        self.config = SimpleNamespace(num_attention_heads=self.HEADS, num_key_value_heads=self.KV_HEADS,
+                                      hidden_size=h, head_dim=hd, model_type="llama")
+        self.embed = nn.Embedding(VOCAB, h)
+        self.q_proj = nn.Linear(h, self.HEADS * hd, bias=False)
+        self.k_proj = nn.Linear(h, self.KV_HEADS * hd, bias=False)
+        self.v_proj = nn.Linear(h, self.KV_HEADS * hd, bias=False)
+        self.o_proj = nn.Linear(self.HEADS * hd, h, bias=False)
+        self.lm_head = nn.Linear(h, VOCAB, bias=False)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        B, T, _ = h.shape
+        rep = self.HEADS // self.KV_HEADS
+        q = self.q_proj(h).view(B, T, self.HEADS, self.HEAD_DIM).transpose(1, 2)
+        k = self.k_proj(h).view(B, T, self.KV_HEADS, self.HEAD_DIM).transpose(1, 2).repeat_interleave(rep, 1)
+        v = self.v_proj(h).view(B, T, self.KV_HEADS, self.HEAD_DIM).transpose(1, 2).repeat_interleave(rep, 1)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, -1)
+        h = h + self.o_proj(a)
+        return F.cross_entropy(self.lm_head(h).flatten(0, 1).float(), y.flatten())
+
+
+def make_attention_model(seed: int = 0) -> TinyAttention:
+    torch.manual_seed(seed)
+    return TinyAttention()

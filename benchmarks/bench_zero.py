@@ -1,0 +1,269 @@
+"""Measured, side by side in one run: matrix optimizers under DeepSpeed ZeRO on CPU ranks (gloo).
+
+Every *kind* (an optimizer section + ZeRO settings) gets its own DeepSpeed engine in the
+same rank processes, and their iterations are interleaved (alternating order), so they see
+the same background load.  Per iteration and rank we record:
+
+    iter      wall time of forward + backward + engine.step
+    opt_cpu   thread CPU time inside the optimizer DeepSpeed steps (``time.thread_time``):
+              the rule's and AdamW's work on this rank.  CPU time is not inflated when ranks
+              outnumber cores (DP > cores oversubscribes the machine), wall time is.
+    bytes     wire bytes this rank sends through deepspeed.comm (testing.comm.CommCounter:
+              collectives actually issued, sized by their process group)
+
+and report per kind the median over iterations of the BUSIEST rank (max over ranks: a step
+ends when the slowest rank is done) and the SUM over ranks (total work).
+
+Suites (``--suite``):
+
+    rules   each rule (muon, shampoo, soap) with three placements at DP=2 and DP=4:
+              balanced  the default plan (multi_lpt on the rule's amortised FLOPs)
+              naive     the paper's unbalanced atomic baseline (planner naive_atomic)
+              replicated ZeRO stage 0: every rank updates every matrix (synchronous)
+    muon    CanzonaMuon vs DeepSpeed's Muon vs AdamW at ZeRO stage 1 and 2 (DP=1, 2)
+
+    python benchmarks/bench_zero.py --suite rules      # -> results/bench_rules.{md,json}
+    python benchmarks/bench_zero.py --suite muon       # -> results/bench_muon.{md,json}
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+# ------------------------------------------------------------------------------- model
+class Block(nn.Module):
+    """Qwen3-shaped decoder layer with fused weights: qkv, proj, fc1 = [gate; up], fc2."""
+
+    def __init__(self, h: int, heads: int, kv: int, hd: int, ffn: int) -> None:
+        super().__init__()
+        self.heads, self.kv, self.hd, self.ffn = heads, kv, hd, ffn
+        self.norm1 = nn.RMSNorm(h)
+        self.qkv = nn.Linear(h, (heads + 2 * kv) * hd, bias=False)
+        self.proj = nn.Linear(heads * hd, h, bias=False)
+        self.norm2 = nn.RMSNorm(h)
+        self.fc1 = nn.Linear(h, 2 * ffn, bias=False)
+        self.fc2 = nn.Linear(ffn, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split([self.heads * self.hd, self.kv * self.hd, self.kv * self.hd], -1)
+        q = q.view(B, T, self.heads, self.hd).transpose(1, 2)
+        k = k.view(B, T, self.kv, self.hd).transpose(1, 2).repeat_interleave(self.heads // self.kv, 1)
+        v = v.view(B, T, self.kv, self.hd).transpose(1, 2).repeat_interleave(self.heads // self.kv, 1)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, -1)
+        x = x + self.proj(a)
+        gate, up = self.fc1(self.norm2(x)).split(self.ffn, -1)
+        return x + self.fc2(F.silu(gate) * up)
+
+
+class QwenLike(nn.Module):
+    def __init__(self, vocab: int, hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int,
+                 layers: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(Block(hidden, heads, kv_heads, head_dim, ffn) for _ in range(layers))
+        self.norm = nn.RMSNorm(hidden)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        return F.cross_entropy(self.lm_head(self.norm(h)).flatten(0, 1).float(), y.flatten())
+
+
+#: a 5-layer Qwen3-shaped stack whose matrices do not divide evenly over 2 or 4 ranks
+SHAPES = {
+    "rules": dict(vocab=256, hidden=128, heads=4, kv_heads=2, head_dim=32, ffn=352, layers=5),
+    "muon": dict(vocab=512, hidden=256, heads=4, kv_heads=2, head_dim=64, ffn=768, layers=6),
+}
+RULE_PARAMS = {
+    "CanzonaMuon": dict(lr=0.02, adam_lr=1e-3, momentum=0.95, weight_decay=0.1, betas=[0.9, 0.95], eps=1e-8),
+    # full-matrix preconditioners (no blocking): the cost the planner must balance is cubic
+    "CanzonaShampoo": dict(lr=1e-3, weight_decay=0.1, precondition_frequency=5, start_preconditioning_step=5,
+                           max_preconditioner_dim=4096),
+    "CanzonaSOAP": dict(lr=3e-3, weight_decay=0.1, precondition_frequency=5),
+}
+
+
+def kinds_for(suite: str) -> dict[str, dict]:
+    """label -> {"optimizer": section, "stage": int}."""
+    out: dict[str, dict] = {}
+    if suite == "rules":
+        for opt_type, params in RULE_PARAMS.items():
+            rule = opt_type.removeprefix("Canzona").lower()
+            out[f"{rule}/balanced"] = {"optimizer": {"type": opt_type, "params": params}, "stage": 1}
+            out[f"{rule}/naive"] = {"optimizer": {"type": opt_type, "params": dict(params, planner="naive_atomic")},
+                                    "stage": 1}
+            out[f"{rule}/replicated"] = {"optimizer": {"type": opt_type, "params": params}, "stage": 0}
+    elif suite == "muon":
+        muon = RULE_PARAMS["CanzonaMuon"]
+        for stage in (1, 2):
+            out[f"canzona/stage{stage}"] = {"optimizer": {"type": "CanzonaMuon", "params": muon}, "stage": stage}
+            out[f"ds_muon/stage{stage}"] = {"optimizer": {"type": "Muon", "params": dict(
+                muon, ns_method="standard", torch_adam=True)}, "stage": stage}
+            out[f"adamw/stage{stage}"] = {"optimizer": {"type": "AdamW", "params": {
+                "lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "torch_adam": True}},
+                "stage": stage}
+    else:
+        raise ValueError(f"Unknown suite {suite!r}. Allowed: ['rules', 'muon'].")
+    return out
+
+
+def ds_cfg(kind: dict, dp: int, micro: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "train_batch_size": micro * dp,
+            "zero_optimization": {"stage": kind["stage"]}, "gradient_clipping": 1.0, "steps_per_print": 10 ** 9,
+            "optimizer": kind["optimizer"]}
+
+
+def _worker(rank: int, dp: int, shape: dict, kinds: dict, steps: int, warmup: int, micro: int, seq: int):
+    import canzona_ds  # noqa: F401
+    import deepspeed
+
+    from canzona_ds.testing.comm import CommCounter
+
+    engines, timers = {}, {}
+    for label, kind in kinds.items():
+        torch.manual_seed(0)
+        model = QwenLike(**shape)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=ds_cfg(kind, dp, micro))
+        inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+        rec: dict = {"cpu": [], "wall": []}
+
+        def timed(*a, _stock=inner.step, _rec=rec, **k):
+            c, t = time.thread_time(), time.perf_counter()
+            out = _stock(*a, **k)
+            _rec["cpu"].append(time.thread_time() - c)
+            _rec["wall"].append(time.perf_counter() - t)
+            return out
+
+        inner.step = timed
+        engines[label], timers[label] = engine, rec
+    res = {label: {"iter": [], "opt_cpu": [], "opt_wall": [], "bytes": None} for label in kinds}
+    g = torch.Generator().manual_seed(1)
+    labels = list(kinds)
+    for s in range(warmup + steps):
+        x = torch.randint(0, shape["vocab"], (micro * dp, seq), generator=g)
+        y = torch.randint(0, shape["vocab"], (micro * dp, seq), generator=g)
+        x, y = x[rank * micro:(rank + 1) * micro], y[rank * micro:(rank + 1) * micro]
+        for label in (labels if s % 2 else labels[::-1]):
+            engine, rec, r = engines[label], timers[label], res[label]
+            rec["cpu"].clear()
+            rec["wall"].clear()
+            torch.distributed.barrier()
+            counter = CommCounter() if s == warmup else None
+            if counter:
+                counter.__enter__()
+            t0 = time.perf_counter()
+            engine.backward(engine(x, y))
+            engine.step()
+            t1 = time.perf_counter()
+            if counter:
+                counter.__exit__(None, None, None)
+                r["bytes"] = counter.wire_bytes("deepspeed")
+            if s >= warmup:
+                r["iter"].append(t1 - t0)
+                # ZeRO steps the inner optimizer once per param group: sum per iteration
+                r["opt_cpu"].append(sum(rec["cpu"]))
+                r["opt_wall"].append(sum(rec["wall"]))
+    return res
+
+
+def measure(suite: str, dps: list[int], steps: int, warmup: int, micro: int, seq: int) -> dict:
+    from canzona_ds.testing.dist import run_distributed
+
+    kinds = kinds_for(suite)
+    rows: dict = {}
+    for dp in dps:
+        dp_kinds = {k: v for k, v in kinds.items() if not (dp == 1 and v["stage"] == 0 and "replicated" in k)}
+        out = run_distributed(_worker, dp, SHAPES[suite], dp_kinds, steps, warmup, micro, seq, timeout=3600)
+        for label in dp_kinds:
+            per_rank = [o[label] for o in out]
+            med = {key: [statistics.median(r[key]) for r in per_rank] for key in ("iter", "opt_cpu", "opt_wall")}
+            rows[f"{label}@dp{dp}"] = {
+                "kind": label, "dp": dp,
+                "iter_ms": 1e3 * statistics.median([max(r["iter"][i] for r in per_rank) for i in range(steps)]),
+                "opt_cpu_busiest_ms": 1e3 * max(med["opt_cpu"]),
+                "opt_cpu_total_ms": 1e3 * sum(med["opt_cpu"]),
+                "opt_cpu_per_rank_ms": [1e3 * v for v in med["opt_cpu"]],
+                "opt_wall_busiest_ms": 1e3 * max(med["opt_wall"]),
+                "bytes_per_rank": per_rank[0]["bytes"],
+            }
+            r = rows[f"{label}@dp{dp}"]
+            print(f"dp={dp} {label:22s} iter {r['iter_ms']:8.1f} ms  optimizer CPU busiest {r['opt_cpu_busiest_ms']:8.1f} "
+                  f"total {r['opt_cpu_total_ms']:8.1f} ms  bytes {r['bytes_per_rank']:.0f}", flush=True)
+    return rows
+
+
+def write_report(suite: str, rows: dict, args, cmd: str, out: Path) -> None:
+    lines = [f"# ZeRO benchmark, suite `{suite}` (measured)", "", f"Command: `{cmd}`", "",
+             f"Machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, gloo, 1 thread per rank. Model: "
+             f"Qwen3-shaped stack {SHAPES[suite]}, micro-batch {args.micro} x seq {args.seq}, {args.steps} timed "
+             f"iterations after {args.warmup} warm-up; every kind in the same processes, iterations interleaved.", "",
+             "`optimizer CPU` is the thread CPU time inside the optimizer step DeepSpeed calls (the matrix rule and "
+             "AdamW on this rank), median over iterations: `busiest` = the slowest rank (the step's makespan), "
+             "`total` = summed over ranks (the work).  CPU time is unaffected by ranks sharing cores; wall time "
+             "(`iteration`) is not, and at DP=4 four ranks share two cores.", ""]
+    if suite == "rules":
+        lines += ["| rule | DP | placement | optimizer CPU ms, busiest rank | vs replicated | vs naive | "
+                  "optimizer CPU ms, total | per rank | iteration ms (wall) |", "|---|---|---|---|---|---|---|---|---|"]
+        for key, r in rows.items():
+            rule, placement = r["kind"].split("/")
+            rep = rows.get(f"{rule}/replicated@dp{r['dp']}")
+            naive = rows.get(f"{rule}/naive@dp{r['dp']}")
+            vs_rep = f"{r['opt_cpu_busiest_ms'] / rep['opt_cpu_busiest_ms']:.2f}x" if rep else "-"
+            vs_naive = f"{r['opt_cpu_busiest_ms'] / naive['opt_cpu_busiest_ms']:.2f}x" if naive else "-"
+            lines.append(f"| {rule} | {r['dp']} | {placement} | {r['opt_cpu_busiest_ms']:.1f} | {vs_rep} | {vs_naive} | "
+                         f"{r['opt_cpu_total_ms']:.1f} | {', '.join(f'{v:.0f}' for v in r['opt_cpu_per_rank_ms'])} | "
+                         f"{r['iter_ms']:.1f} |")
+        lines += ["", "`balanced` = the default plan (multi_lpt on the rule's amortised FLOPs); `naive` = the paper's "
+                  "naive atomic assignment (planner `naive_atomic`); `replicated` = ZeRO stage 0, every rank updates "
+                  "every matrix (the synchronous baseline). Shampoo uses full-matrix preconditioners "
+                  f"({RULE_PARAMS['CanzonaShampoo']}); SOAP {RULE_PARAMS['CanzonaSOAP']}."]
+    else:
+        lines += ["| kind | DP | iteration ms (wall) | optimizer CPU ms, busiest | optimizer CPU ms, total | "
+                  "bytes / iteration / rank |", "|---|---|---|---|---|---|"]
+        for key, r in rows.items():
+            lines.append(f"| {r['kind']} | {r['dp']} | {r['iter_ms']:.1f} | {r['opt_cpu_busiest_ms']:.1f} | "
+                         f"{r['opt_cpu_total_ms']:.1f} | {r['bytes_per_rank']:,.0f} |")
+        lines += ["", "DeepSpeed's Muon runs its Newton-Schulz inside the gradient reduction (in backward), so its "
+                  "`optimizer CPU` is only its AdamW half; compare whole iterations for it."]
+    out.write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--suite", default="rules", choices=["rules", "muon"])
+    ap.add_argument("--dp", type=int, nargs="+", default=None, help="default: rules 2 4, muon 1 2")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--micro", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    dps = args.dp or ([2, 4] if args.suite == "rules" else [1, 2])
+    cmd = "python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:])
+    rows = measure(args.suite, dps, args.steps, args.warmup, args.micro, args.seq)
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"bench_{args.suite}.md")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"command": cmd, "rows": rows}, indent=1) + "\n")
+    write_report(args.suite, rows, args, cmd, out)
+    print(out.read_text())
+
+
+if __name__ == "__main__":
+    main()
