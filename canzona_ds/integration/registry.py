@@ -19,6 +19,8 @@ checks trip over it (e.g. ``params`` given as a list).
 """
 from __future__ import annotations
 
+import json
+
 import torch
 
 from ..optim import OPTIMIZER_TYPES
@@ -87,6 +89,38 @@ def scale_scheduler_params(name: str, params: dict, optimizer: CanzonaOptimizer)
     return params
 
 
+def elastic_needed(engine, load_dir, tag) -> bool:
+    """True when ``engine`` runs a Canzona optimizer under ZeRO and the checkpoint was written at
+    another DP or TP size, or with another plan (reads one optimizer file's layout record)."""
+    import os
+
+    from .elastic import OPTIM_FILE, ElasticError, checkpoint_size
+    from .runtime_info import canzona_optimizer
+    from .zero import LAYOUT_KEY
+
+    opt = canzona_optimizer(engine)
+    if opt is None or getattr(engine.optimizer, "canzona_layout", None) is None:
+        return False
+    if tag is None:
+        latest = os.path.join(load_dir, "latest")
+        if not os.path.isfile(latest):
+            return False
+        with open(latest) as f:
+            tag = f.read().strip()
+    if not os.path.isdir(os.path.join(load_dir, tag)):
+        return False
+    try:
+        sizes = checkpoint_size(load_dir, tag)
+    except ElasticError:
+        return False
+    if sizes != (_dp_world_size(engine), opt.tp_size):
+        return True
+    first = sorted(f for f in os.listdir(os.path.join(load_dir, tag)) if OPTIM_FILE.search(f))[0]
+    saved = torch.load(os.path.join(load_dir, tag, first), map_location="cpu", weights_only=False)
+    meta = saved["optimizer_state_dict"].get(LAYOUT_KEY) or {}
+    return meta.get("fingerprint") != engine.optimizer.canzona_layout_meta()["fingerprint"]
+
+
 def _dp_world_size(engine) -> int:
     from deepspeed import comm as dist
 
@@ -132,6 +166,7 @@ def _tp_groups(engine, named, cfg: CanzonaConfig):
         groups = groups_from_mpu(mpu)
         if groups.tp_size > 1:
             return groups.tp_group, groups.tp_size
+        return None, 1  # a TP group of one: the tagged parameters are whole
     tagged = [n for n, p in named if getattr(p, "tensor_model_parallel", False)
               and (hasattr(p, "partition_dim") or getattr(p, "ds_autotp_universal_checkpoint_meta", None))]
     if tagged:
@@ -143,12 +178,37 @@ def _tp_groups(engine, named, cfg: CanzonaConfig):
     return None, 1
 
 
+def run_settings(engine, cfg: CanzonaConfig, named: list) -> dict:
+    """What must be equal on every rank: the resolved optimizer config, the ZeRO and precision
+    settings, the parallel sizes and the model's parameters (flat keys for clear messages)."""
+    import hashlib
+
+    model_dtype, grad_accum_dtype = engine.get_data_types()
+    out = {"optimizer.type": engine.optimizer_name()}
+    for section, values in cfg.describe().items():
+        if isinstance(values, dict):
+            out.update({f"{section}.{k}": v for k, v in values.items()})
+        else:
+            out[section] = values
+    out.update({"zero_optimization.stage": engine.zero_optimization_stage(), "model dtype": str(model_dtype),
+                "gradient accumulation dtype": str(grad_accum_dtype),
+                "offload_optimizer": engine.zero_use_cpu_optimizer(), "gradient_clipping": engine.gradient_clipping(),
+                "gradient_accumulation_steps": engine.gradient_accumulation_steps()})
+    shapes = json.dumps([(n, list(p.shape)) for n, p in named])
+    out["model parameters (sha256 of names and shapes)"] = hashlib.sha256(shapes.encode()).hexdigest()[:16]
+    return out
+
+
 def build_optimizer(engine, model_parameters) -> CanzonaOptimizer:
     """ds_config ``"type": "Canzona*"`` -> a :class:`CanzonaOptimizer` over the engine's module."""
+    from .agreement import check_agreement
+
     ds = engine._config._param_dict
     cfg = CanzonaConfig.from_ds(engine.optimizer_name(), engine.optimizer_params(), ds.get(DS_CONFIG_TP_KEY))
-    check_engine_config(engine, cfg)
     named = _named_parameters(engine, model_parameters)
+    # before anything a rank could wait in: ranks with different settings meet here and fail
+    check_agreement(run_settings(engine, cfg, named))
+    check_engine_config(engine, cfg)
     tp_group, tp_size = _tp_groups(engine, named, cfg)
     if cfg.per_head_muon:
         from .heads import tag_heads
@@ -234,6 +294,21 @@ def install() -> None:
         finally:
             self._config.scheduler_params = saved
 
+    stock_load = Engine.load_checkpoint
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+        # a Canzona checkpoint written at another DP/TP size (or with another plan) resumes
+        # through integration/elastic.py; everything else is DeepSpeed's own load
+        if (load_optimizer_states and not load_module_only and custom_load_fn is None
+                and elastic_needed(self, load_dir, tag)):
+            from . import elastic
+
+            return elastic.load(self, load_dir, tag)
+        return stock_load(self, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
+                          load_module_only, custom_load_fn)
+
+    Engine.load_checkpoint = load_checkpoint
     Engine._configure_bf16_optimizer = _configure_bf16_optimizer
     Engine._scheduler_from_config = _scheduler_from_config
     Engine._is_supported_optimizer = _is_supported_optimizer

@@ -137,16 +137,31 @@ def _make_zero_class():
             verify_same_across_group(f"dp_rank={dp_rank}", opt.tp_group, what="DP rank within the TP group (mpu)")
 
         def canzona_layout_meta(self) -> dict:
-            """What the layout depends on, recorded in checkpoints."""
+            """What the layout depends on, recorded in checkpoints; with the tensor-parallel
+            layout of every TP-split parameter, enough to rebuild every matrix and its state
+            at another DP or TP size (integration/elastic.py)."""
+            from ..tp.layout import tp_blocks
+            from ..tp.runtime import TPMatrix
+
             opt, layout = self._canzona, self.canzona_layout
             if opt.plan is None or layout is None:
                 return {"fingerprint": "no-matrices", "world_size": None, "planner": None, "shard_numel": None}
-            payload = [opt.plan.fingerprint(), layout.fingerprint(), opt.config.fingerprint()]
+            payload = [opt.plan.fingerprint(), layout.fingerprint()]
+            tp_params = {}
+            for group in self.bit16_groups:
+                for p in group:
+                    if TPMatrix.is_split(p, opt.tp_size):
+                        m = TPMatrix.from_param(self.param_names[p], p, opt.tp_size)
+                        tp_params[m.name] = [m.partition_dim, list(m.shard_sizes),
+                                             list(tp_blocks(p, m.full_shape[m.partition_dim]))]
+            tp_rank = dist.get_rank(group=opt.tp_group) if opt.tp_size > 1 else 0
             return {"fingerprint": hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16],
                     "world_size": layout.world_size, "planner": opt.plan.planner,
                     "shard_numel": layout.shard_numel, "matrix_names": list(opt.matrix_names),
                     "rank_counts": list(layout.rank_counts), "offsets": list(layout.offsets),
-                    "rule": opt.rule.name}
+                    "rule": opt.rule.name, "roles": [g["canzona_role"] for g in opt.param_groups],
+                    "tp_size": opt.tp_size, "tp_rank": tp_rank, "tp_params": tp_params,
+                    "dp_rank": dist.get_rank(group=self.dp_process_group)}
 
         # -- checkpoints --------------------------------------------------------------
         def state_dict(self):
@@ -170,13 +185,16 @@ def _make_zero_class():
                     f"Canzona checkpoint layout differs from this run: saved with DP={saved['world_size']} "
                     f"(planner={saved['planner']}, P={saved['shard_numel']}, {len(state_dict_list)} shards), "
                     f"now DP={current['world_size']} (planner={current['planner']}, P={current['shard_numel']}). "
-                    "Resume at the same DP size and optimizer params, or convert the checkpoint for the new size "
-                    "(docs/checkpoints.md).")
+                    "Load it with canzona_ds.checkpoint.load() or engine.load_checkpoint() after `import "
+                    "canzona_ds` (both resume at another DP/TP size: docs/checkpoints.md), or resume with the same "
+                    "DP size and optimizer params.")
             return super()._load_legacy_checkpoint(state_dict_list, load_optimizer_states, load_from_fp32_weights)
 
         def _load_universal_checkpoint(self, checkpoint_folder, load_optimizer_states, load_from_fp32_weights):
-            raise ValueError("Canzona optimizers do not load DeepSpeed universal checkpoints; see docs/checkpoints.md "
-                             "for resuming at another DP/TP size.")
+            raise ValueError("Canzona optimizers do not load DeepSpeed universal checkpoints (ds_to_universal drops "
+                             "per-matrix optimizer state); engine.load_checkpoint() of a Canzona checkpoint resumes at "
+                             "another DP/TP size directly, and `python -m canzona_ds.integration.elastic convert` writes "
+                             "a size-independent copy (docs/checkpoints.md).")
 
     return CanzonaZeroOptimizer
 

@@ -36,6 +36,12 @@ def rule_class(name: str) -> type[MatrixRule]:
     return RULES[name]
 
 
+def rule_from_description(description: dict) -> MatrixRule:
+    """The rule ``MatrixRule.describe()`` described (e.g. read back from a checkpoint)."""
+    params = {k: tuple(v) if isinstance(v, list) else v for k, v in description.items() if k != "rule"}
+    return rule_class(description["rule"])(**params)
+
+
 def cost_model(name: str, **hyper_parameters) -> MatrixRule:
     """A rule with the given hyper-parameters (defaults otherwise), used as a cost model."""
     return rule_class(name)(**hyper_parameters)
@@ -50,4 +56,4 @@ register_rule(ShampooRule, "CanzonaShampoo")
 register_rule(SOAPRule, "CanzonaSOAP")
 
 __all__ = ["MatrixInfo", "MatrixRule", "MuonRule", "OPTIMIZER_TYPES", "RULES", "SOAPRule", "ShampooRule",
-           "apply_update", "cost_model", "register_rule", "rule_class"]
+           "apply_update", "cost_model", "register_rule", "rule_class", "rule_from_description"]

@@ -99,6 +99,15 @@ class MatrixRule(ABC):
         Default: decoupled weight decay ``1 - lr * weight_decay`` and ``lr``."""
         return 1.0 - lr * weight_decay, lr
 
+    def state_axes(self, key: str, shape: tuple[int, ...], info: MatrixInfo) -> tuple[str, ...] | None:
+        """What each axis of state tensor ``key`` indexes: "row" or "col" of the matrix, or
+        "fixed" (an axis no permutation of the matrix's rows/columns touches, e.g. an
+        eigenbasis coordinate).  Used to move the state of a tensor-parallel matrix between TP
+        layouts (whose full matrices differ by a row or column permutation); None = this
+        state cannot follow such a permutation (the TP size of a checkpoint cannot change).
+        Default: a tensor of the matrix's own 2-D shape is indexed like the matrix."""
+        return ("row", "col") if tuple(shape) == info.shape2d or tuple(shape) == tuple(info.shape) else None
+
     # ---------------------------------------------------------------- the cost
     @abstractmethod
     def flops(self, shape: tuple[int, int], num_heads: int | None = None) -> Flops:

@@ -173,6 +173,18 @@ class ShampooRule(MatrixRule):
             r0 += bm
         return out.reshape(grad.shape)
 
+    def state_axes(self, key: str, shape: tuple[int, ...], info: MatrixInfo) -> tuple[str, ...] | None:
+        rows, cols = self.blocks(info.shape2d)
+        kind = key.split(".")[0]
+        if kind in ("exp_avg", "graft_sq"):
+            return ("row", "col")
+        # a factor follows a permutation of its side only when that side is one block
+        if kind in ("L", "Linv"):
+            return ("row", "row") if len(rows) == 1 else None
+        if kind in ("R", "Rinv"):
+            return ("col", "col") if len(cols) == 1 else None
+        return None
+
     # ---------------------------------------------------------------- the cost
     def flops(self, shape: tuple[int, int], num_heads: int | None = None) -> Flops:
         rows, cols = self.blocks(shape)

@@ -153,6 +153,15 @@ class SOAPRule(MatrixRule):
         step_size = lr * (1 - b2**k) ** 0.5 / (1 - b1**k) if self.correct_bias else lr
         return 1.0 - lr * weight_decay, step_size
 
+    def state_axes(self, key: str, shape: tuple[int, ...], info: MatrixInfo) -> tuple[str, ...] | None:
+        # M lives in the original space; V in eigen-coordinates on the rotated sides (an
+        # unrotated side is the original one); a basis maps eigen-coordinates to original ones
+        rot_l, rot_r = self.rotated(info.shape2d)
+        return {"exp_avg": ("row", "col"),
+                "exp_avg_sq": ("fixed" if rot_l else "row", "fixed" if rot_r else "col"),
+                "L": ("row", "row"), "R": ("col", "col"),
+                "Q_L": ("row", "fixed"), "Q_R": ("col", "fixed")}.get(key)
+
     # ---------------------------------------------------------------- the cost
     def flops(self, shape: tuple[int, int], num_heads: int | None = None) -> Flops:
         m, n = shape

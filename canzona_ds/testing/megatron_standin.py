@@ -220,6 +220,8 @@ class TinyGPTBlock(nn.Module):
         self.embed = VocabParallelEmbedding(vocab, hidden)
         self.norm1 = nn.Parameter(torch.ones(hidden))
         self.qkv = ColumnParallelLinear(hidden, (heads + 2 * kv_heads) * head_dim)
+        # [q; k; v] fused: each TP rank holds its chunk of each block (canzona_ds/tp/layout.py)
+        self.qkv.weight.canzona_tp_blocks = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
         self.proj = RowParallelLinear(heads * head_dim, hidden)
         self.norm2 = nn.Parameter(torch.ones(hidden))
         self.fc1 = ColumnParallelLinear(hidden, 2 * ffn, stride=2)

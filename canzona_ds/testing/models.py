@@ -192,6 +192,11 @@ class MatrixStepRecorder:
     def __init__(self, optimizer) -> None:
         self.opt = optimizer
         self.steps: list[dict] = []
+        # replay starts from the state the optimizer has now (a resumed run's loaded state)
+        group = next((g for g in optimizer.param_groups if g["canzona_role"] == "matrix"), {"step": 0})
+        self.start_step = group["step"]
+        self.start_state = {n: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+                            for n, st in optimizer.matrix_state.items()}
         stock_items, stock_step = optimizer._matrix_items, optimizer._matrix_step
         pending: dict = {}
 
@@ -211,9 +216,11 @@ class MatrixStepRecorder:
     def replay(self) -> float:
         from canzona_ds.optim.rule import apply_update
 
-        rule, worst, state = self.opt.rule, 0.0, {}
+        rule, worst = self.opt.rule, 0.0
+        state = {n: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+                 for n, st in self.start_state.items()}
         group = next(g for g in self.opt.param_groups if g["canzona_role"] == "matrix")
-        for t, record in enumerate(self.steps, start=1):
+        for t, record in enumerate(self.steps, start=self.start_step + 1):
             for name, (grad, before, after) in record.items():
                 info = self.opt.infos[name]
                 W = before.clone()
