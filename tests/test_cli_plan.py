@@ -118,3 +118,22 @@ def test_plot_writes_png(tmp_path):
     out = tmp_path / "plan.png"
     assert main(["--model", "qwen3-0.6b", "--dp", "4", "--tp", "2", "--plot", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_paper_naive_and_layerwise_in_json(capsys):
+    base = ["--model", "qwen3-32b", "--dp", "32", "--tp", "8", "--json"]
+    assert main(base) == 0
+    out = json.loads(capsys.readouterr().out)
+    naive, layerwise = out["dp_planners"]["paper_naive"], out["dp_planners"]["layerwise"]
+    assert set(DP_KEYS) <= set(naive) and set(DP_KEYS) <= set(layerwise)
+    assert naive["split_matrices"] == 0 and layerwise["split_matrices"] == 0
+    # eq. 1 over DeepSpeed's 500M-element buckets is badly balanced; Algorithm 1 over the same is not
+    assert naive["flops_ratio"] > 2.0 > 1.25 > out["dp_planners"]["alpha_balanced"]["flops_ratio"]
+    assert layerwise["flops_ratio"] == pytest.approx(1.0)  # 64 equal layers over 32 ranks
+    # Megatron's default buckets (40M elements at DP=32): the first matrix of each of 129 buckets on rank 0
+    assert main(base + ["--bucket-numel", "40000000"]) == 0
+    assert json.loads(capsys.readouterr().out)["dp_planners"]["paper_naive"]["flops_ratio"] > 20
+    assert main(base + ["--bucket-numel", "0"]) == 0  # one bucket
+    assert json.loads(capsys.readouterr().out)["dp_planners"]["paper_naive"]["flops_ratio"] == pytest.approx(1.0)
+    assert main(base[:-1] + ["--dp-planner", "layerwise"]) == 0
+    assert "TP schedulers" in capsys.readouterr().out

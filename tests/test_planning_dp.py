@@ -7,7 +7,10 @@ import pytest
 
 from canzona_ds.optim import cost_model
 from canzona_ds.planning.cost import MASTER_GRAD_BYTES, cost_vector
-from canzona_ds.planning.dp import ATOMIC_DP_PLANNERS, DP_PLANNERS, OwnershipPlan, make_buckets, plan_dp
+from canzona_ds.planning.dp import (
+    ATOMIC_DP_PLANNERS, BUCKETED_DP_PLANNERS, DP_PLANNERS, OwnershipPlan, layer_groups, layer_key, make_buckets,
+    megatron_bucket_numel, plan_dp,
+)
 from canzona_ds.planning.layout import plan_layout
 from canzona_ds.planning.models import matrix_specs, model_specs
 from canzona_ds.planning.params import ParamSpec
@@ -210,6 +213,9 @@ def test_all_1d_model_has_no_matrices():
         ({"world_size": True}, "world_size=True"),
         ({"planner": "alpha_balanced", "bucket_numel": -5}, "bucket_numel=-5"),
         ({"planner": "alpha_balanced", "bucket_numel": 1.5}, "bucket_numel=1.5"),
+        ({"planner": "paper_naive", "bucket_numel": 0}, "bucket_numel=0"),
+        ({"planner": "paper_naive", "world_size": 0}, "world_size=0"),
+        ({"planner": "layerwise", "world_size": -2}, "world_size=-2"),
     ],
 )
 def test_bad_input(kwargs, match):
@@ -280,3 +286,89 @@ def test_multi_lpt_lexicographic_cuts_padding_without_raising_flops():
     if lp is not None:  # generous: within 4x the provable padding floor of any atomic plan
         assert lp - 1 - 1e-9 <= new.padding_fraction <= 4 * (lp - 1)
     assert new_plan.fingerprint() == plan_multi_lpt(specs, 32, loads, cost_model="flops", model=MUON).fingerprint()
+
+
+# --------------------------------------------------------------------------- paper_naive (eq. 1)
+def test_paper_naive_is_eq1_per_bucket():
+    # bucket 0: a(30) b(30) c(40) = 100 elements, R = 4, S = 25: starts 0, 30, 60 -> ranks 0, 1, 2
+    # bucket 1: d(50) e(10) = 60, S = 15: starts 0, 50 -> ranks 0, 3
+    specs = [ParamSpec(n, (1, k)) for n, k in zip("abcde", (30, 30, 40, 50, 10))]
+    plan = plan_dp(specs, 4, planner="paper_naive", bucket_numel=100)
+    assert plan.extra["buckets"] == [(0, 3), (3, 5)] == make_buckets(specs, 100)
+    assert plan.owner == (0, 1, 2, 0, 3)
+    assert plan.rank_params == ((0, 3), (1,), (2,), (4,))  # bucket (= model) order inside a rank
+    assert plan.extra["bucket_rank_numel"] == [[30, 30, 40, 0], [50, 0, 0, 10]]
+    check_valid(plan, specs)
+    # a start exactly on a stride boundary belongs to the higher rank: r*S <= start < (r+1)*S
+    edge = [ParamSpec(n, (1, 25)) for n in "wxyz"]
+    assert plan_dp(edge, 4, planner="paper_naive", bucket_numel=None).owner == (0, 1, 2, 3)
+    # the cost model plays no part in where eq. 1 puts a matrix
+    assert plan_dp(specs, 4, planner="paper_naive", cost="flops", model=MUON, bucket_numel=100).owner == plan.owner
+
+
+def test_paper_naive_first_matrix_of_every_bucket_on_rank_zero():
+    specs = matrix_specs(model_specs("qwen3-32b", tp=8))
+    mega = megatron_bucket_numel(32)
+    assert mega == 40_000_000 and megatron_bucket_numel(128) == 128_000_000
+    for bucket in (mega, 500_000_000):
+        plan = plan_dp(specs, 32, planner="paper_naive", bucket_numel=bucket)
+        assert all(plan.owner[a] == 0 for a, _ in plan.extra["buckets"])
+        check_valid(plan, specs)
+    small = dp_report(plan_dp(specs, 32, planner="paper_naive", cost="flops", model=MUON, bucket_numel=mega), MUON)
+    big = dp_report(plan_dp(specs, 32, planner="paper_naive", cost="flops", model=MUON), MUON)  # DeepSpeed's 5e8
+    one = dp_report(plan_dp(specs, 32, planner="paper_naive", bucket_numel=None), MUON)
+    # 129 buckets of 1-3 matrices: rank 0 gets ~half of all matrices; 8 buckets: 2-3x; one buffer: balanced
+    assert small.flops_ratio > 20 and 2.0 < big.flops_ratio < 3.0 and one.flops_ratio == pytest.approx(1.0)
+    balanced = dp_report(plan_dp(specs, 32, planner="alpha_balanced", cost="numel", model=MUON), MUON)
+    assert balanced.flops_ratio < big.flops_ratio / 1.8  # Algorithm 1 over the same buckets
+
+
+def test_megatron_bucket_numel_bad_input():
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match=f"dp={bad!r}"):
+            megatron_bucket_numel(bad)
+
+
+# --------------------------------------------------------------------------- layerwise
+def test_layer_key_and_groups():
+    assert layer_key("decoder.layers.7.mlp.linear_fc1.weight") == "decoder.layers.7."
+    assert layer_key("transformer.h.3.attn.c_attn.weight") == "transformer.h.3."
+    assert layer_key("model.layers.12.self_attn.q_proj.weight") == "model.layers.12."
+    assert layer_key("qkv.weight") is None and layer_key("output_layer.weight") is None
+    assert layer_key("layers.10.fc.weight") != layer_key("layers.1.fc.weight")
+    names = ["head.weight", "layers.0.a.weight", "layers.1.a.weight", "layers.0.b.weight", "proj.weight",
+             "layers.1.b.weight"]
+    specs = [ParamSpec(n, (4, 4)) for n in names]
+    assert layer_groups(specs) == [[0], [1, 3], [2, 5], [4]]
+
+
+def test_layerwise_keeps_layers_whole_and_balances_them():
+    specs = matrix_specs(model_specs("qwen3-1.7b", tp=4))  # 28 identical layers of 4 matrices
+    plan = plan_dp(specs, 8, planner="layerwise", cost="flops", model=MUON)
+    check_valid(plan, specs)
+    for group in plan.extra["layer_groups"]:
+        assert len(group) == 4 and len({plan.owner[i] for i in group}) == 1
+    assert sorted(len(r) // 4 for r in plan.rank_params) == [3, 3, 3, 3, 4, 4, 4, 4]  # LPT of 28 equal layers
+    assert dp_report(plan, MUON).flops_ratio == pytest.approx(4 / 3.5)
+    # more ranks than layers: the rest own nothing (the paper's point: layer granularity)
+    wide = plan_dp(matrix_specs(model_specs("qwen3-32b", tp=8)), 128, planner="layerwise", cost="flops", model=MUON)
+    assert sum(1 for r in wide.rank_params if not r) == 64
+    assert dp_report(wide, MUON).flops_ratio == pytest.approx(2.0)
+    # the heaviest layer first, onto rank 0; ties broken by numel, then the first index
+    specs = [ParamSpec("layers.0.w", (8, 8)), ParamSpec("layers.1.w", (16, 16)), ParamSpec("layers.2.w", (8, 8))]
+    plan = plan_dp(specs, 2, planner="layerwise", cost="flops", model=MUON)
+    assert plan.owner == (1, 0, 1)
+
+
+@pytest.mark.parametrize("planner", BUCKETED_DP_PLANNERS)
+def test_bucketed_planners_cut_the_same_buckets(planner):
+    specs = mixed_specs()
+    plan = plan_dp(specs, 3, planner=planner, cost="flops", model=MUON, bucket_numel=20_000)
+    assert plan.extra["buckets"] == make_buckets(specs, 20_000)
+    sizes = [sum(specs[i].numel for i in range(a, b)) for a, b in plan.extra["buckets"]]
+    assert [sum(row) for row in plan.extra["bucket_rank_numel"]] == sizes  # S_{i,r} cover each bucket
+    for (a, b), row in zip(plan.extra["buckets"], plan.extra["bucket_rank_numel"]):
+        for r in range(3):  # rank r's slice of bucket (a, b) is one contiguous run of its parameters
+            mine = [i for i in plan.rank_params[r] if a <= i < b]
+            assert mine == list(range(mine[0], mine[0] + len(mine))) if mine else row[r] == 0
+            assert sum(specs[i].numel for i in mine) == row[r]

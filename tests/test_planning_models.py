@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from canzona_ds.planning.models import load_models, model_specs, padded_vocab
+from canzona_ds.planning.models import load_models, model_specs, padded_vocab, pipeline_stage
 
 MODELS = load_models()
 
@@ -84,3 +84,21 @@ def test_model_roles_agree_with_is_matrix():
         assert {s.name for s in specs if s.is_matrix} == {
             s.name for s in specs if s.name.split(".")[-2] in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
             and s.name.endswith(".weight")}
+
+
+def test_pipeline_stage_even_split():
+    specs = model_specs("qwen3-32b", tp=8)
+    stages = [pipeline_stage(specs, 8, k) for k in range(8)]
+    assert sum(len(s) for s in stages) == len(specs)  # a partition
+    layers = [sorted({int(s.name.split(".")[2]) for s in st if s.name.startswith("decoder.layers.")}) for st in stages]
+    assert layers == [list(range(8 * k, 8 * k + 8)) for k in range(8)]
+    assert any(s.name.startswith("embedding.") for s in stages[0])
+    assert {s.name for s in stages[-1] if not s.name.startswith("decoder.layers.")} == {
+        "decoder.final_layernorm.weight", "output_layer.weight"}
+    assert pipeline_stage(specs, 1, 0) == specs
+    with pytest.raises(ValueError, match="pp=3"):
+        pipeline_stage(specs, 3, 0)  # 64 layers do not split into 3
+    with pytest.raises(ValueError, match="stage=8"):
+        pipeline_stage(specs, 8, 8)
+    with pytest.raises(ValueError, match="pp=2.0"):
+        pipeline_stage(specs, 2.0, 0)

@@ -91,3 +91,44 @@ def test_bad_input(kwargs, match):
         plan_tp(**args)
     with pytest.raises(ValueError, match="specs=\\[\\]"):
         plan_tp([], 4)
+
+
+def _paper_experiments():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "paper_experiments.py"
+    spec = importlib.util.spec_from_file_location("canzona_benchmarks_paper_experiments", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_step_time_replay_hand_computed():
+    # two micro-groups on two TP ranks: gather 1, host 0 computes 2 (group 0), host 1 computes 3 (group 1),
+    # scatter 1.  Blocking: 1 + 2 + 1 | 1 + 3 + 1 = 9.  Pipelined: gather(1) overlaps compute(0) and
+    # compute(1) on rank 1 overlaps nothing else: 6 (see the timeline in the replay's doc).
+    pe = _paper_experiments()
+    G, C, S = [1.0, 1.0], [[2.0, 0.0], [0.0, 3.0]], [1.0, 1.0]
+    assert pe.replay(G, C, S, 2, pipelined=False) == pytest.approx(9.0)
+    assert pe.replay(G, C, S, 2, pipelined=True) == pytest.approx(6.0)
+    assert pe.replay([1.0], [[2.0, 5.0]], [1.0], 2, pipelined=True) == pytest.approx(7.0)  # one group: no overlap
+
+
+def test_step_time_model_of_micro_groups():
+    pe = _paper_experiments()
+    specs = tp_specs(tp=4, layers=3)
+    rates = dict(tflops=400.0, gbps=150.0, latency_us=30.0)
+    nofuse = pe.simulate_tp(specs, 4, MUON, "no_fusion", None, direction_bytes=2, **rates)
+    default = pe.simulate_tp(specs, 4, MUON, "lpt_rollback", None, direction_bytes=2, **rates)
+    one = pe.simulate_tp(specs, 4, MUON, "lpt_rollback", 1e12, direction_bytes=2, **rates)
+    assert nofuse["groups"] == len(specs) and nofuse["serial_ratio"] == pytest.approx(4.0)
+    assert default["groups"] == len(plan_tp(specs, 4).groups) and one["groups"] == 1
+    assert default["pipelined_s"] <= default["blocking_s"] + 1e-12
+    assert one["pipelined_s"] == pytest.approx(one["blocking_s"])  # nothing to overlap
+    assert default["pipelined_s"] < nofuse["pipelined_s"]
+    # more latency per collective costs the schedule with more collectives more
+    slow = dict(rates, latency_us=3000.0)
+    d_slow = pe.simulate_tp(specs, 4, MUON, "lpt_rollback", None, direction_bytes=2, **slow)
+    o_slow = pe.simulate_tp(specs, 4, MUON, "lpt_rollback", 1e12, direction_bytes=2, **slow)
+    assert d_slow["blocking_s"] - default["blocking_s"] > o_slow["blocking_s"] - one["blocking_s"]

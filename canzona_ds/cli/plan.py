@@ -5,6 +5,12 @@
     canzona-plan --model path/to/config.json --dp 16 --tp 4 --optimizer shampoo --cost flops
     canzona-plan --model qwen3-14b --dp 32 --tp 4 --optimizer soap --precondition-frequency 10
     canzona-plan --model qwen3-8b --dp 16 --tp 4 --plot loads.png     (needs matplotlib)
+    canzona-plan --model qwen3-32b --dp 32 --tp 8 --bucket-numel 40000000   (Megatron's default buckets)
+
+DP planners (``--json``: ``dp_planners.<name>``): ``equal_chunk`` (DeepSpeed's stock
+slicing, cuts matrices), ``paper_naive`` (the paper's eq. 1 over buckets), ``naive_atomic``,
+``alpha_balanced`` (Algorithm 1 over buckets), ``layerwise`` (whole layers by LPT, the
+NV-layerwise baseline), ``lpt`` and ``multi_lpt`` (the default).
 
 The DP plan covers the matrices of one TP rank (TP-local shards); the TP schedule covers
 the TP-split matrices owned by the busiest DP rank of the default DP plan (see
@@ -46,7 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--alpha", type=float, default=1.0, help="alpha of alpha_balanced, in [0, 1]")
     p.add_argument("--cost", default="numel", choices=list(COST_MODELS), help="load the planners balance")
     p.add_argument("--c-max", type=float, default=None, help="TP micro-group capacity in --cost units (default: largest task)")
-    p.add_argument("--bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL, help="alpha_balanced bucket size (elements); 0 = one bucket")
+    p.add_argument("--bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL,
+                   help="bucket size (elements) of alpha_balanced and paper_naive; 0 = one bucket (default: DeepSpeed's "
+                        "reduce_bucket_size)")
     p.add_argument("--dp-planner", default=DEFAULT_DP_PLANNER, choices=sorted(DP_PLANNERS), help="the plan the TP schedule starts from")
     p.add_argument("--tp-scheduler", default=DEFAULT_TP_SCHEDULER, choices=sorted(TP_SCHEDULERS))
     p.add_argument("--json", action="store_true", help="print exactly one JSON object")
@@ -123,7 +131,7 @@ def plot(result: Comparison, path: str, model) -> None:
 
     s = result.summary
     fig, axes = plt.subplots(1, 2, figsize=(13, 4))
-    for name in ("naive_atomic", s["default_dp_planner"]):
+    for name in dict.fromkeys(("paper_naive", "alpha_balanced", s["default_dp_planner"])):
         plan = result.dp_plans[name]
         loads = rank_costs(plan, "flops", model)
         mean = sum(loads) / len(loads)

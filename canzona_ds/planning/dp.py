@@ -267,8 +267,11 @@ def plan_naive_atomic(
     loads: Sequence[float],
     cost_model: str = "numel",
 ) -> OwnershipPlan:
-    """The paper's unbalanced ASC: each equal cut ``r*S/dp`` snapped to the nearest
-    parameter boundary; model order preserved, every matrix atomic."""
+    """One flat buffer cut into ``dp`` equal ranges, each cut ``r*S/dp`` snapped to the
+    NEAREST parameter boundary; model order preserved, every matrix atomic.  Not the
+    paper's naive assignment: eq. 1 gives a matrix to the rank its *start* falls in, per
+    bucket (:func:`plan_paper_naive`); over one buffer of equal layers (Qwen3-32B at
+    DP=32) both come out perfectly balanced, over buckets eq. 1 does not."""
     t0 = time.perf_counter()
     _validate(specs, world_size, None)
     prefix = list(itertools.accumulate((s.numel for s in specs), initial=0))
@@ -299,8 +302,83 @@ def make_buckets(specs: Sequence[ParamSpec], bucket_numel: int | None) -> list[t
     return buckets
 
 
-#: DeepSpeed's default ``reduce_bucket_size`` (elements)
+#: DeepSpeed's default ``reduce_bucket_size`` (elements); the default bucket of
+#: ``alpha_balanced`` and ``paper_naive`` (the same buckets for both, as in the paper)
 DEFAULT_BUCKET_NUMEL = 500_000_000
+
+
+def megatron_bucket_numel(dp: int) -> int:
+    """Megatron-Core's default DDP bucket size (elements) with ``overlap_grad_reduce``:
+    ``max(40_000_000, 1_000_000 * dp)`` (``DistributedDataParallelConfig.bucket_size``).
+    The Canzona paper runs Megatron but does not state its bucket size; this is the value
+    its default configuration would use (40M elements at DP=32)."""
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"Invalid dp={dp!r}. Must be an int >= 1.")
+    return max(40_000_000, 1_000_000 * dp)
+
+
+def _bucket_plan(
+    planner: str,
+    specs: Sequence[ParamSpec],
+    world_size: int,
+    loads: Sequence[float],
+    cost_model: str,
+    buckets: list[tuple[int, int]],
+    cuts_of: dict[int, list[int]],
+    t0: float,
+    alpha: float | None = None,
+) -> OwnershipPlan:
+    """A plan from per-bucket cut vectors ``cuts_of[k] = [s_0 = a, s_1, ..., s_R = b]``
+    (absolute spec indices): rank r owns ``[s_r, s_{r+1})`` of every bucket, concatenated
+    in bucket (= model) order.  ``extra``: ``buckets`` and ``bucket_rank_numel`` (S_{i,r},
+    for J_comm)."""
+    rank_params: list[list[int]] = [[] for _ in range(world_size)]
+    bucket_rank_numel = []
+    for k in range(len(buckets)):
+        cuts = cuts_of[k]
+        row = []
+        for r in range(world_size):
+            rank_params[r].extend(range(cuts[r], cuts[r + 1]))
+            row.append(sum(specs[i].numel for i in range(cuts[r], cuts[r + 1])))
+        bucket_rank_numel.append(row)
+    return _finish(
+        planner, specs, world_size, rank_params, loads, t0, cost_model, alpha=alpha,
+        extra={"buckets": buckets, "bucket_rank_numel": bucket_rank_numel},
+    )
+
+
+def plan_paper_naive(
+    specs: Sequence[ParamSpec],
+    world_size: int,
+    loads: Sequence[float],
+    cost_model: str = "numel",
+    bucket_numel: int | None = DEFAULT_BUCKET_NUMEL,
+) -> OwnershipPlan:
+    """The paper's naive atomic assignment (eq. 1, "ASC" without load balancing), per bucket.
+
+    Buckets as :func:`make_buckets` (model order).  In a bucket of ``|B|`` elements the
+    stride is ``S = |B| / R``; a parameter whose first element sits at offset ``o`` inside
+    the bucket belongs to rank ``r`` with ``r*S <= o < (r+1)*S``, i.e. ``r = floor(o*R/|B|)``
+    (exact integer arithmetic).  Every matrix stays whole on the rank its *start* falls
+    in, so the first matrix of every bucket goes to rank 0 and a rank whose stride window
+    holds no parameter start owns nothing of that bucket: with few large matrices per
+    bucket the load piles up on the low ranks.  The cost model plays no part (``loads``
+    only fills ``rank_load``).  ``bucket_numel=None``: one bucket (then it differs from
+    ``naive_atomic``, which snaps each equal cut to the NEAREST boundary, only in how a
+    straddling matrix is resolved)."""
+    t0 = time.perf_counter()
+    _validate(specs, world_size, None)
+    buckets = make_buckets(specs, bucket_numel)
+    cuts_of: dict[int, list[int]] = {}
+    for k, (a, b) in enumerate(buckets):
+        size = sum(specs[i].numel for i in range(a, b))
+        owners, off = [], 0
+        for i in range(a, b):
+            owners.append(min(off * world_size // size, world_size - 1) if size else 0)
+            off += specs[i].numel
+        # owners are non-decreasing: rank r owns [first index with owner >= r, first with owner > r)
+        cuts_of[k] = [a + bisect.bisect_left(owners, r) for r in range(world_size)] + [b]
+    return _bucket_plan("paper_naive", specs, world_size, loads, cost_model, buckets, cuts_of, t0)
 
 
 def plan_alpha_balanced(
@@ -341,19 +419,72 @@ def plan_alpha_balanced(
         for r in range(world_size):
             global_load[r] += prefix[cuts[r + 1]] - prefix[cuts[r]]
         cuts_of[k] = [a + u for u in cuts]
+    return _bucket_plan("alpha_balanced", specs, world_size, loads, cost_model, buckets, cuts_of, t0, alpha=alpha)
+
+
+def layer_key(name: str) -> str | None:
+    """The layer a parameter belongs to: its name up to and including the first dotted
+    component that is a non-negative integer, with a trailing dot
+    (``decoder.layers.7.mlp.linear_fc1.weight`` -> ``decoder.layers.7.``,
+    ``transformer.h.3.attn.c_attn.weight`` -> ``transformer.h.3.``); None when no
+    component is one (an embedding, a head, ``qkv.weight``)."""
+    parts = name.split(".")
+    for k, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[: k + 1]) + "."
+    return None
+
+
+def layer_groups(specs: Sequence[ParamSpec]) -> list[list[int]]:
+    """Spec indices grouped by :func:`layer_key`, groups in order of first appearance;
+    a spec without a layer is a group of its own."""
+    groups: list[list[int]] = []
+    by_key: dict[str, int] = {}
+    for i, spec in enumerate(specs):
+        key = layer_key(spec.name)
+        if key is None:
+            groups.append([i])
+        elif key in by_key:
+            groups[by_key[key]].append(i)
+        else:
+            by_key[key] = len(groups)
+            groups.append([i])
+    return groups
+
+
+def plan_layerwise(
+    specs: Sequence[ParamSpec],
+    world_size: int,
+    loads: Sequence[float],
+    cost_model: str = "numel",
+) -> OwnershipPlan:
+    """NVIDIA's layer-wise optimizer as the Canzona paper describes it (§3.1 Paradigm 2,
+    §D.2): whole layers are the unit of ownership, assigned by global load balancing.
+
+    Matrices are grouped by :func:`layer_groups` (name prefix up to the layer index; a
+    matrix outside any layer is its own group); groups are placed heaviest first (by
+    the summed cost-model load, then numel, then first index) onto the least-loaded rank
+    (ties: lower numel, then lower rank), i.e. LPT over layers.  Inside a rank parameters
+    keep model order.  The assignment ignores where parameters sit in the buffer, which
+    is why the paper's layer-wise baseline cannot use bucketed reduce-scatter (§D.2);
+    here the plan is still realisable with planned padding like any atomic plan.
+    ``extra["layer_groups"]``: the groups (spec indices)."""
+    t0 = time.perf_counter()
+    _validate(specs, world_size, None)
+    groups = layer_groups(specs)
+    g_load = [sum(loads[i] for i in g) for g in groups]
+    g_numel = [sum(specs[i].numel for i in g) for g in groups]
+    order = sorted(range(len(groups)), key=lambda k: (-g_load[k], -g_numel[k], groups[k][0]))
+    heap = [(0.0, 0, r) for r in range(world_size)]
     rank_params: list[list[int]] = [[] for _ in range(world_size)]
-    bucket_rank_numel = []
-    for k in range(len(buckets)):
-        cuts = cuts_of[k]
-        row = []
-        for r in range(world_size):
-            rank_params[r].extend(range(cuts[r], cuts[r + 1]))
-            row.append(sum(specs[i].numel for i in range(cuts[r], cuts[r + 1])))
-        bucket_rank_numel.append(row)
-    return _finish(
-        "alpha_balanced", specs, world_size, rank_params, loads, t0, cost_model, alpha=alpha,
-        extra={"buckets": buckets, "bucket_rank_numel": bucket_rank_numel},
-    )
+    for k in order:
+        load, numel, r = heapq.heappop(heap)
+        rank_params[r].extend(groups[k])
+        heapq.heappush(heap, (load + g_load[k], numel + g_numel[k], r))
+    for r in rank_params:
+        r.sort()
+    return _finish("layerwise", specs, world_size, rank_params, loads, t0, cost_model,
+                   extra={"layer_groups": [list(g) for g in groups]})
 
 
 def _criteria(specs: Sequence[ParamSpec], loads: Sequence[float], model) -> np.ndarray:
@@ -670,7 +801,7 @@ class DPRequest:
     alpha: float
     #: the optimizer's cost model (planning.cost.CostModel), or None (numel only)
     model: object
-    #: bucket size of ``alpha_balanced`` (elements); None = one bucket
+    #: bucket size of ``alpha_balanced`` and ``paper_naive`` (elements); None = one bucket
     bucket_numel: int | None
 
 
@@ -683,9 +814,14 @@ DP_PLANNERS: dict[str, Callable[[DPRequest], OwnershipPlan]] = {
     ),
     "lpt": lambda q: plan_lpt(q.specs, q.world_size, q.loads, q.cost_model),
     "multi_lpt": lambda q: plan_multi_lpt(q.specs, q.world_size, q.loads, q.cost_model, q.model),
+    "paper_naive": lambda q: plan_paper_naive(q.specs, q.world_size, q.loads, q.cost_model,
+                                              bucket_numel=q.bucket_numel),
+    "layerwise": lambda q: plan_layerwise(q.specs, q.world_size, q.loads, q.cost_model),
 }
 #: planners that keep every matrix whole on one rank
-ATOMIC_DP_PLANNERS = ("naive_atomic", "alpha_balanced", "lpt", "multi_lpt")
+ATOMIC_DP_PLANNERS = ("naive_atomic", "alpha_balanced", "lpt", "multi_lpt", "paper_naive", "layerwise")
+#: planners whose plan depends on the bucket size (``bucket_numel``)
+BUCKETED_DP_PLANNERS = ("alpha_balanced", "paper_naive")
 DEFAULT_DP_PLANNER = "multi_lpt"
 
 
@@ -707,7 +843,8 @@ def plan_dp(
         model: the optimizer's cost model (e.g. ``canzona_ds.optim.cost_model("muon")``);
             needed for every cost but ``numel``; ``multi_lpt`` also balances its FLOPs and
             memory.  TP-split specs are charged the DP owner's share of the full matrix.
-        bucket_numel: bucket size of ``alpha_balanced`` in elements (None: one bucket).
+        bucket_numel: bucket size of ``alpha_balanced`` and ``paper_naive`` in elements
+            (None: one bucket); default DeepSpeed's ``reduce_bucket_size``.
     """
     from .cost import check_cost, cost_vector  # local import keeps the module graph one-way
 

@@ -193,3 +193,31 @@ def model_specs(name_or_path: str | Path, tp: int = 1, pad_vocab: bool = True) -
 
 def matrix_specs(specs: list[ParamSpec]) -> list[ParamSpec]:
     return [s for s in specs if s.is_matrix]
+
+
+def pipeline_stage(specs: list[ParamSpec], pp: int, stage: int) -> list[ParamSpec]:
+    """The parameters of pipeline stage ``stage`` of ``pp`` under Megatron's even split:
+    decoder layers ``[stage*L/pp, (stage+1)*L/pp)`` (``decoder.layers.<i>.``), the
+    embedding on the first stage, the final norm and the output layer on the last.
+    ``pp`` must divide the number of layers."""
+    for name, v in (("pp", pp), ("stage", stage)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"Invalid {name}={v!r}. Must be an int.")
+    if pp < 1 or not 0 <= stage < pp:
+        raise ValueError(f"Invalid pp={pp}, stage={stage}: need pp >= 1 and 0 <= stage < pp.")
+    layers = sorted({int(s.name.split(".")[2]) for s in specs if s.name.startswith("decoder.layers.")})
+    n = len(layers)
+    if n % pp:
+        raise ValueError(f"Invalid pp={pp}: the model's {n} layers do not split evenly into {pp} stages.")
+    lo, hi = stage * n // pp, (stage + 1) * n // pp
+    out = []
+    for s in specs:
+        if s.name.startswith("decoder.layers."):
+            keep = lo <= int(s.name.split(".")[2]) < hi
+        elif s.name.startswith("embedding."):
+            keep = stage == 0
+        else:  # final norm, output layer
+            keep = stage == pp - 1
+        if keep:
+            out.append(s)
+    return out

@@ -216,6 +216,12 @@ def plan_tp(
         scheduler: name in ``TP_SCHEDULERS``.
         c_max: per-group makespan capacity, in units of ``cost``; None = the largest task
             (the smallest valid value: groups as small as balance allows, so they pipeline).
+            Kept as the default after the C_max sweep of ``benchmarks/paper_experiments.py``
+            (Figure 14, simulated; results/paper_experiments.md): with the pipelined runtime
+            it is within 1% of the best C_max in all but the most latency-bound simulated
+            cells, and for Qwen3-32B at TP=8 it already is a full fc1 (1000 MiB of fp32
+            gradient per host), past the paper's ~512 MB plateau.  The blocking runtime
+            (``pipelined=False``) prefers larger groups: give it a larger ``c_max``.
         cost: cost name (``numel``, ``flops``, ``peak_flops``, ``memory``).
         model: the optimizer's cost model (needed for every cost but ``numel``).
     """
