@@ -11,11 +11,12 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
+import pytest
 import torch
 
 from canzona_ds.optim import register_rule
 from canzona_ds.optim.rule import Flops, MatrixInfo, MatrixRule, check_number
-from canzona_ds.testing.dist import run_distributed
+from canzona_ds.testing.dist import device_params, rank_device, run_distributed
 from canzona_ds.testing.models import ds_config, run_engine, run_reference
 
 
@@ -69,7 +70,7 @@ def test_toy_rule_under_zero_dp2_is_exact():
 FULL = {"col": ((12, 6), 0), "row": ((6, 10), 1), "col2": ((8, 6), 0)}
 
 
-def _tp_worker(rank, tp, local):
+def _tp_worker(rank, tp, local, device="cpu"):
     import torch.distributed as dist
 
     from canzona_ds.optim.config import TPConfig
@@ -79,15 +80,16 @@ def _tp_worker(rank, tp, local):
     rule = NormalizedMomentum(beta=0.8)
     mats = [TPMatrix(n, shape, dim, (shape[dim] // tp,) * tp) for n, (shape, dim) in FULL.items()]
     runtime = (ShardLocalTP(mats, rule, None) if local else MicroGroupRuntime(mats, rule, None, TPConfig()))
+    dev = rank_device(device, rank)
     g = torch.Generator().manual_seed(0)
     full = {n: torch.randn(shape, generator=g) for n, (shape, _) in FULL.items()}
-    params = [full[m.name].chunk(tp, dim=m.partition_dim)[rank].clone() for m in mats]
+    params = [full[m.name].chunk(tp, dim=m.partition_dim)[rank].clone().to(dev) for m in mats]
     for step in range(1, 4):
         grads = {n: torch.randn(shape, generator=g) for n, (shape, _) in FULL.items()}
-        runtime.step(params, [grads[m.name].chunk(tp, dim=m.partition_dim)[rank] for m in mats], lr=0.05,
+        runtime.step(params, [grads[m.name].chunk(tp, dim=m.partition_dim)[rank].to(dev) for m in mats], lr=0.05,
                      weight_decay=0.1, step=step)
     dist.barrier()
-    return {m.name: p.numpy() for m, p in zip(mats, params)}
+    return {m.name: p.cpu().numpy() for m, p in zip(mats, params)}
 
 
 def _tp_reference() -> dict:
@@ -106,11 +108,18 @@ def _tp_reference() -> dict:
     return {n: p.numpy() for n, p in params.items()}
 
 
-def test_toy_rule_through_tp_micro_groups_is_exact():
-    res = run_distributed(_tp_worker, 2, False)
+@pytest.mark.parametrize("device", device_params(2))
+def test_toy_rule_through_tp_micro_groups_is_exact(device):
+    """cpu: bit for bit against the single-process rule; cuda (NCCL, 2 GPUs): the rule's
+    arithmetic runs on GPU kernels, compared to the CPU reference to fp32 rounding."""
+    res = run_distributed(_tp_worker, 2, False, device, device=device)
     ref = _tp_reference()
     for n, (_, dim) in FULL.items():
-        np.testing.assert_array_equal(np.concatenate([res[r][n] for r in range(2)], axis=dim), ref[n], err_msg=n)
+        got = np.concatenate([res[r][n] for r in range(2)], axis=dim)
+        if device == "cpu":
+            np.testing.assert_array_equal(got, ref[n], err_msg=n)
+        else:
+            np.testing.assert_allclose(got, ref[n], rtol=0, atol=1e-5, err_msg=n)
 
 
 def test_shard_local_toy_rule_is_a_different_update():

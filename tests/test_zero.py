@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from canzona_ds.testing.dist import run_distributed
+from canzona_ds.testing.dist import device_params, run_distributed
 from canzona_ds.testing.models import (HP, MATRICES, TYPES, batches, ds_config, make_model, max_abs_diff, params_of,
                                        run_engine, run_reference)
 
@@ -139,11 +139,14 @@ def _assert_equal(got: dict, ref: dict, atol: float = 0.0, what: str = "") -> No
 
 
 # ---------------------------------------------------------------------------- exactness
+@pytest.mark.parametrize("device", device_params(2))
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("opt_type", TYPES)
-def test_dp2_bit_exact(opt_type, stage):
-    res = run_distributed(_exact_worker, 2, opt_type, stage, 1)
-    ref = run_reference(2, STEPS, opt_type)
+def test_dp2_bit_exact(opt_type, stage, device):
+    """cpu: gloo ranks; cuda: NCCL ranks, one GPU each, against the reference on the first GPU
+    (the same kernels)."""
+    res = run_distributed(_exact_worker, 2, opt_type, stage, 1, device=device)
+    ref = run_reference(2, STEPS, opt_type, device=device)
     for r in res:
         _assert_equal(r["params"], ref, what=f"{opt_type} stage {stage}")
         assert r["zero_class"] == "CanzonaZeroOptimizer"

@@ -194,7 +194,7 @@ def _permute_state(rule, name: str, state: dict, full_shape, dim: int, perm: Ten
     ``perm``: TP layout[i] = TP=1[perm[i]] along the split dimension (``dim``)."""
     from ..optim.rule import MatrixInfo
 
-    if torch.equal(perm, torch.arange(perm.numel())):
+    if torch.equal(perm, torch.arange(perm.numel(), device=perm.device)):
         return state
     info = MatrixInfo(name, tuple(full_shape))
     side = "row" if dim == 0 else "col"
@@ -289,7 +289,7 @@ def write(engine, uni: Universal) -> dict:
             P = zopt.partition_size[i]
             rank = dist.get_rank(group=zopt.real_dp_process_group[i])
             lo, hi = rank * P, (rank + 1) * P
-            state = {"step": torch.tensor(uni.adam_step, dtype=torch.float32),
+            state = {"step": torch.tensor(uni.adam_step, dtype=torch.float32, device="cpu"),
                      "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
             for p, off in zip(zopt.round_robin_bit16_groups[i], zopt.round_robin_bit16_offsets[i]):
                 name = zopt.param_names[p]

@@ -246,8 +246,9 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         for p in group["params"]:
             state = self.state[p]
             if len(state) == 0:
-                # torch.optim.AdamW's state layout (step on the host, as torch keeps it)
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                # torch.optim.AdamW's state layout: the step count is a host scalar, as torch keeps it
+                # (capturable=False), so reading it never syncs with the device
+                state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             params.append(p)

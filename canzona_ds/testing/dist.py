@@ -99,3 +99,31 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, device: 
     if errors:
         raise RuntimeError("distributed worker failed:\n" + "\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def cuda_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001 - no usable CUDA runtime: no GPU tier
+        return 0
+
+
+def device_params(world_size: int) -> list:
+    """pytest params for a multi-rank test body run on every device: ``cpu`` (gloo) always;
+    ``cuda`` (NCCL, one GPU per rank) when there are ``world_size`` GPUs, else skipped with the
+    reason (the suite never depends on a GPU)."""
+    import pytest
+
+    gpus = cuda_count()
+    return [pytest.param("cpu", id="cpu"),
+            pytest.param("cuda", id="cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+                gpus < world_size, reason=f"needs {world_size} CUDA GPUs for NCCL; this machine has {gpus}")])]
+
+
+def rank_device(device: str, rank: int):
+    """The torch device rank ``rank`` computes on."""
+    import torch
+
+    return torch.device(f"cuda:{rank}") if device == "cuda" else torch.device("cpu")

@@ -99,7 +99,7 @@ def ds_config(dp: int, micro: int = 2, gas: int = 1, optimizer: str | dict = "Ca
 
 def params_of(module: nn.Module) -> dict:
     """Parameters as float32 numpy arrays (picklable across processes without shared memory)."""
-    return {n: p.detach().float().numpy().copy() for n, p in module.named_parameters()}
+    return {n: p.detach().float().cpu().numpy().copy() for n, p in module.named_parameters()}
 
 
 def run_engine(rank: int, dp: int, cfg: dict, steps: int, micro: int = 2, gas: int = 1, seed: int = 0,
@@ -116,7 +116,7 @@ def run_engine(rank: int, dp: int, cfg: dict, steps: int, micro: int = 2, gas: i
     losses = []
     for x, y in (data if data is not None else batches(steps * gas, micro * dp)):
         x, y = x[rank * micro:(rank + 1) * micro], y[rank * micro:(rank + 1) * micro]
-        loss = engine(x, y)
+        loss = engine(x.to(engine.device), y.to(engine.device))
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
@@ -151,16 +151,17 @@ def reference_grads(model: nn.Module, x: list, y: list, dp: int, micro: int, gas
 
 def run_reference(dp: int, steps: int, optimizer: str = "CanzonaMuon", params: dict | None = None, micro: int = 2,
                   gas: int = 1, seed: int = 0, clip: float = 0.0, model: nn.Module | None = None,
-                  stage: int = 1, data: list | None = None) -> dict:
-    """The single-process reference on ZeRO's averaged (and DeepSpeed-clipped) gradients."""
+                  stage: int = 1, data: list | None = None, device: str = "cpu") -> dict:
+    """The single-process reference on ZeRO's averaged (and DeepSpeed-clipped) gradients, on
+    ``device`` ("cuda": the first GPU, to compare with a CUDA run kernel for kernel)."""
     from canzona_ds.optim.config import CanzonaConfig
     from canzona_ds.optim.reference import ReferenceOptimizer, deepspeed_clip
 
     torch.set_num_threads(1)  # same reduction order as the 1-thread ranks
     cfg = CanzonaConfig.from_ds(optimizer, dict(HP[optimizer] if params is None else params))
-    model = make_model(seed) if model is None else model
+    model = (make_model(seed) if model is None else model).to(device)
     opt = ReferenceOptimizer(model.named_parameters(), cfg)
-    data = data if data is not None else batches(steps * gas, micro * dp)
+    data = [(x.to(device), y.to(device)) for x, y in (data if data is not None else batches(steps * gas, micro * dp))]
     for s in range(steps):
         chunk = data[s * gas:(s + 1) * gas]
         grads = deepspeed_clip(reference_grads(model, [c[0] for c in chunk], [c[1] for c in chunk], dp, micro, gas,

@@ -44,7 +44,7 @@ def concat_permutation(blocks: Sequence[int], shard_sizes: Sequence[int]) -> Ten
     tp = len(shard_sizes)
     starts = [sum(blocks[:b]) for b in range(len(blocks))]
     if len(blocks) == 1:
-        return torch.arange(sum(shard_sizes))
+        return torch.arange(sum(shard_sizes), device="cpu")
     for b in blocks:
         if b % tp:
             raise ValueError(f"TP block of {b} does not split into {tp} equal chunks.")
@@ -55,7 +55,7 @@ def concat_permutation(blocks: Sequence[int], shard_sizes: Sequence[int]) -> Ten
         for start, b in zip(starts, blocks):
             c = b // tp
             idx.extend(range(start + r * c, start + (r + 1) * c))
-    return torch.tensor(idx, dtype=torch.long)
+    return torch.tensor(idx, dtype=torch.long, device="cpu")
 
 
 def unshard(shards: Sequence[Tensor], dim: int, blocks: Sequence[int]) -> Tensor:
