@@ -339,20 +339,44 @@ def bench_rules(d: Data) -> str:
         rule, placement = r["kind"].split("/")
         rep = rows_in.get(f"{rule}/replicated@dp{r['dp']}")
         naive = rows_in.get(f"{rule}/naive@dp{r['dp']}")
+        mean = r.get("opt_cpu_mean_busiest_ms")
         rows.append([rule, str(r["dp"]), placement, f"{r['opt_cpu_busiest_ms']:.1f}",
                      f"{r['opt_cpu_busiest_ms'] / rep['opt_cpu_busiest_ms']:.2f}x" if rep else "-",
                      f"{r['opt_cpu_busiest_ms'] / naive['opt_cpu_busiest_ms']:.2f}x" if naive else "-",
-                     f"{r['opt_cpu_total_ms']:.1f}", f"{r['iter_ms']:.1f}"])
-    return _table(["rule", "DP", "placement", "optimizer CPU ms, busiest rank", "vs replicated", "vs naive",
-                   "optimizer CPU ms, total", "iteration ms (wall)"], rows)
+                     "-" if mean is None else f"{mean:.1f}", f"{r['opt_cpu_total_ms']:.1f}", f"{r['iter_ms']:.1f}"])
+    return _table(["rule", "DP", "placement", "optimizer CPU ms, busiest rank (median)", "vs replicated", "vs naive",
+                   "mean (with refresh steps)", "optimizer CPU ms, total", "iteration ms (wall)"], rows)
 
 
 def bench_muon(d: Data) -> str:
-    """bench_zero --suite muon: CanzonaMuon vs DeepSpeed Muon vs AdamW."""
-    rows = [[r["kind"], str(r["dp"]), f"{r['iter_ms']:.1f}", f"{r['opt_cpu_busiest_ms']:.1f}",
-             f"{r['opt_cpu_total_ms']:.1f}", f"{r['bytes_per_rank']:,.0f}"] for r in d["rows"].values()]
-    return _table(["kind", "DP", "iteration ms (wall)", "optimizer CPU ms, busiest", "optimizer CPU ms, total",
-                   "bytes / iteration / rank"], rows)
+    """bench_zero --suite muon: CanzonaMuon vs DeepSpeed Muon vs AdamW, stages 1/2, offload, layerwise."""
+    rows = [[r["kind"], str(r["dp"]), f"{r['iter_ms']:.1f}", f"{r['mat_cpu_busiest_ms']:.1f}",
+             f"{r['opt_cpu_busiest_ms']:.1f}", f"{r['bytes_max_rank'] / 1e6:.2f}"] for r in d["rows"].values()]
+    return _table(["kind", "DP", "iteration ms (wall)", "matrix rule CPU ms, busiest rank",
+                   "optimizer step CPU ms, busiest rank", "MB sent / iteration, busiest rank"], rows)
+
+
+def bench_scaling(d: Data) -> str:
+    """bench_zero --suite scaling: the matrix optimizer's per-rank CPU time at DP 2/4/8."""
+    rows_in = d["rows"]
+    rows = []
+    for r in rows_in.values():
+        ds = rows_in.get(f"ds_muon/stage1@dp{r['dp']}")
+        rows.append([str(r["dp"]), r["kind"].split("/")[0], f"{r['mat_cpu_busiest_ms']:.1f}",
+                     f"{r['mat_cpu_total_ms']:.1f}", ", ".join(f"{v:.0f}" for v in r["mat_cpu_per_rank_ms"]),
+                     f"{r['mat_cpu_busiest_ms'] / ds['mat_cpu_busiest_ms']:.2f}x" if ds else "-"])
+    return _table(["DP", "optimizer", "matrix CPU ms, busiest rank", "total over ranks", "per rank",
+                   "busiest vs DeepSpeed Muon"], rows)
+
+
+def config_fuzz(d: Data) -> str:
+    """config_fuzz: generated invalid settings and rank mismatches, what happened."""
+    rows = [[f"invalid optimizer settings ({d['invalid_settings']} generated from the config dataclasses)",
+             f"{d['refused_naming_the_key']} of {d['invalid_settings']} refused with an error naming the key"]]
+    for name, m in d["rank_mismatches"].items():
+        rows.append([f"2 ranks, {name}", ("every rank refused, naming the setting" if m["refused_on_every_rank"]
+                                          else "NOT refused on every rank") + f", {m['seconds']} s"])
+    return _table(["bad input", "what happened"], rows)
 
 
 #: table name -> (results JSON stem, renderer)
@@ -377,6 +401,8 @@ TABLES: dict[str, tuple[str, Callable[[Data], str]]] = {
     "tp_simulated": ("tp", tp_simulated),
     "bench_rules": ("bench_rules", bench_rules),
     "bench_muon": ("bench_muon", bench_muon),
+    "bench_scaling": ("bench_scaling", bench_scaling),
+    "config_fuzz": ("config_fuzz", config_fuzz),
 }
 
 
