@@ -379,6 +379,16 @@ def config_fuzz(d: Data) -> str:
     return _table(["bad input", "what happened"], rows)
 
 
+def _fault_table_entry(d: Data) -> str:
+    """fault_injection: checkpoint faults injected into a real run and what --resume did."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fault_injection", RESULTS.parent / "fault_injection.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.fault_table(d["faults"]).strip()
+
+
 #: table name -> (results JSON stem, renderer)
 TABLES: dict[str, tuple[str, Callable[[Data], str]]] = {
     "fig3_dp": ("paper_experiments", fig3_dp),
@@ -403,7 +413,11 @@ TABLES: dict[str, tuple[str, Callable[[Data], str]]] = {
     "bench_muon": ("bench_muon", bench_muon),
     "bench_scaling": ("bench_scaling", bench_scaling),
     "config_fuzz": ("config_fuzz", config_fuzz),
+    "faults": ("faults", _fault_table_entry),
 }
+
+
+
 
 
 def load(stem: str, results: Path | str | None = None) -> Data:

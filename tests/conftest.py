@@ -31,7 +31,13 @@ def _mapped_paths() -> set[str]:
 def leaked_deepspeed_shm_buffers() -> list[Path]:
     if not SHM.is_dir():
         return []
-    mine = sorted(SHM.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*"))
+    import time
+
+    # a buffer younger than a minute may belong to a job starting right now: DeepSpeed
+    # writes it before every rank maps it, and deleting it then hangs that job's ranks
+    now = time.time()
+    mine = [p for p in sorted(SHM.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*"))
+            if now - p.stat().st_mtime > 60]
     if not mine:
         return []
     mapped = _mapped_paths()

@@ -4,18 +4,28 @@
     deepspeed --num_gpus 2 --module canzona_ds.cli.train --config configs/run_tiny.yaml
     # one process, no launcher
     python -m canzona_ds.cli.train --config configs/run_tiny.yaml --set steps=20
-    # resume from the latest checkpoint; compare Canzona* / Muon / AdamW + exact reference
+    # resume from the latest intact checkpoint; compare Canzona* / Muon / AdamW + exact reference
     ... --resume          ... --compare
 
 ``--set key=value`` overrides one run-config key (value parsed as YAML); ``--ds-config``
-overrides the run config's ds_config.  Bad configs exit with status 2 and one line naming
-the bad key or value.
+overrides the run config's ds_config.  Exit status: 0 done, 2 bad config (one line naming
+the bad key or value), 3 optimizer type unavailable, 4 checkpoint error (``--resume`` found
+checkpoints but none intact, or a save failed: one line naming each bad file), 130 / 143
+stopped by SIGINT / SIGTERM.
+
+DeepSpeed's CPU all-reduce leaves a ~69 MB ``/dev/shm`` buffer per rank that it never
+unlinks.  Every rank unlinks its own as soon as all ranks have mapped every buffer (right
+after ``init_distributed`` and a barrier): the mappings stay valid, and the name is gone
+whatever happens to the process later (SIGKILL included).  SIGTERM / SIGINT handlers and
+the ``finally`` cover a stop during start-up; ``launch/train.sh`` removes what a rank killed
+before that point left.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import signal
 import sys
 
 
@@ -76,13 +86,21 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     import canzona_ds  # noqa: F401 - registers the Canzona optimizer types with DeepSpeed (when available)
+    from canzona_ds.checkpoint import CheckpointError
+    from canzona_ds.integration.runtime_info import release_shm_buffer
     from canzona_ds.train.trainer import OptimizerUnavailable, is_rank0, setup_process, train
 
+    previous = _install_signal_handlers()
     setup_process(cfg)
-    import deepspeed
-
-    deepspeed.init_distributed(dist_backend="gloo" if not _has_gpu() else None, verbose=False)
     try:
+        import deepspeed
+        import torch.distributed as dist
+
+        deepspeed.init_distributed(dist_backend="gloo" if not _has_gpu() else None, verbose=False)
+        # every rank has mapped every rank's shm buffer once all are past init_distributed:
+        # unlink ours now, so no exit path (SIGKILL included) can leave it in /dev/shm
+        dist.barrier()
+        release_shm_buffer()
         if args.compare:
             from canzona_ds.train.compare import run_compare
 
@@ -96,11 +114,41 @@ def main(argv: list[str] | None = None) -> int:
     except OptimizerUnavailable as e:
         print(f"canzona_ds.cli.train: {e}", file=sys.stderr, flush=True)
         return 3
+    except CheckpointError as e:  # the same verdict on every rank (canzona_ds.checkpoint)
+        if is_rank0():
+            print(f"canzona_ds.cli.train: checkpoint error: {e}", file=sys.stderr, flush=True)
+        return 4
     finally:
-        from canzona_ds.integration.runtime_info import release_shm_buffer
-
-        release_shm_buffer()  # DeepSpeed leaves ~69 MB per rank in /dev/shm otherwise
+        release_shm_buffer()  # no-op when already unlinked; covers a failure before the barrier
+        for sig, h in previous.items():
+            signal.signal(sig, h)
     return 0
+
+
+def _install_signal_handlers() -> dict:
+    """SIGTERM / SIGINT: unlink this rank's shm buffer, then exit 128 + signal number through
+    ``SystemExit`` (so ``finally`` blocks run).  A rank blocked inside a C++ collective runs
+    the handler once the collective returns or fails (a dead peer fails gloo's).  Returns the
+    previous handlers (restored when ``main`` returns); nothing outside the main thread."""
+    import threading
+
+    from canzona_ds.integration.runtime_info import release_shm_buffer
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    stopping = []
+
+    def handler(signum, frame):
+        if stopping:  # launch.py forwards the same signal the group already got: exit once
+            return
+        stopping.append(signum)
+        release_shm_buffer()
+        print(f"canzona_ds.cli.train: rank {os.environ.get('RANK', '0')} received "
+              f"{signal.Signals(signum).name}; exiting", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum)
+
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
 
 
 def _has_gpu() -> bool:

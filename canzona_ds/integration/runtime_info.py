@@ -96,8 +96,9 @@ def release_shm_buffer() -> bool:
     DeepSpeed 0.19.8's CPU comm op (``ops/csrc/cpu/comm/shm.cpp``, ``shm_initialize``)
     creates ``/dev/shm/deepspeed_allreduce_buffer_{uid}_{MASTER_ADDR}_{MASTER_PORT}_{rank}``
     (~69 MB) per rank and never unlinks it, so every run leaves them behind in RAM-backed
-    tmpfs.  Call once per process after its last collective: unlinking removes only the
-    name, the other ranks' existing mappings stay valid.
+    tmpfs.  Call once per process any time after all ranks have passed ``init_distributed``
+    (e.g. after a barrier: by then every rank has mapped every buffer); unlinking removes only
+    the name, the existing mappings stay valid.
     """
     import os
 

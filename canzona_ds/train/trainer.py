@@ -6,11 +6,13 @@ One call of :func:`train` is one run with one ds_config.  Per optimizer step:
         loss = engine(x, y); engine.backward(loss)  (step, micro_step, rank) -- no loader state
         engine.step()                               DeepSpeed steps at the accumulation boundary
     all-reduce the loss (logging), drain the DeepSpeed timers, write metrics (rank 0)
-    every checkpoint_every steps: engine.save_checkpoint(tag=step<N>, client_state={step})
+    every checkpoint_every steps: checkpoint.save(tag=step<N>, client_state={step, base_lrs})
 
-Resume loads the latest checkpoint and continues at its step; because the data and the
-learning-rate multiplier are functions of the step alone, the trajectory is the one an
-uninterrupted run takes.
+Checkpoints go through :mod:`canzona_ds.checkpoint`: written atomically with a manifest of
+content digests.  Resume verifies the latest checkpoint and, if it is corrupt or incomplete,
+falls back to the newest intact one (and says so); it continues at that checkpoint's step.
+Because the data and the learning-rate multiplier are functions of the step alone, the
+trajectory is the one an uninterrupted run takes.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from canzona_ds import checkpoint
 from canzona_ds.data import BatchSampler, DataConfig
 from canzona_ds.models.qwen3 import build_model
 from canzona_ds.train.config import RunConfig
@@ -186,15 +189,23 @@ def train(cfg: RunConfig, name: str | None = None, progress: bool = True) -> Run
     base_lrs = [float(g["lr"]) for g in engine.optimizer.param_groups]
     start_step = 0
     if cfg.resume:
-        path, client = engine.load_checkpoint(cfg.checkpoint_dir)
-        if path is None:
+        # verified load; a corrupt/incomplete newest checkpoint falls back to the newest intact one
+        res = checkpoint.load(engine, cfg.checkpoint_dir, fallback=True)
+        if is_rank0():
+            for tag, reason in res.skipped:
+                print(f"[{name}] checkpoint {tag} is corrupt or incomplete ({reason}); skipped", flush=True)
+            if res.note and res.path is not None:
+                print(f"[{name}] {res.note}", flush=True)
+        if res.path is None:
             if is_rank0():
-                print(f"[{name}] resume: no checkpoint in {cfg.checkpoint_dir!r}; starting at step 0", flush=True)
+                print(f"[{name}] resume: no checkpoint in {cfg.checkpoint_dir!r} ({res.note}); starting at step 0",
+                      flush=True)
         else:
-            start_step = int(client["step"])
-            base_lrs = [float(x) for x in client["base_lrs"]]
+            start_step = int(res.client_state["step"])
+            base_lrs = [float(x) for x in res.client_state["base_lrs"]]
             if is_rank0():
-                print(f"[{name}] resumed from {path} at step {start_step}", flush=True)
+                how = f" (newest intact checkpoint; skipped {[t for t, _ in res.skipped]})" if res.skipped else ""
+                print(f"[{name}] resumed from {res.tag}{how}: {res.path} at step {start_step}", flush=True)
 
     sampler = BatchSampler(DataConfig(corpus=cfg.corpus, seq_len=cfg.seq_len, seed=cfg.seed))
     writer = MetricsWriter(log_dir, start_step) if is_rank0() else None
@@ -244,8 +255,8 @@ def train(cfg: RunConfig, name: str | None = None, progress: bool = True) -> Run
             if val is not None:
                 bar.write(f"[{name}] step {done}: loss {loss_mean:.4f} val {val:.4f}")
         if cfg.checkpoint_every and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
-            engine.save_checkpoint(cfg.checkpoint_dir, tag=f"step{done}",
-                                   client_state={"step": done, "base_lrs": base_lrs})
+            checkpoint.save(engine, cfg.checkpoint_dir, f"step{done}",
+                            client_state={"step": done, "base_lrs": base_lrs})
     bar.close()
 
     summary = {}

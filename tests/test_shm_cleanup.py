@@ -1,0 +1,148 @@
+"""DeepSpeed's ~69 MB /dev/shm all-reduce buffers are not left behind when the main job is
+stopped: SIGTERM to ``launch/train.sh`` midway through a real 2-rank run, a rank SIGKILLed
+midway, and ``train.sh``'s own sweep of its port's buffers after the launcher returns.
+
+Buffer name (DeepSpeed 0.19.8 ``shm.cpp``):
+``/dev/shm/deepspeed_allreduce_buffer_{uid}_{MASTER_ADDR}_{MASTER_PORT}_{rank}``.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from canzona_ds.testing.dist import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+SHM = Path("/dev/shm")
+pytestmark = [pytest.mark.dist, pytest.mark.skipif(not SHM.is_dir(), reason="no /dev/shm")]
+
+#: a run long enough to be stopped midway: tiny preset, seq_len 64, no eval, no checkpoints
+LONG = ["--set", "steps=500", "--set", "seq_len=64", "--set", "micro_batch=4", "--set", "eval_every=0",
+        "--set", "eval_batches=1", "--set", "checkpoint_every=0", "--no-progress"]
+
+
+def buffers(port: int) -> list[Path]:
+    return sorted(SHM.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
+
+
+def job_processes(port: int) -> dict[int, dict]:
+    """pid -> {RANK, cmd} of live processes whose environment has MASTER_PORT=port."""
+    found = {}
+    needle = f"MASTER_PORT={port}".encode()
+    for env_path in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            env = env_path.read_bytes().split(b"\0")
+            cmd = (env_path.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (env_path.parent / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if needle in env and state != "Z":
+            rank = next((e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"RANK=")), None)
+            found[int(env_path.parent.name)] = {"RANK": rank, "cmd": cmd}
+    return found
+
+
+def start_train_sh(port: int, args: list[str]) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["MASTER_PORT"] = str(port)
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")  # this interpreter's deepspeed
+    # its own session: the test's signals go to train.sh alone, as a user's `kill` would
+    return subprocess.Popen(["bash", "launch/train.sh", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def wait_for_steps(proc: subprocess.Popen, metrics: Path, n: int = 1, timeout: float = 180) -> None:
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= n:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"train.sh exited early ({proc.returncode}):\n{proc.stdout.read()[-3000:]}")
+        time.sleep(0.5)
+    proc.kill()
+    raise AssertionError("no training step within the timeout")
+
+
+def finish(proc: subprocess.Popen, timeout: float = 120) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return out
+
+
+def test_sigterm_midway_leaves_no_buffer(tmp_path):
+    port = free_port()
+    proc = start_train_sh(port, [*LONG, "--set", f"log_dir={tmp_path}"])
+    try:
+        wait_for_steps(proc, tmp_path / "metrics.jsonl")
+        ranks = {p["RANK"] for p in job_processes(port).values() if "-m canzona_ds.cli.train" in p["cmd"]}
+        assert ranks == {"0", "1"}
+        # each rank unlinked its buffer right after start-up: nothing in /dev/shm while it runs
+        assert buffers(port) == []
+        proc.send_signal(signal.SIGTERM)
+        out = finish(proc)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, out[-3000:]
+    assert "received SIGTERM; exiting" in out, out[-3000:]
+    steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert 1 <= len(steps) < 500  # stopped midway
+    assert buffers(port) == []
+    assert job_processes(port) == {}  # launcher, launch.py and both ranks are gone
+
+
+def test_sigkilled_rank_leaves_no_buffer(tmp_path):
+    port = free_port()
+    proc = start_train_sh(port, [*LONG, "--set", f"log_dir={tmp_path}"])
+    try:
+        wait_for_steps(proc, tmp_path / "metrics.jsonl")
+        rank1 = [pid for pid, p in job_processes(port).items()
+                 if p["RANK"] == "1" and "-m canzona_ds.cli.train" in p["cmd"]]
+        assert len(rank1) == 1
+        os.kill(rank1[0], signal.SIGKILL)
+        out = finish(proc)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0, out[-3000:]
+    assert "exits with return code = -9" in out, out[-3000:]
+    assert buffers(port) == []
+    assert job_processes(port) == {}
+
+
+def test_train_sh_sweeps_its_port_buffers_after_the_launcher_returns(tmp_path):
+    # buffers a rank SIGKILLed during start-up would leave (before it unlinks its own):
+    # stand-ins with the real names, for this run's port and for another port
+    port, other = free_port(), free_port()
+    uid = os.getuid()
+    mine = [SHM / f"deepspeed_allreduce_buffer_{uid}_127.0.0.1_{port}_{r}" for r in (0, 1)]
+    theirs = SHM / f"deepspeed_allreduce_buffer_{uid}_127.0.0.1_{other}_0"
+    maps = []
+    for p in (*mine, theirs):
+        p.write_bytes(b"\0" * 4096)
+        with p.open("r+b") as f:  # mapped, like a live rank's: other test sessions' sweeps leave it
+            maps.append(mmap.mmap(f.fileno(), 4096))
+    try:
+        # the launcher returns quickly: every rank rejects the config (exit 2)
+        proc = start_train_sh(port, ["--set", "stepz=1", "--set", f"log_dir={tmp_path}"])
+        out = finish(proc)
+        assert proc.returncode == 2, out[-3000:]
+        assert "Unknown run config key(s) ['stepz']" in out
+        assert buffers(port) == []
+        assert theirs.exists()  # another job's buffers are not touched
+    finally:
+        for m in maps:
+            m.close()
+        for p in (*mine, theirs):
+            p.unlink(missing_ok=True)
