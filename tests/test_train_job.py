@@ -126,3 +126,23 @@ def test_job_releases_deepspeed_shm_buffers(canzona_run):
     # DeepSpeed's CPU comm op leaves ~69 MB per rank in /dev/shm; the job unlinks its own
     _, _, leftover = canzona_run
     assert leftover == []
+
+
+def test_resume_with_another_number_of_ranks(canzona_run, tmp_path):
+    """A 2-rank run's step-6 checkpoint resumed by 1 rank (same global batch): the plan is
+    recomputed for DP=1, every matrix and its state follow, and training continues; with the
+    same global batch the single rank sees exactly the two ranks' data, so the losses match
+    the uninterrupted 2-rank run to summation order (one rank sums what two ranks averaged)."""
+    full, _, _ = canzona_run
+    resumed = tmp_path / "resumed"
+    shutil.copytree(full / "ckpt" / "step6", resumed / "ckpt" / "step6")
+    (resumed / "ckpt" / "latest").write_text("step6")
+    r = launch(["--set", "steps=12", "--set", f"log_dir={resumed}", "--set", f"checkpoint_dir={resumed}/ckpt",
+                "--set", "checkpoint_every=6", "--set", "eval_every=6", "--set", "global_batch=8",
+                "--set", "grad_accum=null", "--ds-config", "configs/ds_cpu_canzona.json", "--resume"], ranks=1)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "at step 6" in r.stdout + r.stderr
+    a, b = rows(full / "metrics.jsonl"), rows(resumed / "metrics.jsonl")
+    assert [x["step"] for x in b] == [7, 8, 9, 10, 11, 12]
+    for x, y in zip(a[6:], b):
+        assert abs(x["loss"] - y["loss"]) < 1e-4, (x["step"], x["loss"], y["loss"])
