@@ -146,3 +146,19 @@ def test_resume_with_another_number_of_ranks(canzona_run, tmp_path):
     assert [x["step"] for x in b] == [7, 8, 9, 10, 11, 12]
     for x, y in zip(a[6:], b):
         assert abs(x["loss"] - y["loss"]) < 1e-4, (x["step"], x["loss"], y["loss"])
+
+
+@pytest.mark.parametrize("config,name", [("configs/ds_cpu_shampoo.json", "CanzonaShampoo"),
+                                         ("configs/ds_cpu_soap.json", "CanzonaSOAP")])
+def test_shipped_shampoo_and_soap_configs_train(config, name, tmp_path):
+    """The shipped ds_configs of the other two rules run the main job: loss falls, the plan
+    summary names the rule, and each rank's matrices keep their rule's state."""
+    r = launch(["--set", "steps=12", "--set", f"log_dir={tmp_path}", "--set", "checkpoint_every=0",
+                "--set", "eval_every=0", "--ds-config", config])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    m = rows(tmp_path / "metrics.jsonl")
+    assert [x["step"] for x in m] == list(range(1, 13))
+    assert all(x["loss"] == x["loss"] for x in m)  # no NaN
+    assert m[-1]["loss"] < m[0]["loss"] - 0.5
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["optimizer"] == name

@@ -1,6 +1,6 @@
 """Checkpoints of the Canzona optimizers under ZeRO stage 1/2: bit-exact resume at the same DP
 (weights, fp32 masters, AdamW state and every matrix's rule state), zero_to_fp32 understands
-the planned-padding layout, and resuming at another DP size is refused with a clear message."""
+the planned-padding layout.  Resuming at another DP or TP size: tests/test_elastic.py."""
 from __future__ import annotations
 
 import numpy as np
@@ -61,15 +61,6 @@ def _save_and_resume(rank, dp, ckpt_dir, opt_type, stage):
                 state_a=_state(a), state_b=_state(b), fp32=fp32, step_after_load=step_after_load)
 
 
-def _load_other_dp(rank, dp, ckpt_dir):
-    e = _init(dp)
-    try:
-        e.load_checkpoint(ckpt_dir, tag="t2")
-    except Exception as err:  # noqa: BLE001 - the message is what the test checks
-        return f"{type(err).__name__}: {err}"
-    return None
-
-
 CASES = [("CanzonaMuon", 1), ("CanzonaShampoo", 1), ("CanzonaSOAP", 1), ("CanzonaMuon", 2)]
 
 
@@ -97,13 +88,3 @@ def test_zero_to_fp32_reads_planned_padding(ckpt):
     assert set(fp32) == set(saved)
     for n in saved:
         np.testing.assert_array_equal(fp32[n], saved[n], err_msg=n)
-
-
-def test_resume_at_other_dp_refused(tmp_path):
-    d = str(tmp_path / "ckpt")
-    run_distributed(_save_and_resume, 2, d, "CanzonaMuon", 1)
-    msgs = run_distributed(_load_other_dp, 4, d)
-    for m in msgs:
-        # DeepSpeed's own rigid-checkpoint check fires first (ZeRORuntimeException naming both
-        # world sizes); CanzonaMuon's layout check covers elastic checkpoints and plan changes.
-        assert m is not None and "2" in m and "4" in m and "not" in m and "support" in m, m

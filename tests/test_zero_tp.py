@@ -607,5 +607,8 @@ def test_megatron_hook_stage2_dp2_tp2(hook_result) -> None:
 
 
 def test_zero_tp_dp_plan_differing_across_tp_is_a_clear_error_not_a_hang(hook_result) -> None:
-    for rank, msg in enumerate(_ok(hook_result, "refusal")):  # fingerprints are all-gathered, then compared
-        assert "DP ownership plan" in msg and "differs across the group" in msg, (rank, msg)
+    # the settings agreement (integration/agreement.py) runs before anything a rank could wait
+    # in: every rank fails naming the planner and each rank's value
+    for rank, msg in enumerate(_ok(hook_result, "refusal")):
+        assert "Ranks disagree" in msg and "placement.planner" in msg, (rank, msg)
+        assert '"multi_lpt"' in msg and '"lpt"' in msg, (rank, msg)
