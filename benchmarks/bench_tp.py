@@ -234,7 +234,7 @@ def simulate(model: str, tp: int, tflops: float, gbps: float, latency_us: float,
     rule = cost_model(rule_name)
     direction_bytes = torch.empty(0, dtype=rule.direction_dtype(torch.float32)).element_size()
     specs = [s for s in matrix_specs(model_specs(model, tp=tp)) if s.tp_partition_dim is not None]
-    if dp > 1:  # the TP group of the busiest DP rank under the DP planner (LPT on FLOPs)
+    if dp > 1:  # the TP group of the busiest DP rank under the default DP planner (multi_lpt, FLOPs)
         from canzona_ds.planning import plan_dp
 
         dplan = plan_dp(specs, dp, cost="flops", model=rule)
@@ -289,8 +289,8 @@ def simulate(model: str, tp: int, tflops: float, gbps: float, latency_us: float,
 def write_md(meas: dict | None, sims: list[dict], path: Path, cmd: str) -> None:
     rule = (meas or {}).get("rule") or (sims[0]["rule"] if sims else "muon")
     L = [f"# TP optimizer step ({rule}): measured (TP=2, CPU) and simulated (Qwen3-32B, TP=8)", "",
-         f"Command: `{cmd}`  ", "Machine: 2 shared CPU cores (other jobs running; load average ~4-5), "
-         "torch CPU, gloo, 1 thread per rank.", ""]
+         f"Command: `{cmd}`  ", f"Machine: {os.cpu_count()} CPU cores (shared), 1-minute load average {os.getloadavg()[0]:.1f} when "
+         "written, torch CPU, gloo, 1 thread per rank.", ""]
     if meas:
         sc = meas["sc"]["step_s"]
         L += ["## Measured: TP=2, optimizer step only", "",
@@ -314,16 +314,18 @@ def write_md(meas: dict | None, sims: list[dict], path: Path, cmd: str) -> None:
                                                   for l in meas["ranks"]), ""]
     for sim in sims:
         L += _sim_md(sim)
-    L += ["Paper, for comparison (Qwen3-32B, 128 GPUs DP16 x TP8, H-series GPUs): Figure 3b TP FLOPs "
-          "max/avg 3.24 (naive) -> 2.46 (micro-group scheduling), memory ratio 1.16; Figure 14: No-Fuse "
-          "optimizer time ~0.11 s, fused ~0.073 s, plateau from C_max ~512 MiB.", ""]
+    L += ["Paper, for comparison (Qwen3-32B, H-series GPUs): Figure 3b (256 GPUs = DP32 x TP8) TP FLOPs "
+          "max/avg 3.24 (naive) -> 2.46 (micro-group scheduling), memory ratio 1.16; Figure 14 (128 GPUs = "
+          "DP16 x TP8): No-Fuse optimizer time ~0.11 s, fused ~0.073 s, plateau from C_max ~512 MiB. "
+          "Figure 3b at DP32 x TP8, ours: benchmarks/results/paper_experiments.md.", ""]
     path.write_text("\n".join(L))
 
 
 def _sim_md(sim: dict) -> list[str]:
     c = sim["cost_model"]
     scope = ("all TP-split matrices of the model" if sim["dp"] == 1 else
-             f"the matrices of the busiest DP rank of DP={sim['dp']} (DP LPT plan on FLOPs), as in the paper's DP16xTP8")
+             f"the matrices of the busiest DP rank of DP={sim['dp']} (the default DP plan, multi_lpt on FLOPs), "
+             "the paper's Figure 14 setting (DP16 x TP8)")
     L = [f"## Simulated: {sim['model']}, TP={sim['tp']}, {scope}", "",
           f"Cost model: {c['tflops']} TFLOP/s per GPU for the {sim['rule']} update (its amortised FLOPs), "
           f"{c['gbps']} GB/s receive bandwidth per GPU "

@@ -356,6 +356,33 @@ def bench_muon(d: Data) -> str:
                    "optimizer step CPU ms, busiest rank", "MB sent / iteration, busiest rank"], rows)
 
 
+def bench_muon_summary(d: Data) -> str:
+    """bench_zero --suite muon, the ratios: CanzonaMuon over DeepSpeed's Muon per setting (DP > 1)."""
+    rows_in = d["rows"]
+    rows = []
+    for dp in sorted({r["dp"] for r in rows_in.values() if r["dp"] > 1}):
+        adamw = rows_in.get(f"adamw/stage1@dp{dp}")
+        owner = rows_in.get(f"adamw/stage1+reduce_to_owner@dp{dp}")
+        for setting in ("stage1", "stage2", "stage1+offload", "stage2+offload"):
+            ours, theirs = rows_in.get(f"canzona/{setting}@dp{dp}"), rows_in.get(f"ds_muon/{setting}@dp{dp}")
+            if not (ours and theirs):
+                continue
+            rows.append([f"ZeRO {setting}, vs DeepSpeed Muon", str(dp), f"{ours['mat_cpu_busiest_ms'] / theirs['mat_cpu_busiest_ms']:.2f}x",
+                         f"{ours['iter_ms'] / theirs['iter_ms']:.2f}x",
+                         f"{ours['bytes_max_rank'] / 1e6:.2f} / {theirs['bytes_max_rank'] / 1e6:.2f}"
+                         + (f" / {adamw['bytes_max_rank'] / 1e6:.2f}" if adamw else " / -")
+                         + (f" / {owner['bytes_max_rank'] / 1e6:.2f}" if owner else " / -")])
+        lw, ours = rows_in.get(f"layerwise/stage0@dp{dp}"), rows_in.get(f"canzona/stage1@dp{dp}")
+        if lw and ours:
+            rows.append(["ZeRO stage1, vs NV-layerwise (ZeRO 0 + broadcast)", str(dp),
+                         f"{ours['mat_cpu_busiest_ms'] / lw['mat_cpu_busiest_ms']:.2f}x",
+                         f"{ours['iter_ms'] / lw['iter_ms']:.2f}x",
+                         f"{ours['bytes_max_rank'] / 1e6:.2f} / {lw['bytes_max_rank'] / 1e6:.2f} / - / -"])
+    return _table(["setting", "DP", "matrix rule CPU, busiest rank: CanzonaMuon / baseline",
+                   "iteration (wall): CanzonaMuon / baseline",
+                   "MB sent per iteration: CanzonaMuon / baseline / stock AdamW / AdamW reducing to owners"], rows)
+
+
 def bench_scaling(d: Data) -> str:
     """bench_zero --suite scaling: the matrix optimizer's per-rank CPU time at DP 2/4/8."""
     rows_in = d["rows"]
@@ -411,6 +438,7 @@ TABLES: dict[str, tuple[str, Callable[[Data], str]]] = {
     "tp_simulated": ("tp", tp_simulated),
     "bench_rules": ("bench_rules", bench_rules),
     "bench_muon": ("bench_muon", bench_muon),
+    "bench_muon_summary": ("bench_muon", bench_muon_summary),
     "bench_scaling": ("bench_scaling", bench_scaling),
     "config_fuzz": ("config_fuzz", config_fuzz),
     "faults": ("faults", _fault_table_entry),

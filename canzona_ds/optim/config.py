@@ -28,11 +28,11 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-from ..planning.dp import ATOMIC_DP_PLANNERS, DEFAULT_DP_PLANNER
+from ..planning.dp import ATOMIC_DP_PLANNERS, DEFAULT_BUCKET_NUMEL, DEFAULT_DP_PLANNER
 from ..planning.params import DEFAULT_EXCLUDE, is_matrix
 from ..planning.tp import DEFAULT_TP_SCHEDULER, TP_SCHEDULERS
 from . import OPTIMIZER_TYPES, rule_class
-from .rule import MatrixRule, check_bool, check_choice, check_number
+from .rule import MatrixRule, check_bool, check_choice, check_int, check_number
 
 #: largest learning rate accepted (a guard against typos such as 2e2 for 2e-2)
 MAX_LR = 10.0
@@ -51,6 +51,9 @@ class PlacementConfig:
     alpha: float = 1.0
     #: load the planner balances: "flops" (amortised), "peak_flops", "numel", "memory"
     cost_model: str = "flops"
+    #: bucket size in elements of the bucketed planners (alpha_balanced, paper_naive): the
+    #: paper's Algorithm 1 and eq. 1 plan bucket by bucket; DeepSpeed's reduce_bucket_size default
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL
     #: name fragments that make a >=2-D parameter a matrix even if excluded
     matrix_include: tuple[str, ...] = ()
     #: name fragments that send a >=2-D parameter to AdamW
@@ -60,6 +63,9 @@ class PlacementConfig:
         check_choice("planner", self.planner, ATOMIC_DP_PLANNERS)
         check_number("alpha", self.alpha, 0.0, 1.0)
         check_choice("cost_model", self.cost_model, DP_COSTS)
+        if isinstance(self.bucket_numel, float) and self.bucket_numel.is_integer():  # JSON 5e8
+            object.__setattr__(self, "bucket_numel", int(self.bucket_numel))
+        check_int("bucket_numel", self.bucket_numel, 1, 10**11)
         for name in ("matrix_include", "matrix_exclude"):
             v = getattr(self, name)
             if not isinstance(v, tuple) or not all(isinstance(s, str) and s for s in v):

@@ -304,7 +304,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
 def _plan(specs: list[ParamSpec], dp: int, config: CanzonaConfig, rule) -> OwnershipPlan:
     placement = config.placement
     plan = plan_dp(specs, dp, planner=placement.planner, alpha=placement.alpha, cost=placement.cost_model,
-                   model=rule)
+                   model=rule, bucket_numel=placement.bucket_numel)
     if plan.split_params:
         raise ValueError(f"planner={placement.planner!r} cut {len(plan.split_params)} matrices across ranks; "
                          "a matrix optimizer needs every matrix whole on one rank.")
