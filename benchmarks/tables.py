@@ -263,7 +263,11 @@ def plan_rules_paper(d: Data) -> str:
     """plan_rules: Shampoo/SOAP DP FLOPs R_LB, paper (Fig. 12) beside ours, PP=1 / PP=2."""
     labels = list(d["whole_model"])
     rows = []
-    for title, paper, planner in (("naive (`naive_atomic`)", d["paper"]["naive_flops_ratio"], "naive_atomic"),
+    naive = [("naive, eq. 1 (`paper_naive`)", d["paper"]["naive_flops_ratio"], "paper_naive")] \
+        if "paper_naive" in next(iter(d["whole_model"].values()))["planners"] else []
+    for title, paper, planner in (*naive,
+                                  ("atomic, unbalanced (`naive_atomic`)", "-" if naive else d["paper"]["naive_flops_ratio"],
+                                   "naive_atomic"),
                                   ("DeepSpeed stock ZeRO-1 (`equal_chunk`)", "-", "equal_chunk"),
                                   (f"balanced (ours: `{d['default_dp_planner']}`)", d["paper"]["balanced_flops_ratio"],
                                    d["default_dp_planner"]),
