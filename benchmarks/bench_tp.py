@@ -163,50 +163,8 @@ def measured(args) -> dict:
 
 
 # --------------------------------------------------------------------------- simulation
-def replay(G: list[float], C: list[list[float]], S: list[float], tp: int, pipelined: bool) -> float:
-    """Replay the runtime's issue order (tp.async_tasks) as a discrete-event timeline.
-
-    Each rank has a clock; a collective starts when every rank has issued it and the
-    previous collective left the link (collectives run one at a time, in issue order),
-    and lasts its duration; ``wait`` moves a rank's clock to the collective's end;
-    ``compute`` adds that rank's hosted Newton-Schulz time.  Ranks that host nothing in a
-    group run ahead until they need a result -- the compute-compute overlap of the paper.
-    """
-    t = [0.0] * tp
-    link = 0.0
-    done_g: dict[int, float] = {}
-    done_s: dict[int, float] = {}
-
-    def issue(dur: float) -> float:
-        nonlocal link
-        start = max(max(t), link)
-        link = start + dur
-        return link
-
-    def stage2(k: int) -> None:
-        for r in range(tp):
-            t[r] = max(t[r], done_g[k]) + C[k][r]
-        done_s[k] = issue(S[k])
-
-    def stage3(k: int) -> None:
-        for r in range(tp):
-            t[r] = max(t[r], done_s[k])
-
-    K = len(G)
-    if not pipelined:
-        for k in range(K):
-            done_g[k] = issue(G[k])
-            stage2(k)
-            stage3(k)
-        return max(t)
-    for j in range(K + 2):  # run_pipelined: start j, then resume j-1 (compute), j-2 (apply)
-        if j < K:
-            done_g[j] = issue(G[j])
-        if 0 <= j - 1 < K:
-            stage2(j - 1)
-        if 0 <= j - 2 < K:
-            stage3(j - 2)
-    return max(t)
+# the runtime's issue order as a discrete-event timeline: one model for both benchmarks
+from paper_experiments import replay  # noqa: E402
 
 
 def simulate(model: str, tp: int, tflops: float, gbps: float, latency_us: float, c_max_mib: float, dp: int = 1,

@@ -251,7 +251,7 @@ def replay(G: Sequence[float], C: Sequence[Sequence[float]], S: Sequence[float],
     previous collective has left the link, and lasts its duration; waiting on it moves a
     rank's clock to its end; a compute stage adds that rank's hosted time.  Pipelined:
     round j issues gather(j), computes group j-1 (then issues its scatter), applies j-2.
-    (The same model as ``benchmarks/bench_tp.py``'s ``replay``.)"""
+    (``benchmarks/bench_tp.py`` simulates with it too.)"""
     t = [0.0] * tp
     link = 0.0
     done_g: dict[int, float] = {}

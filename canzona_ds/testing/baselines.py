@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-from torch.optim.adamw import adamw as _adamw_functional
 
 from ..optim.config import CanzonaConfig
+from ..optim.optimizer import adamw_group_step
 from ..optim.rule import MatrixInfo, MatrixRule, apply_update
 from ..planning.dp import OwnershipPlan, plan_dp
 from ..planning.params import ParamSpec
@@ -234,22 +234,4 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                         t.data.copy_(synced)
 
     def _adamw_step(self, group: dict) -> None:
-        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-        for p in group["params"]:
-            state = self.state[p]
-            if len(state) == 0:  # torch.optim.AdamW's state layout
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            params.append(p)
-            grads.append(p.grad if p.grad is not None else torch.zeros_like(p))
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
-            steps.append(state["step"])
-        beta1, beta2 = group["betas"]
-        _adamw_functional(
-            params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=False, capturable=False,
-            differentiable=False, fused=None, grad_scale=None, found_inf=None, has_complex=False,
-            amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-            eps=group["eps"], maximize=False,
-        )
+        adamw_group_step(group, self.state)
