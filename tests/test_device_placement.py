@@ -85,3 +85,17 @@ def test_tp_runtime_allocates_on_the_gradients_device(opt_type, device):
     for a, b in zip(normal, guarded):
         for n in a:
             np.testing.assert_array_equal(b[n], a[n], err_msg=n)
+
+
+def test_step_code_has_no_host_round_trip():
+    """docs/zero.md promises no ``.item()`` / ``.cpu()`` / ``.tolist()`` in the step's packages:
+    each one is a device-to-host sync on a GPU (the CPU suite cannot see the stall)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "canzona_ds"
+    sync = re.compile(r"\.(item|cpu|tolist)\(\)")
+    found = [f"{path.relative_to(root)}:{i}: {line.strip()}"
+             for pkg in ("optim", "tp", "integration") for path in sorted((root / pkg).rglob("*.py"))
+             for i, line in enumerate(path.read_text().splitlines(), 1) if sync.search(line)]
+    assert not found, "host round trips in the step's code:\n" + "\n".join(found)

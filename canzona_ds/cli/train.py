@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     import canzona_ds  # noqa: F401 - registers the Canzona optimizer types with DeepSpeed (when available)
     from canzona_ds.checkpoint import CheckpointError
     from canzona_ds.integration.runtime_info import release_shm_buffer
-    from canzona_ds.train.trainer import OptimizerUnavailable, is_rank0, setup_process, train
+    from canzona_ds.train.trainer import OptimizerUnavailable, is_rank0, setup_process, shutdown_distributed, train
 
     previous = _install_signal_handlers()
     setup_process(cfg)
@@ -111,12 +111,15 @@ def main(argv: list[str] | None = None) -> int:
             result = train(cfg, progress=not args.no_progress)
             if is_rank0():
                 _final_report(cfg, result)
-    except OptimizerUnavailable as e:
+        shutdown_distributed()
+    except OptimizerUnavailable as e:  # raised on every rank before the engine exists
         print(f"canzona_ds.cli.train: {e}", file=sys.stderr, flush=True)
+        shutdown_distributed()
         return 3
     except CheckpointError as e:  # the same verdict on every rank (canzona_ds.checkpoint)
         if is_rank0():
             print(f"canzona_ds.cli.train: checkpoint error: {e}", file=sys.stderr, flush=True)
+        shutdown_distributed()
         return 4
     finally:
         release_shm_buffer()  # no-op when already unlinked; covers a failure before the barrier

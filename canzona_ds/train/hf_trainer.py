@@ -21,7 +21,7 @@ from torch import nn
 import canzona_ds  # noqa: F401 - registers "type": "CanzonaMuon" with DeepSpeed
 from canzona_ds.data import BatchSampler, DataConfig
 from canzona_ds.models.qwen3 import build_model, preset
-from canzona_ds.train.trainer import load_ds_config
+from canzona_ds.train.trainer import load_ds_config, shutdown_distributed
 
 
 class WindowDataset(torch.utils.data.Dataset):
@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import Trainer, TrainingArguments
 
     from canzona_ds.integration import install
+    from canzona_ds.integration.runtime_info import release_shm_buffer
 
     # explicit: transformers probes deepspeed with importlib.util.find_spec before importing
     # it, which consumes canzona_ds's one-shot import hook without running the registration
@@ -97,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         (Path(args.out) / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
         engine_opt = type(getattr(trainer.model_wrapped, "optimizer", None)).__name__
         print(f"DeepSpeed optimizer: {engine_opt}; log: {Path(args.out) / 'log_history.json'}")
+    release_shm_buffer()  # every rank is past init_distributed: DeepSpeed never unlinks it
+    shutdown_distributed()
     return 0
 
 

@@ -58,6 +58,19 @@ def is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
+def shutdown_distributed() -> None:
+    """Destroy the process groups before the interpreter exits.
+
+    Call on paths every rank takes together (a normal end, or an error all ranks agree on):
+    left to interpreter finalisation, gloo's worker threads can outlive the Python objects
+    they hold and the process aborts with "terminate called without an active exception"
+    (exit 134/250) after a run that succeeded.
+    """
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def load_ds_config(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
