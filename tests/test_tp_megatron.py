@@ -151,48 +151,19 @@ def _worker(rank: int, world: int) -> dict[str, dict[str, Any]]:
 
 # ---------------------------------------------------------------- the single-process reference
 def _to_tp(t: torch.Tensor, name: str) -> torch.Tensor:
-    dim, blocks = ms.fused_layout(CFG).get(name, (None, []))
-    if dim is None:
-        return t.clone()
-    return torch.cat([ms.shard_tensor(t, dim, blocks, TP, r) for r in range(TP)], dim=dim)
-
-
-def _from_tp(t: torch.Tensor, name: str) -> torch.Tensor:
-    dim, blocks = ms.fused_layout(CFG).get(name, (None, []))
-    if dim is None:
-        return t.clone()
-    return ms.unshard_tensor(list(t.split(t.shape[dim] // TP, dim=dim)), dim, blocks)
+    return ms.to_tp_layout(t, name, CFG, TP)
 
 
 def reference(optimizer: str, layout: str, dp: int = 1) -> dict[str, torch.Tensor]:
     """TP=1 model, ReferenceOptimizer with the ds_config's CanzonaConfig; ``layout`` "fused"
     (the TP=1 matrices) or "tp" (the rule sees each matrix in the concatenated TP layout)."""
     from canzona_ds.integration.megatron import config_from_ds_config
-    from canzona_ds.optim.reference import ReferenceOptimizer
 
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model = ms.TinyGPTBlock(**CFG)
-        model.load_state_dict(ms.init_full_state_dict(CFG))
-        named = dict(model.named_parameters())
-        seen = named if layout == "fused" else {n: torch.nn.Parameter(_to_tp(p.detach(), n)) for n, p in named.items()}
-        opt = ReferenceOptimizer(seen.items(), config_from_ds_config(ds_config(optimizer)))
-        assert [n for n, _ in opt.matrices] == MATRICES
-        for s in range(STEPS):
-            model.zero_grad()
-            model(torch.cat([batch(s, d) for d in range(dp)])).pow(2).mean().backward()
-            if layout == "tp":
-                for n, p in seen.items():
-                    p.grad = _to_tp(named[n].grad, n)
-            opt.step()
-            if layout == "tp":
-                with torch.no_grad():
-                    for n, p in named.items():
-                        p.copy_(_from_tp(seen[n].detach(), n))
-        return {n: p.detach().clone() for n, p in named.items()}
-    finally:
-        torch.set_num_threads(saved)
+    params, matrices = ms.reference_run(
+        CFG, TP, config_from_ds_config(ds_config(optimizer)), layout, STEPS,
+        lambda s: torch.cat([batch(s, d) for d in range(dp)]), lambda model, ids: model(ids).pow(2).mean())
+    assert matrices == MATRICES
+    return params
 
 
 def assemble(results: list[dict[str, Any]]) -> dict[str, torch.Tensor]:

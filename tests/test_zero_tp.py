@@ -254,13 +254,7 @@ def _layout(name: str) -> tuple[int | None, list[int]]:
 
 
 def to_tp(t: torch.Tensor, name: str) -> torch.Tensor:
-    dim, blocks = _layout(name)
-    return t.clone() if dim is None else torch.cat([ms.shard_tensor(t, dim, blocks, TP, r) for r in range(TP)], dim=dim)
-
-
-def from_tp(t: torch.Tensor, name: str) -> torch.Tensor:
-    dim, blocks = _layout(name)
-    return t.clone() if dim is None else ms.unshard_tensor(list(t.split(t.shape[dim] // TP, dim=dim)), dim, blocks)
+    return ms.to_tp_layout(t, name, CFG, TP)
 
 
 def tp_layout(per_tp_rank: list[dict[str, np.ndarray]], name: str) -> torch.Tensor:
@@ -310,33 +304,9 @@ def reference_closed_loop(optimizer: str, layout: str, lrs: Callable[[int], floa
                           weight_decay: float = WD) -> dict[str, torch.Tensor]:
     """The TP=1 model on its own gradients (the DP ranks' batches concatenated); the rule sees
     ``layout`` "fused" (TP=1 matrices) or "tp" (the concatenated TP layout)."""
-    from canzona_ds.optim.reference import ReferenceOptimizer
-
-    saved = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        config = _config(optimizer, weight_decay)
-        model = ms.TinyGPTBlock(**CFG)
-        model.load_state_dict(ms.init_full_state_dict(CFG))
-        named = dict(model.named_parameters())
-        seen = named if layout == "fused" else {n: torch.nn.Parameter(to_tp(p.detach(), n)) for n, p in named.items()}
-        opt = ReferenceOptimizer(seen.items(), config)
-        for s in range(STEPS):
-            if lrs is not None:
-                opt.set_lr(lrs(s), lrs(s) * config.adam_lr_ratio)
-            model.zero_grad()
-            loss_of(model, torch.cat([batch(s, d) for d in range(DP)])).backward()
-            if layout == "tp":
-                for n, p in seen.items():
-                    p.grad = to_tp(named[n].grad, n)
-            opt.step()
-            if layout == "tp":
-                with torch.no_grad():
-                    for n, p in named.items():
-                        p.copy_(from_tp(seen[n].detach(), n))
-        return {n: p.detach().clone() for n, p in named.items()}
-    finally:
-        torch.set_num_threads(saved)
+    params, _ = ms.reference_run(CFG, TP, _config(optimizer, weight_decay), layout, STEPS,
+                                 lambda s: torch.cat([batch(s, d) for d in range(DP)]), loss_of, lrs)
+    return params
 
 
 def check_exact(res: list[dict[str, Any]], ref: dict[str, torch.Tensor], what: str) -> None:

@@ -287,6 +287,58 @@ def unshard_state_dict(shard_sds: Sequence[dict], cfg: dict) -> dict:
     return {n: unshard_tensor([sd[n] for sd in shard_sds], *layout.get(n, (None, []))) for n in shard_sds[0]}
 
 
+def to_tp_layout(full: Tensor, name: str, cfg: dict, tp: int) -> Tensor:
+    """A TP=1 tensor in the *concatenated TP layout*: the TP ranks' shards side by side
+    (what a rule sees when the shards are gathered in rank order)."""
+    dim, blocks = fused_layout(cfg).get(name, (None, []))
+    return full.clone() if dim is None else torch.cat([shard_tensor(full, dim, blocks, tp, r) for r in range(tp)], dim=dim)
+
+
+def from_tp_layout(t: Tensor, name: str, cfg: dict, tp: int) -> Tensor:
+    """Inverse of :func:`to_tp_layout`: the TP=1 tensor in the normal fused layout."""
+    dim, blocks = fused_layout(cfg).get(name, (None, []))
+    return t.clone() if dim is None else unshard_tensor(list(t.split(t.shape[dim] // tp, dim=dim)), dim, blocks)
+
+
+def reference_run(cfg: dict, tp: int, config, layout: str, steps: int, ids_of, loss_of,
+                  lrs=None) -> tuple[dict[str, Tensor], list[str]]:
+    """The single-process reference for a TP run: the TP=1 :class:`TinyGPTBlock` trained on its
+    own gradients for ``steps`` steps (``ids_of(step)`` the batch, ``loss_of(model, ids)`` the
+    loss) with :class:`~canzona_ds.optim.reference.ReferenceOptimizer` and ``config``.  The rule
+    sees each matrix in ``layout`` "fused" (the TP=1 matrices) or "tp" (:func:`to_tp_layout`);
+    ``lrs(step)`` sets the matrix lr of each step (AdamW's scaled by ``adam_lr_ratio``).
+    Returns the trained parameters (TP=1 layout) and the names the matrix rule handled."""
+    from canzona_ds.optim.reference import ReferenceOptimizer
+
+    if layout not in ("fused", "tp"):
+        raise ValueError(f"layout must be 'fused' or 'tp', got {layout!r}")
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = TinyGPTBlock(**cfg)
+        model.load_state_dict(init_full_state_dict(cfg))
+        named = dict(model.named_parameters())
+        seen = named if layout == "fused" else {
+            n: nn.Parameter(to_tp_layout(p.detach(), n, cfg, tp)) for n, p in named.items()}
+        opt = ReferenceOptimizer(seen.items(), config)
+        for s in range(steps):
+            if lrs is not None:
+                opt.set_lr(lrs(s), lrs(s) * config.adam_lr_ratio)
+            model.zero_grad()
+            loss_of(model, ids_of(s)).backward()
+            if layout == "tp":
+                for n, p in seen.items():
+                    p.grad = to_tp_layout(named[n].grad, n, cfg, tp)
+            opt.step()
+            if layout == "tp":
+                with torch.no_grad():
+                    for n, p in named.items():
+                        p.copy_(from_tp_layout(seen[n].detach(), n, cfg, tp))
+        return {n: p.detach().clone() for n, p in named.items()}, [n for n, _ in opt.matrices]
+    finally:
+        torch.set_num_threads(saved)
+
+
 def init_full_state_dict(cfg: dict, seed: int = 0) -> dict:
     """Deterministic TP=1 weights for :class:`TinyGPTBlock` (normal fused layout)."""
     g = torch.Generator().manual_seed(seed)
