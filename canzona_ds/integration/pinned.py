@@ -23,6 +23,7 @@ CLASS_MEMBERS: tuple[tuple[str, str], ...] = (
     ("deepspeed.runtime.engine", "DeepSpeedEngine._configure_bf16_optimizer"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine._scheduler_from_config"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine.load_checkpoint"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine.clip_fp32_gradients"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine.scheduler_name"),
     # engine accessors the integration reads
     ("deepspeed.runtime.engine", "DeepSpeedEngine.optimizer_name"),
@@ -46,6 +47,9 @@ CLASS_MEMBERS: tuple[tuple[str, str], ...] = (
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer._load_universal_checkpoint"),
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer._is_muon_group"),
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer._muon_update_lacks_loss_scale"),
+    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.scaled_global_norm"),
+    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.unscale_and_clip_grads"),
+    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.get_param_id"),
     # exact-type list of ZeRO-supported optimizers
     ("deepspeed.runtime.zero.utils", "ZERO_SUPPORTED_OPTIMIZERS"),
     # per_head_muon: DeepSpeed's own head resolution (same semantics as its Muon)
@@ -65,6 +69,9 @@ ZERO_INSTANCE_ATTRS: tuple[str, ...] = (
     "round_robin_bit16_padding", "real_dp_process_group", "dp_process_group", "parameter_alignment",
     "nccl_start_alignment_factor", "partition_size", "params_in_partition", "first_offset", "groups_padding",
     "single_partition_of_fp32_groups", "optimizer", "cpu_offload", "partition_gradients",
+    # gradient clipping (integration/clip.py)
+    "clip_grad", "model_parallel_world_size", "has_moe_layers", "param_names", "param_to_partition_ids",
+    "grad_start_offset", "grad_partition_insertion_offset", "averaged_gradients",
 )
 
 

@@ -294,6 +294,18 @@ def install() -> None:
         finally:
             self._config.scheduler_params = saved
 
+    stock_clip = Engine.clip_fp32_gradients
+
+    def clip_fp32_gradients(self):
+        # ZeRO stage 0 (fp32): DeepSpeed's clip_grad_norm_ sums squared norms and averages the
+        # norm over DP ranks, one rounding off torch's; every rank holds the same averaged
+        # gradients here, so torch's own clip_grad_norm_ is both exact and collective-free.
+        opt = getattr(self, "basic_optimizer", None)
+        if isinstance(opt, CanzonaOptimizer) and opt.tp_size == 1:
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm=self.gradient_clipping())
+            return
+        return stock_clip(self)
+
     stock_load = Engine.load_checkpoint
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
@@ -309,6 +321,7 @@ def install() -> None:
                           load_module_only, custom_load_fn)
 
     Engine.load_checkpoint = load_checkpoint
+    Engine.clip_fp32_gradients = clip_fp32_gradients
     Engine._configure_bf16_optimizer = _configure_bf16_optimizer
     Engine._scheduler_from_config = _scheduler_from_config
     Engine._is_supported_optimizer = _is_supported_optimizer

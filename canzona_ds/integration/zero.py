@@ -22,7 +22,10 @@ slicing.  Our overrides, each small:
 * ``state_dict`` / ``_load_legacy_checkpoint`` - record the layout and verify it on load
   (a different DP size or plan is refused here: see canzona_ds/integration/elastic.py for
   resuming at another size);
-* ``_load_universal_checkpoint`` - refused with a message.
+* ``_load_universal_checkpoint`` - refused with a message;
+* ``scaled_global_norm`` / ``unscale_and_clip_grads`` - gradient clipping with
+  ``torch.nn.utils.clip_grad_norm_``'s arithmetic (integration/clip.py), so a clipped run equals
+  the single-process ``clip_grad_norm_`` + optimizer bit for bit.
 """
 from __future__ import annotations
 
@@ -57,6 +60,7 @@ def _make_zero_class():
             self._canzona = init_optimizer
             self._canzona_group = roles.index(MATRIX) if MATRIX in roles else None
             self.canzona_layout = None
+            self._canzona_clip = None  # integration/clip.TorchClip, built on the first clipped step
             if self.reduce_to_owner:
                 kwargs["use_multi_rank_bucket_allreduce"] = False
             super().__init__(init_optimizer, *args, **kwargs)
@@ -162,6 +166,32 @@ def _make_zero_class():
                     "rule": opt.rule.name, "roles": [g["canzona_role"] for g in opt.param_groups],
                     "tp_size": opt.tp_size, "tp_rank": tp_rank, "tp_params": tp_params,
                     "dp_rank": dist.get_rank(group=self.dp_process_group)}
+
+        # -- gradient clipping ----------------------------------------------------------
+        def _canzona_torch_clip(self):
+            """The torch-exact clip, or None where DeepSpeed's own runs (no clipping; model
+            parallelism or MoE, whose norms DeepSpeed reduces over other groups)."""
+            if self.clip_grad <= 0.0 or self.model_parallel_world_size > 1 or self.has_moe_layers:
+                return None
+            if self._canzona_clip is None:
+                from .clip import TorchClip
+
+                self._canzona_clip = TorchClip(self, self._canzona.param_order)
+            return self._canzona_clip
+
+        def scaled_global_norm(self, norm_type=2):
+            clip = self._canzona_torch_clip()
+            if clip is None or norm_type != 2:
+                return super().scaled_global_norm(norm_type)
+            from deepspeed.accelerator import get_accelerator
+
+            return clip.global_norm(self, get_accelerator().current_device_name())
+
+        def unscale_and_clip_grads(self, grad_groups_flat, total_norm):
+            clip = self._canzona_torch_clip()
+            if clip is None:
+                return super().unscale_and_clip_grads(grad_groups_flat, total_norm)
+            clip.clip(grad_groups_flat, total_norm, self.clip_grad, self.loss_scale)
 
         # -- checkpoints --------------------------------------------------------------
         def state_dict(self):

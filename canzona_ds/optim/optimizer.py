@@ -97,6 +97,9 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             raise ValueError("A parameter appears twice in named_parameters (tied weights must be passed once).")
         self.config = config
         self.rule = config.rule
+        #: trainable parameter names in the order given (the model's): the order in which
+        #: gradient clipping stacks per-parameter norms, as clip_grad_norm_(model.parameters())
+        self.param_order = [n for n, _ in named]
         self.dp_world_size = dp_world_size
         self.tp_group, self.tp_size = tp_group, tp_size
         matrices, aux = [], []

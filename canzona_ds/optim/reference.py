@@ -13,12 +13,11 @@ itself.  SOAP's rule is cross-checked against heavyball 3.2.1's SOAP, and Shampo
 an independent from-the-paper Kronecker-product implementation (heavyball has no plain
 Shampoo): tests/test_optim_crosscheck.py, with every difference explained there.
 
-Helpers reproduce what DeepSpeed does to gradients before the step, so a single process
-can feed the reference the same gradients a DP run computes:
-
-* :func:`zero_average`: ZeRO's average over DP ranks (each rank's gradient divided by
-  dp, then summed in rank order);
-* :func:`deepspeed_clip`: DeepSpeed's global-norm clipping (``gradient_clipping``).
+:func:`zero_average` reproduces ZeRO's average over DP ranks (each rank's gradient divided
+by dp, then summed in rank order), so a single process can feed the reference the gradients a
+DP run computes.  Gradient clipping in the reference is torch's own
+``torch.nn.utils.clip_grad_norm_`` (what a single-process user runs), never a re-implementation
+of DeepSpeed's path: ``gradient_clipping`` must equal it (integration/clip.py).
 
 A parameter without a gradient is stepped with a zero gradient, as in
 :class:`~canzona_ds.optim.optimizer.CanzonaOptimizer` (DeepSpeed ZeRO's semantics).
@@ -92,13 +91,3 @@ def zero_average(per_rank_grads: list[Mapping[str, Tensor]]) -> dict[str, Tensor
         for n, g in grads.items():
             out[n] += g / dp
     return out
-
-
-def deepspeed_clip(grads: Mapping[str, Tensor], clip: float) -> dict[str, Tensor]:
-    """DeepSpeed's ``gradient_clipping``: every gradient times
-    ``1 / max(1, (global_l2_norm + 1e-6) / clip)`` (stage_1_and_2.unscale_and_clip_grads)."""
-    if clip <= 0:
-        return dict(grads)
-    norm = sum(g.double().pow(2).sum() for g in grads.values()).sqrt()
-    factor = torch.clamp((norm + 1e-6) / clip, min=1.0)
-    return {n: g.mul(1.0 / factor) for n, g in grads.items()}

@@ -8,7 +8,8 @@ equal-chunk split cuts matrices at DP=2 and DP=4.
                    rows [r*B, (r+1)*B) of each global batch.
 ``run_reference``  one process: each DP rank's gradient computed separately, averaged as
                    ZeRO averages them (each divided by dp, then summed), optionally
-                   clipped as DeepSpeed clips, then ``optim.reference.ReferenceOptimizer``.
+                   clipped by ``torch.nn.utils.clip_grad_norm_``, then
+                   ``optim.reference.ReferenceOptimizer``.
 """
 from __future__ import annotations
 
@@ -152,10 +153,11 @@ def reference_grads(model: nn.Module, x: list, y: list, dp: int, micro: int, gas
 def run_reference(dp: int, steps: int, optimizer: str = "CanzonaMuon", params: dict | None = None, micro: int = 2,
                   gas: int = 1, seed: int = 0, clip: float = 0.0, model: nn.Module | None = None,
                   stage: int = 1, data: list | None = None, device: str = "cpu") -> dict:
-    """The single-process reference on ZeRO's averaged (and DeepSpeed-clipped) gradients, on
-    ``device`` ("cuda": the first GPU, to compare with a CUDA run kernel for kernel)."""
+    """The single-process reference on ZeRO's averaged gradients, clipped (``clip`` > 0) by torch's
+    ``clip_grad_norm_(model.parameters(), clip)``, on ``device`` ("cuda": the first GPU, to
+    compare with a CUDA run kernel for kernel)."""
     from canzona_ds.optim.config import CanzonaConfig
-    from canzona_ds.optim.reference import ReferenceOptimizer, deepspeed_clip
+    from canzona_ds.optim.reference import ReferenceOptimizer
 
     torch.set_num_threads(1)  # same reduction order as the 1-thread ranks
     cfg = CanzonaConfig.from_ds(optimizer, dict(HP[optimizer] if params is None else params))
@@ -164,10 +166,11 @@ def run_reference(dp: int, steps: int, optimizer: str = "CanzonaMuon", params: d
     data = [(x.to(device), y.to(device)) for x, y in (data if data is not None else batches(steps * gas, micro * dp))]
     for s in range(steps):
         chunk = data[s * gas:(s + 1) * gas]
-        grads = deepspeed_clip(reference_grads(model, [c[0] for c in chunk], [c[1] for c in chunk], dp, micro, gas,
-                                               stage), clip)
+        grads = reference_grads(model, [c[0] for c in chunk], [c[1] for c in chunk], dp, micro, gas, stage)
         for n, p in model.named_parameters():
             p.grad = grads[n]
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
     return params_of(model)
 
