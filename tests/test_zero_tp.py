@@ -233,8 +233,13 @@ MIXED = {"bf16": {"enabled": True}, "fp16": {"enabled": True, "initial_scale_pow
 
 
 def _run_mixed(key: str) -> dict[str, np.ndarray]:
-    engine = build_engine(ds_config("CanzonaMuon", **{key: MIXED[key]}))
-    train(engine, range(STEPS), ms.get_data_parallel_rank())
+    # fp16's logic needs no fp16 hardware: tell DeepSpeed's CPU accelerator it is allowed (on CPUs
+    # without AVX512-FP16/AMX, e.g. AMD EPYC, deepspeed.initialize refuses fp16 otherwise)
+    from canzona_ds.integration.accelerator import allow_fp16
+
+    with allow_fp16():
+        engine = build_engine(ds_config("CanzonaMuon", **{key: MIXED[key]}))
+        train(engine, range(STEPS), ms.get_data_parallel_rank())
     return numpy_sd(engine.module)
 
 

@@ -1,10 +1,14 @@
 """DeepSpeed integration: the only package that knows DeepSpeed internals (pinned version).
 
     pinned.py       every private DeepSpeed attribute relied on, checked at install
-    registry.py     ds_config "type" names -> CanzonaOptimizer; engine patches
+    groups.py       the one place process groups are read (mpu, pipeline grid, AutoTP, plain DP)
+                    into a canzona_ds.parallel.ParallelGroups
+    builder.py      the one optimizer builder (settings agreement, checks, head tagging)
+    registry.py     ds_config "type" names -> the builder; engine patches
     zero.py         ZeRO stage 1/2 subclass realising the planned-padding layout
+    clip.py         ZeRO-1/2 gradient clipping with torch's clip_grad_norm_ arithmetic
     heads.py        per_head_muon: DeepSpeed's own attention-head resolution
-    megatron.py     mpu / AutoTP group discovery, the Megatron-DeepSpeed hook
+    megatron.py     the Megatron-DeepSpeed hook (stage-0 client optimizer, ZeRO x TP routing)
     runtime_info.py what the main job reads from an engine (timers, groups, plans)
     accelerator.py  asking (and, for tests, widening) the CPU accelerator's capabilities
 

@@ -29,11 +29,25 @@ def _store():
     return distributed_c10d._get_default_store()
 
 
+def _scoped(value: Any) -> bool:
+    return isinstance(value, dict) and set(value) == {"scope", "value", "what"}
+
+
 def _differences(values: list[dict]) -> list[str]:
+    """Keys whose values differ between ranks.  A scoped value ``{"scope": s, "value": v,
+    "what": text}`` is compared only among the ranks with the same scope (e.g. the model's
+    parameters among the ranks of one pipeline stage)."""
     keys = sorted({k for v in values for k in v})
     out = []
     for k in keys:
         seen = [v.get(k) for v in values]
+        if all(_scoped(s) for s in seen):
+            for scope in sorted({s["scope"] for s in seen}, key=str):
+                ranks = [r for r, s in enumerate(seen) if s["scope"] == scope]
+                if len({json.dumps(seen[r]["value"]) for r in ranks}) > 1:
+                    per_rank = ", ".join(f"rank {r}: {json.dumps(seen[r]['value'])}" for r in ranks)
+                    out.append(f"{seen[ranks[0]]['what']} ({per_rank})")
+            continue
         if any(s != seen[0] for s in seen):
             per_rank = ", ".join(f"rank {r}: {json.dumps(s)}" for r, s in enumerate(seen))
             out.append(f"{k} ({per_rank})")

@@ -282,7 +282,7 @@ def write(engine, uni: Universal) -> dict:
         for i, role in enumerate(roles):
             flat = zopt.single_partition_of_fp32_groups[i]
             if role == MATRIX:
-                for v in opt._flat_views[id(flat)]:
+                for v in opt.placement.views[id(flat)]:
                     flat[v.offset:v.offset + v.numel].copy_(local[v.name].reshape(-1).to(flat.dtype))
                 opt.param_groups[i]["step"] = uni.matrix_step
                 continue

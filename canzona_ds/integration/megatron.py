@@ -1,10 +1,8 @@
 """Megatron-DeepSpeed and DeepSpeed-AutoTP glue for the TP runtime (canzona_ds.tp).
 
-1. Group discovery.  :func:`groups_from_mpu` reads a Megatron ``parallel_state`` /
-   Megatron-DeepSpeed ``mpu`` (``get_tensor_model_parallel_*`` with the older
-   ``get_model_parallel_*`` names as fallback, ``get_data_parallel_*``);
-   :func:`groups_from_deepspeed` reads ``deepspeed.utils.groups`` after DeepSpeed set up
-   AutoTP (``"tensor_parallel": {"autotp_size": N}``).
+1. Groups come from ``integration/groups.py`` (``groups_from_mpu`` for a Megatron
+   ``parallel_state`` / Megatron-DeepSpeed ``mpu``, ``groups_from_deepspeed`` for AutoTP),
+   re-exported here.
 
 2. ZeRO stage 0 client optimizer.  :func:`build_tp_optimizer` turns a model (Megatron-
    marked or AutoTP parameters) and a ds_config into a :class:`CanzonaOptimizer` whose
@@ -42,51 +40,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import MutableMapping
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping
-
-import torch.distributed as dist
 
 from ..optim import OPTIMIZER_TYPES
 from ..optim.config import CanzonaConfig
 from ..optim.optimizer import MATRIX, CanzonaOptimizer
+from .groups import groups_from_deepspeed, groups_from_mpu
 from .registry import DS_CONFIG_TP_KEY
 
-
-@dataclass(frozen=True)
-class ParallelGroups:
-    tp_group: Any
-    tp_rank: int
-    tp_size: int
-    dp_rank: int
-    dp_size: int
-
-
-def _first(obj, *names: str) -> Callable:
-    for n in names:
-        fn = getattr(obj, n, None)
-        if fn is not None:
-            return fn
-    raise ValueError(f"mpu {obj!r} has none of {list(names)}")
-
-
-def groups_from_mpu(mpu) -> ParallelGroups:
-    """TP and DP groups from a Megatron ``parallel_state`` / Megatron-DeepSpeed ``mpu``."""
-    tp_group = _first(mpu, "get_tensor_model_parallel_group", "get_model_parallel_group")()
-    tp_rank = _first(mpu, "get_tensor_model_parallel_rank", "get_model_parallel_rank")()
-    tp_size = _first(mpu, "get_tensor_model_parallel_world_size", "get_model_parallel_world_size")()
-    dp_rank = _first(mpu, "get_data_parallel_rank")()
-    dp_size = _first(mpu, "get_data_parallel_world_size")()
-    if dist.is_initialized() and dist.get_world_size(tp_group) != tp_size:
-        raise ValueError(f"mpu reports tp_size={tp_size} but its TP group has {dist.get_world_size(tp_group)} ranks")
-    return ParallelGroups(tp_group, tp_rank, tp_size, dp_rank, dp_size)
-
-
-def groups_from_deepspeed() -> ParallelGroups:
-    """TP and DP groups DeepSpeed created for AutoTP (``deepspeed.utils.groups``)."""
-    from deepspeed.utils import groups
-
-    return groups_from_mpu(groups)
+__all__ = ["DeferredCanzona", "MegatronSchedulerTarget", "build_tp_optimizer", "config_from_ds_config",
+           "groups_from_deepspeed", "groups_from_mpu", "patch_megatron_training"]
 
 
 def config_from_ds_config(ds_config: Mapping[str, Any]) -> CanzonaConfig:
@@ -118,14 +81,20 @@ def build_tp_optimizer(model, ds_config: Mapping[str, Any], mpu=None) -> Canzona
                 "flattens the parameters and loses the TP shards; the stage-0 TP optimizer runs fp32. For bf16/fp16 "
                 "use ZeRO x TP: no client optimizer, deepspeed.initialize(..., mpu=mpu) with zero_optimization.stage "
                 "1 or 2 (docs/tp.md)")
+    from .builder import RunSettings, build_optimizer
+
     groups = groups_from_mpu(mpu) if mpu is not None else groups_from_deepspeed()
     cfg = config_from_ds_config(ds_config)
     chunks = model if isinstance(model, (list, tuple)) else [model]
     named: list = []
+    modules = []
     for k, chunk in enumerate(chunks):
         prefix = f"chunk{k}." if len(chunks) > 1 else ""
-        named += [(prefix + n, p) for n, p in chunk.named_parameters()]
-    opt = CanzonaOptimizer(named, cfg, tp_group=groups.tp_group, tp_size=groups.tp_size)
+        chunk_named = [(n, p) for n, p in chunk.named_parameters() if p.requires_grad]
+        named += [(prefix + n, p) for n, p in chunk_named]
+        modules.append((chunk, chunk_named))
+    # the same builder as the ds_config path: settings agreement, config checks, head tagging
+    opt = build_optimizer(named, cfg, groups, RunSettings.from_ds_config(ds_config), modules=modules)
     # Megatron's OptimizerParamScheduler sets lr = schedule_lr * lr_mult for every group:
     # with --lr = the matrix lr, the AdamW group keeps its ratio
     for g in opt.param_groups:
@@ -237,9 +206,9 @@ def _wrap_deepspeed_initialize(deepspeed_module) -> None:
             raise TypeError("patched deepspeed.initialize: pass arguments by keyword (as Megatron-DeepSpeed does)")
         if kwargs.get("mpu") is None:
             raise ValueError(
-                "Canzona ZeRO x TP through Megatron-DeepSpeed needs the mpu in deepspeed.initialize; "
-                "Megatron-DeepSpeed passes it only with --no-pipeline-parallel (pipeline parallelism is not "
-                "supported)")
+                "Canzona ZeRO x TP through Megatron-DeepSpeed needs the mpu in deepspeed.initialize: with "
+                "--no-pipeline-parallel Megatron-DeepSpeed passes its mpu; with pipeline parallelism DeepSpeed takes "
+                "the PipelineModule's grid, so pass mpu=model.mpu()")
         from . import install
 
         install()

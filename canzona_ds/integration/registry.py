@@ -19,7 +19,6 @@ checks trip over it (e.g. ``params`` given as a list).
 """
 from __future__ import annotations
 
-import json
 
 import torch
 
@@ -31,32 +30,6 @@ from .pinned import check_deepspeed
 DS_CONFIG_TP_KEY = "canzona_tp"
 
 _installed = False
-
-
-# ---------------------------------------------------------------------------- config checks
-def check_engine_config(engine, cfg: CanzonaConfig) -> None:
-    """Refuse ds_config settings the Canzona optimizers do not support, naming the setting."""
-    stage = engine.zero_optimization_stage()
-    name = engine.optimizer_name()
-    if stage not in (0, 1, 2):
-        raise ValueError(f"{name} supports zero_optimization.stage 0, 1 or 2; got stage={stage}. ZeRO-3 partitions "
-                         "every parameter across ranks, which whole-matrix updates cannot use.")
-    if stage == 0 and (engine.bfloat16_enabled() or engine.fp16_enabled()):
-        kind = "bf16" if engine.bfloat16_enabled() else "fp16"
-        raise ValueError(f"{name} with {kind}.enabled=true needs zero_optimization.stage 1 or 2 (at stage 0 DeepSpeed "
-                         f"wraps the optimizer in its {kind.upper()} optimizer, which flattens the matrices).")
-    if stage and engine.zero_round_robin_gradients():
-        raise ValueError(f"{name} does not support zero_optimization.round_robin_gradients=true (it reorders "
-                         "parameters, breaking the ownership plan). Set it to false.")
-    if stage and engine.zero_use_cpu_optimizer() and not engine.zero_cpu_offload():
-        device = engine.zero_offload_optimizer().device
-        raise ValueError(f"{name} does not support zero_optimization.offload_optimizer.device="
-                         f"{str(getattr(device, 'value', device))!r}. Allowed: 'cpu', 'none' (NVMe offload of "
-                         "per-matrix optimizer state is not implemented).")
-    if getattr(engine, "zenflow", False):
-        raise ValueError(f"{name} does not support zero_optimization.zenflow.")
-    if engine.has_moe_layers:
-        raise ValueError(f"{name} does not support MoE layers yet.")
 
 
 #: lr settings of schedulers that are absolute values (a scalar means "every param group");
@@ -113,18 +86,12 @@ def elastic_needed(engine, load_dir, tag) -> bool:
         sizes = checkpoint_size(load_dir, tag)
     except ElasticError:
         return False
-    if sizes != (_dp_world_size(engine), opt.tp_size):
+    if sizes != (opt.groups.dp_size, opt.tp_size):
         return True
     first = sorted(f for f in os.listdir(os.path.join(load_dir, tag)) if OPTIM_FILE.search(f))[0]
     saved = torch.load(os.path.join(load_dir, tag, first), map_location="cpu", weights_only=False)
     meta = saved["optimizer_state_dict"].get(LAYOUT_KEY) or {}
     return meta.get("fingerprint") != engine.optimizer.canzona_layout_meta()["fingerprint"]
-
-
-def _dp_world_size(engine) -> int:
-    from deepspeed import comm as dist
-
-    return dist.get_world_size(group=engine.seq_data_parallel_group)
 
 
 def _named_parameters(engine, model_parameters) -> list:
@@ -157,66 +124,18 @@ def _named_parameters(engine, model_parameters) -> list:
     return [(names[id(p)], p) for p in params]
 
 
-def _tp_groups(engine, named, cfg: CanzonaConfig):
-    """(tp_group, tp_size) from the engine's mpu (Megatron's, or DeepSpeed's AutoTP groups)."""
-    mpu = getattr(engine, "mpu", None)
-    if mpu is not None:
-        from .megatron import groups_from_mpu
-
-        groups = groups_from_mpu(mpu)
-        if groups.tp_size > 1:
-            return groups.tp_group, groups.tp_size
-        return None, 1  # a TP group of one: the tagged parameters are whole
-    tagged = [n for n, p in named if getattr(p, "tensor_model_parallel", False)
-              and (hasattr(p, "partition_dim") or getattr(p, "ds_autotp_universal_checkpoint_meta", None))]
-    if tagged:
-        # without the TP group every rank would update its own shard: an approximation
-        raise ValueError(
-            f"{len(tagged)} parameters are marked tensor_model_parallel (e.g. {tagged[0]!r}) but "
-            f"{engine.optimizer_name()} found no TP group: deepspeed.initialize got no mpu. Pass mpu=<Megatron "
-            "parallel_state> to deepspeed.initialize (or use tensor_parallel.autotp_size).")
-    return None, 1
-
-
-def run_settings(engine, cfg: CanzonaConfig, named: list) -> dict:
-    """What must be equal on every rank: the resolved optimizer config, the ZeRO and precision
-    settings, the parallel sizes and the model's parameters (flat keys for clear messages)."""
-    import hashlib
-
-    model_dtype, grad_accum_dtype = engine.get_data_types()
-    out = {"optimizer.type": engine.optimizer_name()}
-    for section, values in cfg.describe().items():
-        if isinstance(values, dict):
-            out.update({f"{section}.{k}": v for k, v in values.items()})
-        else:
-            out[section] = values
-    out.update({"zero_optimization.stage": engine.zero_optimization_stage(), "model dtype": str(model_dtype),
-                "gradient accumulation dtype": str(grad_accum_dtype),
-                "offload_optimizer": engine.zero_use_cpu_optimizer(), "gradient_clipping": engine.gradient_clipping(),
-                "gradient_accumulation_steps": engine.gradient_accumulation_steps()})
-    shapes = json.dumps([(n, list(p.shape)) for n, p in named])
-    out["model parameters (sha256 of names and shapes)"] = hashlib.sha256(shapes.encode()).hexdigest()[:16]
-    return out
-
-
 def build_optimizer(engine, model_parameters) -> CanzonaOptimizer:
-    """ds_config ``"type": "Canzona*"`` -> a :class:`CanzonaOptimizer` over the engine's module."""
-    from .agreement import check_agreement
+    """ds_config ``"type": "Canzona*"`` -> the one builder (integration/builder.py) over the
+    engine's module and its groups."""
+    from .builder import RunSettings
+    from .builder import build_optimizer as build
+    from .groups import groups_from_engine
 
     ds = engine._config._param_dict
     cfg = CanzonaConfig.from_ds(engine.optimizer_name(), engine.optimizer_params(), ds.get(DS_CONFIG_TP_KEY))
     named = _named_parameters(engine, model_parameters)
-    # before anything a rank could wait in: ranks with different settings meet here and fail
-    check_agreement(run_settings(engine, cfg, named))
-    check_engine_config(engine, cfg)
-    tp_group, tp_size = _tp_groups(engine, named, cfg)
-    if cfg.per_head_muon:
-        from .heads import tag_heads
-
-        tag_heads(engine.module, named, tp_size)
-    stage = engine.zero_optimization_stage()
-    dp = _dp_world_size(engine) if stage in (1, 2) else 1
-    return CanzonaOptimizer(named, cfg, dp_world_size=dp, zero=stage in (1, 2), tp_group=tp_group, tp_size=tp_size)
+    return build(named, cfg, groups_from_engine(engine), RunSettings.from_engine(engine),
+                 modules=[(engine.module, named)])
 
 
 # ---------------------------------------------------------------------------- install
@@ -257,7 +176,9 @@ def install() -> None:
     def _configure_zero_optimizer(self, optimizer):
         if not isinstance(optimizer, CanzonaOptimizer):
             return stock_zero(self, optimizer)
-        check_engine_config(self, optimizer.config)
+        from .builder import RunSettings, check_settings
+
+        check_settings(RunSettings.from_engine(self), optimizer.config)
         if optimizer.plan is None:  # no matrices: plain AdamW, stock ZeRO
             return stock_zero(self, optimizer)
         stock_cls = engine_mod.DeepSpeedZeroOptimizer

@@ -12,7 +12,7 @@ its cost methods, and the DP and TP runtimes only call ``init_state``/``directio
 """
 from __future__ import annotations
 
-from .rule import MatrixInfo, MatrixRule, apply_update
+from .rule import MatrixInfo, MatrixRule, apply_rule_update, apply_update, rule_step
 
 #: rule name -> rule class
 RULES: dict[str, type[MatrixRule]] = {}
@@ -56,4 +56,4 @@ register_rule(ShampooRule, "CanzonaShampoo")
 register_rule(SOAPRule, "CanzonaSOAP")
 
 __all__ = ["MatrixInfo", "MatrixRule", "MuonRule", "OPTIMIZER_TYPES", "RULES", "SOAPRule", "ShampooRule",
-           "apply_update", "cost_model", "register_rule", "rule_class", "rule_from_description"]
+           "apply_rule_update", "apply_update", "cost_model", "rule_step", "register_rule", "rule_class", "rule_from_description"]

@@ -1,21 +1,18 @@
-"""``CanzonaOptimizer``: one matrix rule on the matrices this rank owns or hosts, AdamW on the rest.
+"""``CanzonaOptimizer``: one matrix rule on the matrices this rank updates, AdamW on the rest.
 
-One class serves every placement; where a matrix is updated is a strategy it delegates to:
+The optimizer holds no placement logic: it chooses a strategy (``canzona_ds/placement/``) and
+runs it::
 
-* **local** (one process, or ZeRO stage 0 where every DP rank steps everything): the
-  matrix group holds the real parameters; each matrix is updated in place.
-* **DP ownership** (ZeRO stage 1/2): the ZeRO integration replaces the matrix group's
-  parameters by this rank's flat fp32 partition and calls :meth:`bind_partition` with
-  where each owned matrix lies in it (the layout of ``planning/layout.py``)::
+    placement="local"  every matrix is updated here (one process; ZeRO stage 0, where every
+                       DP rank steps everything)
+    placement="owned"  ZeRO stage 1/2: the DP ownership plan (planning/dp.py) over
+                       ``groups.dp_size``; ZeRO lays the matrix group out by it and binds this
+                       rank's flat fp32 partition (:meth:`bind_partition`); no collective
+    + hosted           matrices split by tensor parallelism (``groups.tp_size`` > 1; Megatron
+                       ``tensor_model_parallel``, AutoTP) go through the micro-group runtime
 
-      flat fp32 partition of rank r (P elements)
-      | W_a (rows_a x cols_a) | W_d (...) |   pad to P   |
-        ^ view(offset=0)        ^ view(offset=k)
-
-  Every matrix is whole on its owner, so the step makes no collective call.
-* **TP hosting**: matrices split by tensor parallelism (Megatron ``tensor_model_parallel``,
-  DeepSpeed AutoTP) go through a :class:`~canzona_ds.tp.runtime.MicroGroupRuntime`: shards
-  are gathered to a host, the rule runs on the full matrix, update shards come back.
+Process groups come in one :class:`~canzona_ds.parallel.ParallelGroups`; nothing here
+discovers them.
 
 Param groups (``canzona_role``)::
 
@@ -38,58 +35,46 @@ DeepSpeed's ZeRO would otherwise run its own Newton-Schulz on them.
 """
 from __future__ import annotations
 
-import math
 import warnings
-from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Iterable, Mapping
 
 import torch
 from torch import Tensor
 from torch.optim.adamw import adamw as _adamw_functional
 
+from ..parallel import ParallelGroups
+from ..placement import HOLDING, FlatView, HostedPlacement, StepContext, describe_matrix
 from ..planning.dp import OwnershipPlan, plan_dp
 from ..planning.params import ParamSpec
 from .config import CanzonaConfig
-from .rule import MatrixInfo, apply_update
+from .rule import MatrixInfo
 
 MATRIX, AUX = "matrix", "aux"
 STATE_KEY = "canzona"
 
-
-@dataclass(frozen=True)
-class FlatView:
-    """One matrix inside a flat partition."""
-
-    name: str
-    offset: int
-    shape: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
+__all__ = ["AUX", "MATRIX", "STATE_KEY", "CanzonaOptimizer", "FlatView", "adamw_group_step"]
 
 
 class CanzonaOptimizer(torch.optim.Optimizer):
-    """A matrix rule (Muon, Shampoo, SOAP, ...) + AdamW, placed by DP ownership / TP hosting.
+    """A matrix rule (Muon, Shampoo, SOAP, ...) + AdamW, placed by a strategy.
 
     Args:
-        named_parameters: ``(name, parameter)`` pairs; frozen parameters are skipped.
+        named_parameters: ``(name, parameter)`` pairs in the model's order; frozen ones are skipped.
         config: a :class:`CanzonaConfig` (``CanzonaConfig.from_ds(type, params)``).
-        dp_world_size: DP ranks the matrices are planned over.
-        zero: the matrices are partitioned by ZeRO (stage 1/2): plan ownership even at
-            ``dp_world_size`` 1 and wait for :meth:`bind_partition`; otherwise every matrix
-            is updated here (one process, or ZeRO stage 0).
-        tp_group, tp_size: the tensor-parallel group; matrices tagged ``tensor_model_parallel``
-            are updated through the micro-group runtime (needs ``tp_size`` >= 2).
+        groups: the process groups (default: one process).  ``dp_size`` is what the
+            "owned" plan balances over; ``tp_group``/``tp_size`` host the TP-split matrices.
+        placement: "local" or "owned" (module docstring).
     """
 
     def __init__(self, named_parameters: Iterable[tuple[str, Tensor]], config: CanzonaConfig,
-                 dp_world_size: int = 1, zero: bool = False, tp_group: Any = None, tp_size: int = 1) -> None:
+                 groups: ParallelGroups | None = None, placement: str = "local") -> None:
         if not isinstance(config, CanzonaConfig):
             raise TypeError(f"config must be a CanzonaConfig, got {type(config).__name__}")
-        for name, v in (("dp_world_size", dp_world_size), ("tp_size", tp_size)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"Invalid {name}={v!r}. Must be an int >= 1.")
+        groups = ParallelGroups.single() if groups is None else groups
+        if not isinstance(groups, ParallelGroups):
+            raise TypeError(f"groups must be a canzona_ds.parallel.ParallelGroups, got {type(groups).__name__}")
+        if placement not in HOLDING:
+            raise ValueError(f"Invalid placement={placement!r}. Allowed: {sorted(HOLDING)}.")
         named = [(n, p) for n, p in named_parameters if p.requires_grad]
         if not named:
             raise ValueError("CanzonaOptimizer got no trainable parameters.")
@@ -97,104 +82,91 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             raise ValueError("A parameter appears twice in named_parameters (tied weights must be passed once).")
         self.config = config
         self.rule = config.rule
+        self.groups = groups
         #: trainable parameter names in the order given (the model's): the order in which
         #: gradient clipping stacks per-parameter norms, as clip_grad_norm_(model.parameters())
         self.param_order = [n for n, _ in named]
-        self.dp_world_size = dp_world_size
-        self.tp_group, self.tp_size = tp_group, tp_size
         matrices, aux = [], []
         for n, p in named:
             (matrices if config.is_matrix(n, tuple(p.shape), getattr(p, "use_muon", None)) else aux).append((n, p))
         #: every matrix's description, by name (full shape for TP-split matrices)
         self.infos: dict[str, MatrixInfo] = {}
+        #: TP-split matrices (name -> TPMatrix), hosted over the TP group
         self.tp_matrices: dict = {}
         specs = []
         for n, p in matrices:
-            spec, info, tpm = self._describe(n, p)
+            spec, info, tpm = describe_matrix(n, p, groups.tp_size, config.per_head_muon)
             specs.append(spec)
             self.infos[n] = info
             if tpm is not None:
                 self.tp_matrices[n] = tpm
+        if self.tp_matrices and groups.tp_size < 2:
+            raise ValueError(f"{len(self.tp_matrices)} matrices are tensor-parallel but tp_size={groups.tp_size}")
         if not matrices:
             warnings.warn(
                 f"CanzonaOptimizer({self.rule.name}): no parameter qualifies as a matrix (ndim >= 2, name without "
                 f"{list(config.placement.matrix_exclude)}); every parameter uses AdamW. Set matrix_include to "
                 "change this.", stacklevel=2)
-        #: the DP ownership plan (None: every matrix is updated on this rank)
+        #: the DP ownership plan ("owned" placement; None: every matrix is updated on this rank)
         self.plan: OwnershipPlan | None = None
-        if dp_world_size > 1 and not zero:
-            raise ValueError(f"dp_world_size={dp_world_size} without zero=True: only ZeRO partitions matrices over DP "
-                             "ranks; without it every rank updates every matrix (pass dp_world_size=1).")
-        self.zero = zero
-        if matrices and zero:
-            self.plan = _plan(specs, dp_world_size, config, self.rule)
+        if matrices and placement == "owned":
+            self.plan = _plan(specs, groups.dp_size, config, self.rule)
             matrices = [matrices[i] for i in self.plan.buffer_order()]
         self.matrix_names = [n for n, _ in matrices]
         self.aux_names = [n for n, _ in aux]
-        groups = []
+        param_groups = []
         if matrices:
-            groups.append(dict(params=[p for _, p in matrices], canzona_role=MATRIX, lr=config.lr,
-                               weight_decay=config.weight_decay, step=0))
+            param_groups.append(dict(params=[p for _, p in matrices], canzona_role=MATRIX, lr=config.lr,
+                                     weight_decay=config.weight_decay, step=0))
         if aux:
-            groups.append(dict(params=[p for _, p in aux], canzona_role=AUX, lr=config.adam_lr,
-                               betas=tuple(config.adam_betas), eps=config.adam_eps, weight_decay=config.weight_decay))
-        super().__init__(groups, {})
+            param_groups.append(dict(params=[p for _, p in aux], canzona_role=AUX, lr=config.adam_lr,
+                                     betas=tuple(config.adam_betas), eps=config.adam_eps,
+                                     weight_decay=config.weight_decay))
+        super().__init__(param_groups, {})
         #: rule state by matrix name (this rank's owned/local matrices and hosted TP matrices)
         self.matrix_state: dict[str, dict[str, Tensor]] = {}
-        #: id(flat partition) -> the matrices inside it (ZeRO)
-        self._flat_views: dict[int, tuple[FlatView, ...]] = {}
-        self.tp_runtime = None
-        if self.tp_matrices and not zero:
-            self._build_tp_runtime([n for n, _ in matrices if n in self.tp_matrices])
+        self.placement = HOLDING[placement](self.matrix_names)
+        if placement == "local":
+            self.placement.hosted = self._hosted(self.matrix_names)
 
-    # ------------------------------------------------------------------ setup
-    def _describe(self, name: str, p: Tensor):
-        from ..tp.runtime import TPMatrix
+    # ------------------------------------------------------------------ placement
+    @property
+    def tp_group(self):
+        return self.groups.tp_group
 
-        heads = getattr(p, "muon_num_heads", None) if self.config.per_head_muon else None
-        if TPMatrix.is_split(p, self.tp_size):
-            tpm = TPMatrix.from_param(name, p, self.tp_size)
-            if not self.config.per_head_muon:
-                tpm = TPMatrix(tpm.name, tpm.full_shape, tpm.partition_dim, tpm.shard_sizes, None)
-            spec = ParamSpec(name, tuple(p.shape), "matrix", tp_partition_dim=tpm.partition_dim, tp_size=self.tp_size,
-                             num_heads=tpm.num_heads)
-            return spec, tpm.info, tpm
-        spec = ParamSpec(name, tuple(p.shape), "matrix", num_heads=heads)
-        return spec, MatrixInfo(name, tuple(p.shape), heads), None
+    @property
+    def tp_size(self) -> int:
+        return self.groups.tp_size
 
-    def _build_tp_runtime(self, names: list[str]) -> None:
-        from ..tp.runtime import MicroGroupRuntime
+    @property
+    def tp_runtime(self):
+        """The micro-group runtime of the hosted TP matrices (None without any)."""
+        return None if self.placement.hosted is None else self.placement.hosted.runtime
 
-        if self.tp_size < 2:
-            raise ValueError(f"{len(names)} matrices are tensor-parallel but tp_size={self.tp_size}")
-        self.tp_runtime = MicroGroupRuntime([self.tp_matrices[n] for n in names], self.rule, self.tp_group,
-                                            self.config.tp, state=self.matrix_state)
+    @tp_runtime.setter
+    def tp_runtime(self, runtime) -> None:  # benchmarks and tests swap in a baseline runtime
+        if self.placement.hosted is None:
+            raise RuntimeError("This optimizer hosts no TP-split matrices.")
+        self.placement.hosted.runtime = runtime
+
+    def _hosted(self, names: list[str]) -> HostedPlacement | None:
+        """The hosted strategy for the split matrices among ``names`` (None if there are none)."""
+        split = [self.tp_matrices[n] for n in names if n in self.tp_matrices]
+        if not split:
+            return None
+        return HostedPlacement(split, self.rule, self.groups.tp_group, self.config.tp, self.matrix_state)
 
     def bind_partition(self, flat_param: Tensor, views: Iterable[FlatView]) -> None:
         """ZeRO: ``flat_param`` (this rank's partition of the matrix group) holds ``views``."""
-        views = tuple(views)
-        for v in views:
-            if v.name not in self.infos:
-                raise RuntimeError(f"bind_partition: {v.name!r} is not one of this optimizer's matrices.")
-            if v.offset < 0 or v.offset + v.numel > flat_param.numel():
-                raise RuntimeError(f"Matrix {v.name} at offset {v.offset} does not fit in a partition of "
-                                   f"{flat_param.numel()} elements.")
-        self._flat_views[id(flat_param)] = views
-        split = [v.name for v in views if v.name in self.tp_matrices]
-        if split:
-            self._build_tp_runtime(split)
+        if self.placement.kind != "owned":
+            raise RuntimeError(f"bind_partition on a CanzonaOptimizer with placement={self.placement.kind!r}; ZeRO "
+                               "stage 1/2 needs placement='owned'.")
+        self.placement.bind(flat_param, views, make_hosted=self._hosted)
 
     def handled_names(self) -> list[str]:
         """Matrices whose rule state this rank keeps: owned/local ones that are not TP-split,
         and the TP-split ones it hosts."""
-        if self._flat_views:
-            mine = [v.name for views in self._flat_views.values() for v in views]
-        else:
-            mine = list(self.matrix_names)
-        out = [n for n in mine if n not in self.tp_matrices]
-        if self.tp_runtime is not None:
-            out += self.tp_runtime.hosted_names()
-        return out
+        return self.placement.handled_names()
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -207,45 +179,13 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             if group["canzona_role"] == MATRIX:
                 self._matrix_step(group)
             else:
-                self._adamw_step(group)
+                adamw_group_step(group, self.state)
         return loss
-
-    def _matrix_items(self, group: dict) -> list[tuple[str, Tensor, Tensor]]:
-        """(name, parameter, gradient) of every matrix this rank updates or co-hosts."""
-        if not self._flat_views:  # local: the group holds the real matrices, in matrix_names order
-            return [(n, p, p.grad if p.grad is not None else torch.zeros_like(p))
-                    for n, p in zip(self.matrix_names, group["params"])]
-        items = []
-        for p in group["params"]:  # ZeRO: views of this rank's flat partition
-            grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            for v in self._flat_views.get(id(p), ()):
-                sl = slice(v.offset, v.offset + v.numel)
-                items.append((v.name, p[sl].view(v.shape), grad[sl].view(v.shape)))
-        return items
 
     def _matrix_step(self, group: dict) -> None:
         group["step"] += 1
-        step, lr, wd = group["step"], group["lr"], group["weight_decay"]
-        rule = self.rule
-        tp_params, tp_grads = [], []
-        for name, param, grad in self._matrix_items(group):
-            if name in self.tp_matrices:
-                tp_params.append(param)
-                tp_grads.append(grad)
-                continue
-            info = self.infos[name]
-            state = self.matrix_state.get(name)
-            if state is None:
-                state = self.matrix_state[name] = rule.init_state(info, like=param)
-            direction = rule.direction(grad, state, info, step)
-            decay, step_size = rule.scales(lr, wd, info, step)
-            apply_update(param, direction, decay, step_size)
-        if self.tp_runtime is not None:
-            # every rank of the TP group calls this (the same owned list, by the DP plan)
-            self.tp_runtime.step(tp_params, tp_grads, lr=lr, weight_decay=wd, step=step)
-
-    def _adamw_step(self, group: dict) -> None:
-        adamw_group_step(group, self.state)
+        self.placement.step(group, StepContext(self.rule, self.infos, self.matrix_state, group["step"], group["lr"],
+                                               group["weight_decay"]))
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:

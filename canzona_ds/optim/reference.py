@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from .config import CanzonaConfig
-from .rule import MatrixInfo, apply_update
+from .rule import MatrixInfo, rule_step
 
 
 class ReferenceOptimizer:
@@ -64,11 +64,7 @@ class ReferenceOptimizer:
         t = self.step_count
         for name, p in self.matrices:
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            info = self.infos[name]
-            state = self.state.setdefault(name, self.rule.init_state(info, like=p))
-            direction = self.rule.direction(grad, state, info, t)
-            decay, step_size = self.rule.scales(self.lr, self.weight_decay, info, t)
-            apply_update(p, direction, decay, step_size)
+            rule_step(self.rule, p, grad, self.state, self.infos[name], t, self.lr, self.weight_decay)
         if self.adamw is not None:
             for p in self.aux:
                 if p.grad is None:

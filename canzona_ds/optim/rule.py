@@ -141,6 +141,38 @@ def apply_update(param: Tensor, direction: Tensor, decay: float, step_size: floa
         param.add_(direction.to(param.dtype), alpha=-step_size)
 
 
+def rule_state(states: dict[str, dict[str, Tensor]], name: str, rule: "MatrixRule", info: MatrixInfo,
+               like: Tensor) -> dict[str, Tensor]:
+    """The rule state of matrix ``name`` in ``states``, created (on ``like``'s device) the
+    first time it is asked for."""
+    state = states.get(name)
+    if state is None:
+        state = states[name] = rule.init_state(info, like=like)
+    return state
+
+
+def apply_rule_update(param: Tensor, direction: Tensor, rule: "MatrixRule", info: MatrixInfo, step: int,
+                      lr: float, weight_decay: float) -> None:
+    """Apply ``direction`` (a whole matrix's, or this rank's shard of it) with the rule's scales
+    for the WHOLE matrix ``info``: the one place a rule's update reaches a parameter."""
+    decay, step_size = rule.scales(lr, weight_decay, info, step)
+    apply_update(param, direction, decay, step_size)
+
+
+def rule_step(rule: "MatrixRule", param: Tensor, grad: Tensor, states: dict[str, dict[str, Tensor]],
+              info: MatrixInfo, step: int, lr: float, weight_decay: float) -> None:
+    """One rule update of one whole matrix, in place::
+
+        state = states[name] (created on first use);  D = rule.direction(grad, state, info, step)
+        param <- decay * param - step_size * D           (rule.scales)
+
+    What every placement (local, ZeRO-owned; the TP/DP host computes ``direction`` itself and
+    each rank applies its shard with :func:`apply_rule_update`), the single-process reference
+    and the baselines call."""
+    state = rule_state(states, info.name, rule, info, like=param)
+    apply_rule_update(param, rule.direction(grad, state, info, step), rule, info, step, lr, weight_decay)
+
+
 def check_number(name: str, value: Any, low: float | None = None, high: float | None = None, *,
                  low_open: bool = False, high_open: bool = False) -> None:
     """Raise ValueError naming ``name`` unless ``value`` is a finite number within bounds."""

@@ -30,7 +30,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..optim.config import CanzonaConfig
 from ..optim.optimizer import adamw_group_step
-from ..optim.rule import MatrixInfo, MatrixRule, apply_update
+from ..optim.rule import MatrixInfo, MatrixRule, apply_rule_update, rule_state, rule_step
 from ..planning.dp import OwnershipPlan, plan_dp
 from ..planning.params import ParamSpec
 from ..tp.async_tasks import Task, run_blocking, run_pipelined
@@ -70,14 +70,11 @@ class SynchronousTP:
             work.wait()
         G = torch.cat([out[r * n_max: r * n_max + m.local_numel(r)].view(m.local_shape(r)) for r in range(tp)],
                       dim=m.partition_dim)
-        st = self.state.get(m.name)
-        if st is None:  # once: setdefault would build (and drop) a fresh state every step
-            st = self.state[m.name] = self.rule.init_state(m.info, like=G)
-        D = self.rule.direction(G, st, m.info, step)
+        D = self.rule.direction(G, rule_state(self.state, m.name, self.rule, m.info, like=G), m.info, step)
         self.stats.flops += self.rule.flops(m.info.shape2d, m.num_heads).amortised
-        decay, step_size = self.rule.scales(lr, weight_decay, m.info, step)
         off = sum(m.shard_sizes[:me])
-        apply_update(params[i], D.narrow(m.partition_dim, off, m.shard_sizes[me]), decay, step_size)
+        apply_rule_update(params[i], D.narrow(m.partition_dim, off, m.shard_sizes[me]), self.rule, m.info, step, lr,
+                          weight_decay)
 
 
 class ShardLocalTP:
@@ -96,13 +93,8 @@ class ShardLocalTP:
         self.stats = StepStats()
         for m, p, g in zip(self.matrices, params, grads):
             info = MatrixInfo(m.name, tuple(p.shape))  # the shard's own shape
-            st = self.state.get(m.name)
-            if st is None:
-                st = self.state[m.name] = self.rule.init_state(info, like=g)
-            D = self.rule.direction(g, st, info, step)
+            rule_step(self.rule, p, g, self.state, info, step, lr, weight_decay)
             self.stats.flops += self.rule.flops(info.shape2d).amortised
-            decay, step_size = self.rule.scales(lr, weight_decay, info, step)
-            apply_update(p, D, decay, step_size)
         return self.stats
 
 
@@ -113,7 +105,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     ``zero_optimization.stage`` 0 (DeepSpeed all-reduces and averages every gradient, as the
     layer-wise optimizer's DDP mode does; §D.2 "Option A").  One step on rank r:
 
-    1. the matrix rule (``rule.init_state`` / ``direction`` / ``scales`` + ``apply_update``,
+    1. the matrix rule (``rule_step``: ``init_state`` / ``direction`` / ``scales`` + ``apply_update``,
        as :class:`~canzona_ds.optim.optimizer.CanzonaOptimizer` runs it) on the matrices of
        the layers r owns -- their rule state lives only on r;
     2. AdamW (torch's functional AdamW, bit-exact vs ``torch.optim.AdamW``) on every
@@ -202,7 +194,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             if group["canzona_role"] == "matrix":
                 self._matrix_step(group)
             else:
-                self._adamw_step(group)
+                adamw_group_step(group, self.state)
         return loss
 
     def _matrix_step(self, group: dict) -> None:
@@ -212,13 +204,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
         for name in self.owned_names():
             p = params[name]
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
-            info = self.infos[name]
-            state = self.matrix_state.get(name)
-            if state is None:
-                state = self.matrix_state[name] = self.rule.init_state(info, like=p)
-            direction = self.rule.direction(grad, state, info, step)
-            decay, step_size = self.rule.scales(lr, wd, info, step)
-            apply_update(p, direction, decay, step_size)
+            rule_step(self.rule, p, grad, self.matrix_state, self.infos[name], step, lr, wd)
         if self.dp_size == 1:
             return
         for owner in range(self.dp_size):
@@ -233,5 +219,3 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
                     for t, synced in zip(tensors, _unflatten_dense_tensors(flat, [t.data for t in tensors])):
                         t.data.copy_(synced)
 
-    def _adamw_step(self, group: dict) -> None:
-        adamw_group_step(group, self.state)

@@ -201,7 +201,8 @@ class MatrixStepRecorder:
         self.start_step = group["step"]
         self.start_state = {n: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
                             for n, st in optimizer.matrix_state.items()}
-        stock_items, stock_step = optimizer._matrix_items, optimizer._matrix_step
+        placement = optimizer.placement
+        stock_items, stock_step = placement.items, optimizer._matrix_step
         pending: dict = {}
 
         def items(group):
@@ -215,10 +216,10 @@ class MatrixStepRecorder:
             stock_step(group)
             self.steps.append({n: (g, before, after.detach().clone()) for n, (g, before, after) in pending.items()})
 
-        optimizer._matrix_items, optimizer._matrix_step = items, step
+        placement.items, optimizer._matrix_step = items, step
 
     def replay(self) -> float:
-        from canzona_ds.optim.rule import apply_update
+        from canzona_ds.optim.rule import rule_step
 
         rule, worst = self.opt.rule, 0.0
         state = {n: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
@@ -226,11 +227,8 @@ class MatrixStepRecorder:
         group = next(g for g in self.opt.param_groups if g["canzona_role"] == "matrix")
         for t, record in enumerate(self.steps, start=self.start_step + 1):
             for name, (grad, before, after) in record.items():
-                info = self.opt.infos[name]
                 W = before.clone()
-                st = state.setdefault(name, rule.init_state(info, like=W))
-                D = rule.direction(grad.clone(), st, info, t)
-                apply_update(W, D, *rule.scales(group["lr"], group["weight_decay"], info, t))
+                rule_step(rule, W, grad.clone(), state, self.opt.infos[name], t, group["lr"], group["weight_decay"])
                 worst = max(worst, float((W - after).abs().max()))
         return worst
 

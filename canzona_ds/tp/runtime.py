@@ -55,7 +55,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..optim.config import TPConfig
-from ..optim.rule import MatrixInfo, MatrixRule, apply_update
+from ..optim.rule import MatrixInfo, MatrixRule, apply_rule_update, rule_state
 from ..planning.params import ParamSpec
 from ..planning.tp import MicroGroup, MicroGroupPlan, plan_tp
 from .async_tasks import Task, run_blocking, run_pipelined
@@ -252,10 +252,7 @@ class MicroGroupRuntime:
                 shards.append(pieces[r][cursors[r]:cursors[r] + n].view(m.local_shape(r)))
                 cursors[r] += n
             G = torch.cat(shards, dim=m.partition_dim).to(grads[i].dtype)
-            st = self.state.get(m.name)
-            if st is None:
-                st = self.state[m.name] = self.rule.init_state(m.info, like=G)
-            D = self.rule.direction(G, st, m.info, step)
+            D = self.rule.direction(G, rule_state(self.state, m.name, self.rule, m.info, like=G), m.info, step)
             if D.dtype != ddtype:
                 raise RuntimeError(f"rule {self.rule.name!r} returned a {D.dtype} direction for {m.name!r}; its "
                                    f"direction_dtype({gdtype}) says {ddtype}")
@@ -278,8 +275,8 @@ class MicroGroupRuntime:
         for i in send_order:
             m = self.matrices[i]
             n = m.local_numel(me)
-            decay, step_size = self.rule.scales(lr, weight_decay, m.info, step)
-            apply_update(params[i], recv2[off:off + n].view(params[i].shape), decay, step_size)
+            apply_rule_update(params[i], recv2[off:off + n].view(params[i].shape), self.rule, m.info, step, lr,
+                              weight_decay)
             off += n
 
 

@@ -1,0 +1,152 @@
+"""The ONE way a Canzona optimizer is built, whichever path the user takes:
+
+    ds_config "type": "Canzona*"          registry.install -> engine._configure_basic_optimizer
+    Megatron-DeepSpeed (stage 0 client)   megatron.build_tp_optimizer
+    the main job (AutoTP at stage 0)      train.trainer -> megatron.build_tp_optimizer
+
+Every path runs the same steps, in this order::
+
+    settings  = RunSettings (from the engine, or from a ds_config dict before there is one)
+    check_agreement(what every rank must share)        # before anything a rank could wait in
+    check_settings(settings)                           # refuse what cannot work, by name
+    require_tp_group(...)                              # TP-tagged params need a TP group
+    tag_heads(...)   if per_head_muon                  # DeepSpeed's own head resolution
+    CanzonaOptimizer(named, config, groups, placement="owned" at ZeRO 1/2 else "local")
+
+What must agree, and over which ranks: the ds_config side (optimizer type and resolved config,
+ZeRO stage, precisions, offload, clipping, accumulation, the parallel degrees) on every rank;
+the model (names and shapes of the parameters) among the ranks that hold the same layers,
+i.e. within one pipeline stage (its DP and TP peers; TP shards have equal shapes), so a
+pipeline's stages may hold different layers.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
+
+from ..optim.config import CanzonaConfig
+from ..optim.optimizer import CanzonaOptimizer
+from ..parallel import ParallelGroups
+from .agreement import check_agreement
+from .groups import require_tp_group
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """The DeepSpeed settings an optimizer build depends on, from an engine or a ds_config."""
+
+    optimizer_type: str
+    zero_stage: int
+    model_dtype: str
+    grad_accum_dtype: str
+    bf16: bool
+    fp16: bool
+    offload_optimizer: bool
+    offload_device: str
+    cpu_offload: bool
+    round_robin_gradients: bool
+    zenflow: bool
+    moe: bool
+    gradient_clipping: float
+    gradient_accumulation_steps: int
+
+    @classmethod
+    def from_engine(cls, engine) -> "RunSettings":
+        model_dtype, grad_accum_dtype = engine.get_data_types()
+        device = engine.zero_offload_optimizer().device if engine.zero_use_cpu_optimizer() else "none"
+        return cls(optimizer_type=engine.optimizer_name(), zero_stage=int(engine.zero_optimization_stage()),
+                   model_dtype=str(model_dtype), grad_accum_dtype=str(grad_accum_dtype),
+                   bf16=bool(engine.bfloat16_enabled()), fp16=bool(engine.fp16_enabled()),
+                   offload_optimizer=bool(engine.zero_use_cpu_optimizer()),
+                   offload_device=str(getattr(device, "value", device)), cpu_offload=bool(engine.zero_cpu_offload()),
+                   round_robin_gradients=bool(engine.zero_round_robin_gradients()),
+                   zenflow=bool(getattr(engine, "zenflow", False)), moe=bool(engine.has_moe_layers),
+                   gradient_clipping=float(engine.gradient_clipping()),
+                   gradient_accumulation_steps=int(engine.gradient_accumulation_steps()))
+
+    @classmethod
+    def from_ds_config(cls, ds: Mapping[str, Any]) -> "RunSettings":
+        """Before an engine exists (a client optimizer): what the ds_config says."""
+        zero = ds.get("zero_optimization") or {}
+        offload = zero.get("offload_optimizer") or {}
+        device = str(offload.get("device", "none"))
+        bf16 = bool((ds.get("bf16") or ds.get("bfloat16") or {}).get("enabled", False))
+        fp16 = bool((ds.get("fp16") or {}).get("enabled", False))
+        dtype = "torch.bfloat16" if bf16 else "torch.float16" if fp16 else "torch.float32"
+        return cls(optimizer_type=str((ds.get("optimizer") or {}).get("type")), zero_stage=int(zero.get("stage", 0)),
+                   model_dtype=dtype, grad_accum_dtype=dtype, bf16=bf16, fp16=fp16,
+                   offload_optimizer=device not in ("none", ""), offload_device=device, cpu_offload=device == "cpu",
+                   round_robin_gradients=bool(zero.get("round_robin_gradients", False)),
+                   zenflow=bool(zero.get("zenflow")), moe=False,
+                   gradient_clipping=float(ds.get("gradient_clipping", 1.0)),
+                   gradient_accumulation_steps=int(ds.get("gradient_accumulation_steps", 1) or 1))
+
+
+def check_settings(s: RunSettings, cfg: CanzonaConfig) -> None:
+    """Refuse DeepSpeed settings the Canzona optimizers do not support, naming the setting."""
+    name = s.optimizer_type
+    if s.zero_stage not in (0, 1, 2):
+        raise ValueError(f"{name} supports zero_optimization.stage 0, 1 or 2; got stage={s.zero_stage}. Stage 3 "
+                         "(whole-matrix updates hosted over the ZeRO-3 partitions) is not implemented yet: use "
+                         "stage 1 or 2.")
+    if s.zero_stage == 0 and (s.bf16 or s.fp16):
+        kind = "bf16" if s.bf16 else "fp16"
+        raise ValueError(f"{name} with {kind}.enabled=true needs zero_optimization.stage 1 or 2 (at stage 0 DeepSpeed "
+                         f"wraps the optimizer in its {kind.upper()} optimizer, which flattens the matrices).")
+    if s.zero_stage and s.round_robin_gradients:
+        raise ValueError(f"{name} does not support zero_optimization.round_robin_gradients=true (it reorders "
+                         "parameters, breaking the ownership plan). Set it to false.")
+    if s.zero_stage and s.offload_optimizer and not s.cpu_offload:
+        raise ValueError(f"{name} does not support zero_optimization.offload_optimizer.device={s.offload_device!r}. "
+                         "Allowed: 'cpu', 'none' (NVMe offload of per-matrix optimizer state is not implemented).")
+    if s.zenflow:
+        raise ValueError(f"{name} does not support zero_optimization.zenflow.")
+    if s.moe:
+        raise ValueError(f"{name} does not support MoE layers yet.")
+
+
+#: RunSettings field -> the name a user knows it by (agreement messages)
+_DS_KEYS = {"zero_stage": "zero_optimization.stage", "model_dtype": "model dtype",
+            "grad_accum_dtype": "gradient accumulation dtype", "bf16": "bf16.enabled", "fp16": "fp16.enabled",
+            "offload_optimizer": "offload_optimizer", "round_robin_gradients": "zero_optimization.round_robin_gradients",
+            "gradient_clipping": "gradient_clipping", "gradient_accumulation_steps": "gradient_accumulation_steps"}
+
+
+def agreement_settings(s: RunSettings, cfg: CanzonaConfig, named: list, groups: ParallelGroups) -> dict:
+    """What must be equal on every rank (flat keys for clear messages); the model's names and
+    shapes are scoped to this rank's pipeline stage (see the module docstring)."""
+    out: dict[str, Any] = {"optimizer.type": s.optimizer_type}
+    for section, values in cfg.describe().items():
+        if isinstance(values, dict):
+            out.update({f"{section}.{k}": v for k, v in values.items()})
+        else:
+            out[section] = values
+    settings = asdict(s)
+    out.update({key: settings[field] for field, key in _DS_KEYS.items()})
+    out.update({f"parallel.{k}": v for k, v in groups.degrees.items()})
+    shapes = json.dumps([(n, list(p.shape)) for n, p in named])
+    digest = hashlib.sha256(shapes.encode()).hexdigest()[:16]
+    stage = f" of pipeline stage {groups.pp_rank}" if groups.pp_size > 1 else ""
+    out["model parameters (sha256 of names and shapes)"] = {"scope": groups.pp_rank, "value": digest,
+                                                             "what": f"model parameters{stage}"}
+    return out
+
+
+def build_optimizer(named: list, cfg: CanzonaConfig, groups: ParallelGroups, settings: RunSettings,
+                    modules: list | None = None) -> CanzonaOptimizer:
+    """Every check, then the optimizer.  ``named``: (name, parameter) in the model's order;
+    ``modules``: (module, its named parameters) pairs for per-head resolution (one per model
+    chunk; names relative to that module)."""
+    # before anything a rank could wait in: ranks with different settings meet here and fail
+    check_agreement(agreement_settings(settings, cfg, named, groups))
+    check_settings(settings, cfg)
+    require_tp_group(named, groups, settings.optimizer_type)
+    if cfg.per_head_muon and modules:
+        from .heads import tag_heads
+
+        for module, module_named in modules:
+            tag_heads(module, module_named, groups.tp_size)
+    placement = "owned" if settings.zero_stage in (1, 2) else "local"
+    return CanzonaOptimizer(named, cfg, groups=groups, placement=placement)

@@ -1,0 +1,76 @@
+"""The placement interface: which matrices this rank updates, and how their update reaches the
+parameters.
+
+Every step of the matrix param group::
+
+    ctx = StepContext(rule, infos, states, step, lr, weight_decay)
+    placement.step(group, ctx)
+        for (name, param, grad) in placement.items(group):       # what this rank holds
+            split across TP ranks  -> collected for placement.hosted (one runtime step)
+            whole                  -> rule_step(rule, param, grad, states, infos[name], ...)
+
+``param``/``grad`` are views of whatever holds the matrix (the real parameter, or a slice of
+ZeRO's flat fp32 partition), so the update lands in place.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Mapping
+
+from torch import Tensor
+
+from ..optim.rule import MatrixInfo, MatrixRule, rule_step
+
+if TYPE_CHECKING:
+    from .hosted import HostedPlacement
+
+
+@dataclass
+class StepContext:
+    """What one step of the matrix group needs besides the matrices."""
+
+    rule: MatrixRule
+    infos: Mapping[str, MatrixInfo]
+    #: rule state by matrix name (created on first use by rule_step / the host)
+    states: dict[str, dict[str, Tensor]]
+    step: int
+    lr: float
+    weight_decay: float
+
+
+class Placement(ABC):
+    """A holding strategy; the matrices it holds that are split across a group go to ``hosted``."""
+
+    kind: ClassVar[str]
+
+    def __init__(self) -> None:
+        #: the hosted strategy for split matrices this rank holds a shard of (None: none)
+        self.hosted: HostedPlacement | None = None
+
+    @abstractmethod
+    def items(self, group: dict) -> list[tuple[str, Tensor, Tensor]]:
+        """(name, parameter view, gradient view) of every matrix (or shard) this rank holds;
+        a missing gradient is a zero one (DeepSpeed ZeRO's semantics)."""
+
+    @abstractmethod
+    def held_names(self) -> list[str]:
+        """Names of the matrices (or shards) this rank holds, in ``items`` order."""
+
+    def handled_names(self) -> list[str]:
+        """Matrices whose rule state this rank keeps: the whole ones it holds and the split ones
+        it hosts."""
+        split = self.hosted.split if self.hosted is not None else {}
+        out = [n for n in self.held_names() if n not in split]
+        return out + (self.hosted.hosted_names() if self.hosted is not None else [])
+
+    def step(self, group: dict, ctx: StepContext) -> None:
+        split: dict[str, tuple[Tensor, Tensor]] = {}
+        for name, param, grad in self.items(group):
+            if self.hosted is not None and name in self.hosted.split:
+                split[name] = (param, grad)
+                continue
+            rule_step(ctx.rule, param, grad, ctx.states, ctx.infos[name], ctx.step, ctx.lr, ctx.weight_decay)
+        if self.hosted is not None:
+            # every rank of the split group calls this (the same matrices, by construction)
+            self.hosted.step(split, ctx)
