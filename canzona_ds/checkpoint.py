@@ -54,6 +54,13 @@ Verification cost: sha256 runs at ~0.5-1 GB/s per core (docs/main_job.md has the
 measured on this machine); ``verify="size"`` checks presence and byte sizes only (about
 free, but blind to overwritten bytes).
 
+The engine methods: after ``import canzona_ds``, ``engine.save_checkpoint`` of an engine
+running a Canzona type writes the same manifest (:func:`hash_files` + :func:`write_manifest`,
+then ``latest``) and its ``engine.load_checkpoint`` verifies through :func:`load` with
+``unverified="load"`` (integration/checkpoint_hooks.py).  :func:`save` and :func:`load` turn
+those hooks off around their own engine calls (:func:`engine_hooks_off`): nothing is hashed
+or verified twice, and a ``.partial`` directory gets no manifest of its own.
+
 Elastic loading hook: everything that happens after a checkpoint verified is one call,
 ``loader(engine, load_dir, tag, manifest, **load_kwargs) -> (path, client_state)``
 (default :func:`deepspeed_load`, i.e. ``engine.load_checkpoint``).  The manifest carries

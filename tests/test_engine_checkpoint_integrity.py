@@ -13,7 +13,8 @@ step 2, train a third step, damage step2 for real (rank 0, then a barrier), then
   not verified;
 * ``"canzona_checkpoint": {"fallback": true}``: the flipped step2 is skipped, step1 loads
   exactly;
-* a round trip through the engine methods still resumes bit for bit;
+* a round trip through the engine methods still resumes bit for bit; a resume at another
+  DP size (the elastic path) is verified first;
 * a bad ``canzona_checkpoint`` section is an error naming the value.
 """
 from __future__ import annotations
@@ -196,6 +197,42 @@ def test_round_trip_through_engine_methods_is_bit_exact(tmp_path):
     assert man["tag"] == "t2" and man["world_size"] == 2 and man["global_steps"] == 2
     assert (root / "latest").read_text() == "t2"
     assert json.loads((root / "t2" / ck.MANIFEST).read_text()) == man
+
+
+def _save_at_dp2(rank, world, root):
+    _, _, engine = run_engine(rank, world, ds_config(world, micro=MICRO), 2)
+    engine.save_checkpoint(root, tag="step2")
+    return params_of(engine.module)
+
+
+def _elastic_load_at_dp1(rank, world, intact, damaged):
+    engine = _engine(world, {})
+    try:
+        engine.load_checkpoint(damaged)
+        refused = None
+    except ck.CheckpointError as e:
+        refused = (str(e), e.problems)
+    path, _ = engine.load_checkpoint(intact)
+    return dict(refused=refused, path=path, params=params_of(engine.module))
+
+
+def test_elastic_resume_is_verified_first(tmp_path):
+    """Saved at DP=2, loaded at DP=1 (integration/elastic.py reads every optimizer file): a
+    flipped optimizer file is refused by name before the elastic reader sees it; the intact
+    checkpoint verifies and resumes exactly."""
+    import shutil
+
+    intact, damaged = tmp_path / "intact", tmp_path / "damaged"
+    saved = run_distributed(_save_at_dp2, 2, str(intact), timeout=300)[0]
+    shutil.copytree(intact, damaged)
+    flip_middle(damaged / "step2" / OPT1)
+    r = run_distributed(_elastic_load_at_dp1, 1, str(intact), str(damaged), timeout=300)[0]
+    assert r["refused"] is not None, "the damaged checkpoint loaded"
+    msg, problems = r["refused"]
+    assert OPT1 in msg and "sha256 mismatch" in msg and [p[0] for p in problems] == [OPT1], msg
+    assert "step2" in r["path"]
+    for n, v in saved.items():
+        np.testing.assert_array_equal(r["params"][n], v, err_msg=n)
 
 
 @pytest.mark.parametrize("section,exc,text", [
