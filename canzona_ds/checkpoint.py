@@ -509,7 +509,8 @@ def published_tags(load_dir: str) -> list[str]:
 
 
 def load_order(load_dir: str, tag: str | None, fallback: bool) -> dict:
-    """Rank 0: which tags to try, in order, and why (a note) -- broadcast to every rank."""
+    """Rank 0: which tags to try, in order, why (a note), and the tag asked for (given or named
+    by ``latest``; None when there is none) -- broadcast to every rank."""
     if not os.path.isdir(load_dir):
         return {"order": [], "note": f"no checkpoint directory {load_dir!r}"}
     tags = published_tags(load_dir)
@@ -529,7 +530,7 @@ def load_order(load_dir: str, tag: str | None, fallback: bool) -> dict:
         else:
             note = f"no {LATEST!r} file in {load_dir!r}: trying the newest published tags{unfinished}"
     order = ([tag] if tag is not None else []) + ([t for t in tags if t != tag] if fallback else [])
-    return {"order": order, "note": note}
+    return {"order": order, "note": note, "requested": tag}
 
 
 UNVERIFIED_MODES = ("refuse", "load")
@@ -553,10 +554,11 @@ def load(engine, load_dir: str, tag: str | None = None, fallback: bool = False, 
     ``loader`` replaces the DeepSpeed load of the verified tag (see the module doc).
     ``load_kwargs`` go to ``engine.load_checkpoint``.  A checkpoint that verifies but that
     DeepSpeed cannot load (e.g. another DP size) raises DeepSpeed's error: not corruption,
-    so no fallback.  ``unverified``: what a tag directory without a manifest (written by
-    DeepSpeed alone, or before manifests existed) is: ``"refuse"`` (not verifiable, an error
-    or a fallback) or ``"load"`` (loaded as it is, rank 0 logging once that it was not
-    verified; ``LoadResult.manifest`` is then None)."""
+    so no fallback.  ``unverified``: what the tag asked for (``tag``, or the one ``latest``
+    names) is when its directory has no manifest (written by DeepSpeed alone, or before
+    manifests existed): ``"refuse"`` (not verifiable: an error, or a fallback) or ``"load"``
+    (loaded as it is, rank 0 logging once that it was not verified; ``LoadResult.manifest``
+    is then None).  A fallback candidate needs a manifest either way."""
     _check_mode(verify)
     if unverified not in UNVERIFIED_MODES:
         raise ValueError(f"Invalid unverified={unverified!r}. Allowed: {list(UNVERIFIED_MODES)}")
@@ -568,7 +570,9 @@ def load(engine, load_dir: str, tag: str | None = None, fallback: bool = False, 
     skipped = []
     for cand in plan["order"]:
         try:
-            manifest = verify_collective(load_dir, cand, verify, missing_manifest_ok=unverified == "load")
+            # only the tag asked for may load unverified: a fallback must be known to be intact
+            manifest = verify_collective(load_dir, cand, verify,
+                                         missing_manifest_ok=unverified == "load" and cand == plan["requested"])
         except CheckpointError as e:
             if not fallback:
                 raise
@@ -584,8 +588,9 @@ def load(engine, load_dir: str, tag: str | None = None, fallback: bool = False, 
         with engine_hooks_off():  # verified here: the engine's load_checkpoint must not verify again
             path, client_state = (loader or deepspeed_load)(engine, load_dir, cand, manifest, **load_kwargs)
         if path is None:
-            raise CheckpointError(f"checkpoint {os.path.join(load_dir, cand)} verified but DeepSpeed loaded nothing "
-                                  "from it", os.path.join(load_dir, cand))
+            raise CheckpointError(f"checkpoint {os.path.join(load_dir, cand)} "
+                                  f"{'verified but ' if manifest is not None else ''}DeepSpeed loaded nothing from it",
+                                  os.path.join(load_dir, cand))
         return LoadResult(path, client_state, tag=cand, skipped=skipped, note=plan["note"], manifest=manifest)
     listing = "; ".join(f"{t}: {r}" for t, r in skipped)
     partials = sorted(n for n in os.listdir(load_dir) if n.endswith(PARTIAL)) if os.path.isdir(load_dir) else []

@@ -12,7 +12,7 @@ step 2, train a third step, damage step2 for real (rank 0, then a barrier), then
 * step2 saved by DeepSpeed alone (no manifest): loads, rank 0 logs exactly once that it was
   not verified;
 * ``"canzona_checkpoint": {"fallback": true}``: the flipped step2 is skipped, step1 loads
-  exactly;
+  exactly (but never a step1 without a manifest);
 * a round trip through the engine methods still resumes bit for bit; a resume at another
   DP size (the elastic path) is verified first;
 * a bad ``canzona_checkpoint`` section is an error naming the value.
@@ -83,7 +83,15 @@ def _step(engine, rank, x, y) -> None:
     engine.step()
 
 
-def _scenario(rank, world, root, fault, extra, plain_step2):
+def _save(engine, root, tag, step, plain):
+    if plain:  # DeepSpeed's own save, as without canzona_ds: no manifest
+        with ck.engine_hooks_off():
+            engine.save_checkpoint(root, tag=tag, client_state={"step": step})
+    else:
+        engine.save_checkpoint(root, tag=tag, client_state={"step": step})
+
+
+def _scenario(rank, world, root, fault, extra, plain):
     import torch.distributed as dist
 
     records = _Records()
@@ -92,14 +100,10 @@ def _scenario(rank, world, root, fault, extra, plain_step2):
     engine = _engine(world, extra)
     data = batches(3, MICRO * world)
     _step(engine, rank, *data[0])
-    engine.save_checkpoint(root, tag="step1", client_state={"step": 1})
+    _save(engine, root, "step1", 1, "step1" in plain)
     p1 = params_of(engine.module)
     _step(engine, rank, *data[1])
-    if plain_step2:  # DeepSpeed's own save, as without canzona_ds: no manifest
-        with ck.engine_hooks_off():
-            engine.save_checkpoint(root, tag="step2", client_state={"step": 2})
-    else:
-        engine.save_checkpoint(root, tag="step2", client_state={"step": 2})
+    _save(engine, root, "step2", 2, "step2" in plain)
     p2 = params_of(engine.module)
     _step(engine, rank, *data[2])  # the engine moves away from both checkpoints
     if rank == 0:
@@ -115,8 +119,9 @@ def _scenario(rank, world, root, fault, extra, plain_step2):
     return out
 
 
-def run_scenario(tmp_path, fault: str, extra: dict | None = None, plain_step2: bool = False) -> list[dict]:
-    return run_distributed(_scenario, 2, str(tmp_path / "ckpt"), fault, extra or {}, plain_step2, timeout=300)
+def run_scenario(tmp_path, fault: str, extra: dict | None = None, plain: tuple = ()) -> list[dict]:
+    """``plain``: the tags saved by DeepSpeed alone (no manifest)."""
+    return run_distributed(_scenario, 2, str(tmp_path / "ckpt"), fault, extra or {}, plain, timeout=300)
 
 
 def _assert_refused(res: list[dict], fname: str, words: str) -> None:
@@ -142,8 +147,13 @@ def test_missing_file_refused_naming_it(tmp_path):
     _assert_refused(res, OPT0, "missing")
 
 
+def test_size_mode_refuses_a_truncated_file(tmp_path):
+    res = run_scenario(tmp_path, "truncate_optim", extra={"canzona_checkpoint": {"verify": "size"}})
+    _assert_refused(res, OPT1, "size mismatch")
+
+
 def test_checkpoint_without_manifest_loads_with_one_notice(tmp_path):
-    res = run_scenario(tmp_path, "none", plain_step2=True)
+    res = run_scenario(tmp_path, "none", plain=("step2",))
     for r in res:
         assert ck.MANIFEST not in r["files"], r["files"]
         path, step, params = r["loaded"]
@@ -166,6 +176,16 @@ def test_fallback_to_newest_intact_tag_when_opted_in(tmp_path):
         assert any(not np.array_equal(r["p1"][n], r["p2"][n]) for n in r["p1"])  # step 1 != step 2
     skips = [m for m in res[0]["log"] if "skipping" in m]
     assert len(skips) == 1 and MODEL in skips[0] and "sha256 mismatch" in skips[0], res[0]["log"]
+
+
+def test_fallback_never_loads_a_tag_without_manifest(tmp_path):
+    """Only the tag asked for may load unverified; a fallback candidate must verify."""
+    res = run_scenario(tmp_path, "flip_model_states", extra={"canzona_checkpoint": {"fallback": True}},
+                       plain=("step1",))
+    assert res[0].get("refused") == res[1].get("refused")
+    msg, problems = res[0]["refused"]
+    assert msg.startswith("no intact checkpoint in "), msg
+    assert f"step2: {MODEL}: sha256 mismatch" in msg and f"step1: {ck.MANIFEST}: missing" in msg, msg
 
 
 def _round_trip(rank, world, root):
