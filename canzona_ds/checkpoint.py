@@ -295,7 +295,8 @@ def hash_files(directory: str) -> list[dict]:
 
     names = _on_rank0(listing, f"listing {directory}")
     rank, world = _rank_world()
-    mine = {names[i]: sha256_file(os.path.join(directory, names[i]), fsync=True) for i in range(rank, len(names), world)}
+    mine = {names[i]: sha256_file(os.path.join(directory, names[i]), fsync=True)
+            for i in range(rank, len(names), world)}
     digests = {}
     for part in _all_gather(mine):
         digests.update(part)

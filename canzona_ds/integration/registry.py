@@ -24,6 +24,7 @@ checks trip over it (e.g. ``params`` given as a list).
 """
 from __future__ import annotations
 
+import functools
 import json
 
 import torch
@@ -319,6 +320,7 @@ def install() -> None:
         return stock_load(self, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
                           load_module_only, custom_load_fn)
 
+    @functools.wraps(stock_load)
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
         kwargs = dict(load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
@@ -329,6 +331,7 @@ def install() -> None:
             return checkpoint_hooks.load_checkpoint(self, load_unverified, load_dir, tag, **kwargs)
         return load_unverified(self, load_dir, tag, **kwargs)
 
+    @functools.wraps(stock_save)
     def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 - DeepSpeed's
                         exclude_frozen_parameters=False):
         if canzona_optimizer(self) is not None and engine_hooks_on():
