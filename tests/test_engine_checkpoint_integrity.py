@@ -14,7 +14,8 @@ step 2, train a third step, damage step2 for real (rank 0, then a barrier), then
 * ``"canzona_checkpoint": {"fallback": true}``: the flipped step2 is skipped, step1 loads
   exactly (but never a step1 without a manifest);
 * a round trip through the engine methods still resumes bit for bit; a resume at another
-  DP size (the elastic path) is verified first;
+  DP size (the elastic path) is verified first; `latest` moves only once the manifest is
+  written; an engine with another optimizer keeps DeepSpeed's own methods;
 * a bad ``canzona_checkpoint`` section is an error naming the value.
 """
 from __future__ import annotations
@@ -217,6 +218,51 @@ def test_round_trip_through_engine_methods_is_bit_exact(tmp_path):
     assert man["tag"] == "t2" and man["world_size"] == 2 and man["global_steps"] == 2
     assert (root / "latest").read_text() == "t2"
     assert json.loads((root / "t2" / ck.MANIFEST).read_text()) == man
+
+
+def _manifest_write_fails(rank, world, root):
+    root = Path(root)
+    engine = _engine(world, {})
+    data = batches(2, MICRO * world)
+    _step(engine, rank, *data[0])
+    engine.save_checkpoint(root, tag="step1")
+    _step(engine, rank, *data[1])
+    real = ck.write_atomic
+
+    def full(path, data):
+        raise OSError(28, "No space left on device (injected)")
+
+    ck.write_atomic = full  # rank 0 cannot write the manifest of step2
+    try:
+        engine.save_checkpoint(root, tag="step2")
+        error = None
+    except ck.CheckpointError as e:
+        error = str(e)
+    finally:
+        ck.write_atomic = real
+    return dict(error=error, latest=(root / "latest").read_text(), files=sorted(os.listdir(root / "step2")))
+
+
+def test_latest_is_written_only_after_the_manifest(tmp_path):
+    """A save whose manifest cannot be written raises on every rank and leaves `latest` on the
+    previous tag (DeepSpeed alone would already point it at the new one)."""
+    res = run_distributed(_manifest_write_fails, 2, str(tmp_path / "ckpt"), timeout=300)
+    for r in res:
+        assert r["error"] is not None and "No space left on device (injected)" in r["error"], r["error"]
+        assert r["latest"] == "step1"
+        assert ck.MANIFEST not in r["files"]
+
+
+def _other_optimizer(rank, world, root):
+    _, _, engine = run_engine(rank, world, ds_config(world, optimizer={"type": "AdamW", "params": {"lr": 1e-3}}), 1)
+    engine.save_checkpoint(root, tag="step1")
+    path, _ = engine.load_checkpoint(root)
+    return dict(files=sorted(os.listdir(Path(root) / "step1")), path=path)
+
+
+def test_engines_with_other_optimizers_are_untouched(tmp_path):
+    r = run_distributed(_other_optimizer, 1, str(tmp_path / "ckpt"), timeout=300)[0]
+    assert ck.MANIFEST not in r["files"] and "step1" in r["path"]
 
 
 def _save_at_dp2(rank, world, root):
