@@ -54,6 +54,13 @@ Verification cost: sha256 runs at ~0.5-1 GB/s per core (docs/main_job.md has the
 measured on this machine); ``verify="size"`` checks presence and byte sizes only (about
 free, but blind to overwritten bytes).
 
+The engine methods: after ``import canzona_ds``, ``engine.save_checkpoint`` of an engine
+running a Canzona type writes the same manifest (:func:`hash_files` + :func:`write_manifest`,
+then ``latest``) and its ``engine.load_checkpoint`` verifies through :func:`load` with
+``unverified="load"`` (integration/checkpoint_hooks.py).  :func:`save` and :func:`load` turn
+those hooks off around their own engine calls (:func:`engine_hooks_off`): nothing is hashed
+or verified twice, and a ``.partial`` directory gets no manifest of its own.
+
 Elastic loading hook: everything that happens after a checkpoint verified is one call,
 ``loader(engine, load_dir, tag, manifest, **load_kwargs) -> (path, client_state)``
 (default :func:`deepspeed_load`, i.e. ``engine.load_checkpoint``).  The manifest carries
@@ -62,6 +69,8 @@ them.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import json
 import logging
@@ -79,6 +88,27 @@ VERIFY_MODES = ("sha256", "size")
 _CHUNK = 1 << 20
 
 logger = logging.getLogger(__name__)
+
+#: False while this module drives ``engine.save_checkpoint`` / ``load_checkpoint`` itself: the
+#: engine-level hooks of a Canzona engine (integration/checkpoint_hooks.py) then neither write
+#: a manifest (``save`` writes its own, for the published tag) nor verify (``load`` just did)
+_ENGINE_HOOKS = contextvars.ContextVar("canzona_ds_engine_checkpoint_hooks", default=True)
+
+
+@contextlib.contextmanager
+def engine_hooks_off():
+    """Within: a Canzona engine's ``save_checkpoint`` / ``load_checkpoint`` are DeepSpeed's own
+    (plus the elastic path), no manifest written, nothing verified."""
+    token = _ENGINE_HOOKS.set(False)
+    try:
+        yield
+    finally:
+        _ENGINE_HOOKS.reset(token)
+
+
+def engine_hooks_on() -> bool:
+    """False inside :func:`engine_hooks_off`."""
+    return _ENGINE_HOOKS.get()
 
 
 class CheckpointError(ValueError):
@@ -118,6 +148,7 @@ class LoadResult:
     skipped: list = field(default_factory=list)
     #: why nothing was loaded, or a remark (e.g. no ``latest`` file)
     note: str | None = None
+    #: None when a checkpoint without a manifest was loaded unverified (``unverified="load"``)
     manifest: dict | None = None
 
     def __iter__(self):
@@ -249,6 +280,50 @@ def _check_tag(tag) -> str:
     return tag
 
 
+# ----------------------------------------------------------------------------- manifest
+def hash_files(directory: str) -> list[dict]:
+    """``[{"path", "bytes", "sha256"}, ...]`` of every file under ``directory`` (a checkpoint
+    DeepSpeed has just written; the manifest excluded), each file fsynced (collective: rank 0
+    lists, the files are split over the ranks, the entries all-gathered)."""
+    _barrier()  # every rank's files are written
+
+    def listing():
+        names = _list_files(directory)
+        if not names:
+            raise CheckpointError(f"DeepSpeed wrote no files into {directory}: nothing to publish", directory)
+        return names
+
+    names = _on_rank0(listing, f"listing {directory}")
+    rank, world = _rank_world()
+    mine = {names[i]: sha256_file(os.path.join(directory, names[i]), fsync=True)
+            for i in range(rank, len(names), world)}
+    digests = {}
+    for part in _all_gather(mine):
+        digests.update(part)
+    return [{"path": n, "bytes": digests[n][0], "sha256": digests[n][1]} for n in names]
+
+
+def write_manifest(engine, directory: str, tag: str, files: list[dict]) -> dict:
+    """Write ``directory/canzona_manifest.json`` for ``files`` (:func:`hash_files`) atomically,
+    after fsyncing the directory tree (one process: rank 0).  Returns the manifest."""
+    import deepspeed
+    import torch
+
+    from canzona_ds import __version__
+
+    manifest = {
+        "format": FORMAT, "tag": str(tag), "created_unix_ns": time.time_ns(),
+        "global_steps": getattr(engine, "global_steps", None),
+        "world_size": _rank_world()[1], "dp_world_size": getattr(engine, "dp_world_size", None),
+        "canzona_ds_version": __version__, "deepspeed_version": deepspeed.__version__,
+        "torch_version": torch.__version__, "files": files, "files_sha256": _files_digest(files),
+    }
+    for dirpath, _, _ in os.walk(directory):
+        _fsync_dir(dirpath)
+    write_atomic(os.path.join(directory, MANIFEST), json.dumps(manifest, indent=1))
+    return manifest
+
+
 # ----------------------------------------------------------------------------- save
 def save(engine, save_dir: str, tag: str, client_state: dict | None = None, latest: bool = True) -> str:
     """Save ``engine`` to ``save_dir/<tag>`` atomically with a manifest (collective).
@@ -262,7 +337,6 @@ def save(engine, save_dir: str, tag: str, client_state: dict | None = None, late
         raise ValueError("canzona_ds.checkpoint.save needs a synchronous DeepSpeed checkpoint engine: a decoupled "
                          "(asynchronous) one may still be writing when save_checkpoint returns, so the manifest "
                          "could describe half-written files.")
-    rank, world = _rank_world()
     partial = os.path.join(save_dir, tag + PARTIAL)
     final = os.path.join(save_dir, tag)
 
@@ -271,40 +345,12 @@ def save(engine, save_dir: str, tag: str, client_state: dict | None = None, late
         _rmtree(partial)  # a stale save of this tag interrupted by a crash
 
     _on_rank0(prepare, f"preparing {partial}")
-    engine.save_checkpoint(save_dir, tag=tag + PARTIAL, client_state=dict(client_state or {}), save_latest=False)
-    _barrier()
-
-    def listing():
-        names = _list_files(partial)
-        if not names:
-            raise CheckpointError(f"DeepSpeed wrote no files into {partial}: nothing to publish", partial)
-        return names
-
-    names = _on_rank0(listing, f"listing {partial}")
-    mine = {}
-    for i in range(rank, len(names), world):
-        mine[names[i]] = sha256_file(os.path.join(partial, names[i]), fsync=True)
-    digests = {}
-    for part in _all_gather(mine):
-        digests.update(part)
+    with engine_hooks_off():  # DeepSpeed's own save: the manifest is written below, for `tag`
+        engine.save_checkpoint(save_dir, tag=tag + PARTIAL, client_state=dict(client_state or {}), save_latest=False)
+    files = hash_files(partial)
 
     def publish():
-        import deepspeed
-        import torch
-
-        from canzona_ds import __version__
-
-        files = [{"path": n, "bytes": digests[n][0], "sha256": digests[n][1]} for n in names]
-        manifest = {
-            "format": FORMAT, "tag": tag, "created_unix_ns": time.time_ns(),
-            "global_steps": getattr(engine, "global_steps", None),
-            "world_size": world, "dp_world_size": getattr(engine, "dp_world_size", None),
-            "canzona_ds_version": __version__, "deepspeed_version": deepspeed.__version__,
-            "torch_version": torch.__version__, "files": files, "files_sha256": _files_digest(files),
-        }
-        for dirpath, _, _ in os.walk(partial):
-            _fsync_dir(dirpath)
-        write_atomic(os.path.join(partial, MANIFEST), json.dumps(manifest, indent=1))
+        write_manifest(engine, partial, tag, files)
         aside = None
         if os.path.lexists(final):
             aside = final + REPLACED
@@ -408,11 +454,17 @@ def verify(save_dir: str, tag: str, mode: str = "sha256") -> dict:
     return manifest
 
 
-def _verify_collective(load_dir: str, tag: str, mode: str) -> dict:
-    """:func:`verify` shared by the ranks, same verdict on every rank (see module doc)."""
+def verify_collective(load_dir: str, tag: str, mode: str = "sha256", missing_manifest_ok: bool = False) -> dict | None:
+    """:func:`verify` shared by the ranks, same verdict on every rank (see module doc).
+
+    ``missing_manifest_ok``: a tag directory without a manifest returns None (nothing to
+    verify against) instead of raising."""
+    _check_mode(mode)
     path = os.path.join(load_dir, tag)
 
     def structure():
+        if missing_manifest_ok and os.path.isdir(path) and not os.path.lexists(os.path.join(path, MANIFEST)):
+            return None
         manifest = read_manifest(load_dir, tag)
         problems = _structure_problems(path, manifest)
         if problems:
@@ -420,7 +472,7 @@ def _verify_collective(load_dir: str, tag: str, mode: str) -> dict:
         return manifest
 
     manifest = _on_rank0(structure, f"verifying {path}")
-    if mode == "sha256":
+    if manifest is not None and mode == "sha256":
         rank, world = _rank_world()
         entries = manifest["files"]
         mine = {i: p for i in range(rank, len(entries), world) if (p := _digest_problem(path, entries[i]))}
@@ -457,8 +509,9 @@ def published_tags(load_dir: str) -> list[str]:
     return tags
 
 
-def _plan(load_dir: str, tag: str | None, fallback: bool) -> dict:
-    """Rank 0: which tags to try, in order, and why (a note) -- broadcast to every rank."""
+def load_order(load_dir: str, tag: str | None, fallback: bool) -> dict:
+    """Rank 0: which tags to try, in order, why (a note), and the tag asked for (given or named
+    by ``latest``; None when there is none) -- broadcast to every rank."""
     if not os.path.isdir(load_dir):
         return {"order": [], "note": f"no checkpoint directory {load_dir!r}"}
     tags = published_tags(load_dir)
@@ -478,11 +531,20 @@ def _plan(load_dir: str, tag: str | None, fallback: bool) -> dict:
         else:
             note = f"no {LATEST!r} file in {load_dir!r}: trying the newest published tags{unfinished}"
     order = ([tag] if tag is not None else []) + ([t for t in tags if t != tag] if fallback else [])
-    return {"order": order, "note": note}
+    return {"order": order, "note": note, "requested": tag}
+
+
+UNVERIFIED_MODES = ("refuse", "load")
+
+
+def _warn0(msg: str, *args) -> None:
+    """A warning logged once, by rank 0 (every rank reaches the same verdict)."""
+    if _rank_world()[0] == 0:
+        logger.warning(msg, *args)
 
 
 def load(engine, load_dir: str, tag: str | None = None, fallback: bool = False, verify: str = "sha256",
-         loader=None, **load_kwargs) -> LoadResult:
+         loader=None, unverified: str = "refuse", **load_kwargs) -> LoadResult:
     """Verify, then load a checkpoint into ``engine`` (collective: every rank calls it).
 
     ``tag=None`` loads the tag named by ``load_dir/latest``.  A checkpoint that fails
@@ -493,27 +555,43 @@ def load(engine, load_dir: str, tag: str | None = None, fallback: bool = False, 
     ``loader`` replaces the DeepSpeed load of the verified tag (see the module doc).
     ``load_kwargs`` go to ``engine.load_checkpoint``.  A checkpoint that verifies but that
     DeepSpeed cannot load (e.g. another DP size) raises DeepSpeed's error: not corruption,
-    so no fallback."""
+    so no fallback.  ``unverified``: what the tag asked for (``tag``, or the one ``latest``
+    names) is when its directory has no manifest (written by DeepSpeed alone, or before
+    manifests existed): ``"refuse"`` (not verifiable: an error, or a fallback) or ``"load"``
+    (loaded as it is, rank 0 logging once that it was not verified; ``LoadResult.manifest``
+    is then None).  A fallback candidate needs a manifest either way."""
     _check_mode(verify)
+    if unverified not in UNVERIFIED_MODES:
+        raise ValueError(f"Invalid unverified={unverified!r}. Allowed: {list(UNVERIFIED_MODES)}")
     load_dir = str(load_dir)
-    plan = _on_rank0(lambda: _plan(load_dir, tag, fallback), f"listing {load_dir}")
+    plan = _on_rank0(lambda: load_order(load_dir, tag, fallback), f"listing {load_dir}")
     if not plan["order"]:
-        logger.warning("canzona_ds.checkpoint: nothing to load: %s", plan["note"])
+        _warn0("canzona_ds.checkpoint: nothing to load: %s", plan["note"])
         return LoadResult(None, None, note=plan["note"])
     skipped = []
     for cand in plan["order"]:
         try:
-            manifest = _verify_collective(load_dir, cand, verify)
+            # only the tag asked for may load unverified: a fallback must be known to be intact
+            manifest = verify_collective(load_dir, cand, verify,
+                                         missing_manifest_ok=unverified == "load" and cand == plan["requested"])
         except CheckpointError as e:
             if not fallback:
                 raise
             skipped.append((cand, e.reason))
-            logger.warning("canzona_ds.checkpoint: skipping %s", e)
+            _warn0("canzona_ds.checkpoint: skipping %s", e)
             continue
-        path, client_state = (loader or deepspeed_load)(engine, load_dir, cand, manifest, **load_kwargs)
+        if manifest is None:
+            _warn0("canzona_ds.checkpoint: %s has no %s (saved by DeepSpeed without canzona_ds, or before "
+                   "canzona_ds wrote manifests): loading it NOT verified", os.path.join(load_dir, cand), MANIFEST)
+        elif skipped:
+            _warn0("canzona_ds.checkpoint: loading %s, the newest intact checkpoint (skipped %s)",
+                   os.path.join(load_dir, cand), [t for t, _ in skipped])
+        with engine_hooks_off():  # verified here: the engine's load_checkpoint must not verify again
+            path, client_state = (loader or deepspeed_load)(engine, load_dir, cand, manifest, **load_kwargs)
         if path is None:
-            raise CheckpointError(f"checkpoint {os.path.join(load_dir, cand)} verified but DeepSpeed loaded nothing "
-                                  "from it", os.path.join(load_dir, cand))
+            raise CheckpointError(f"checkpoint {os.path.join(load_dir, cand)} "
+                                  f"{'verified but ' if manifest is not None else ''}DeepSpeed loaded nothing from it",
+                                  os.path.join(load_dir, cand))
         return LoadResult(path, client_state, tag=cand, skipped=skipped, note=plan["note"], manifest=manifest)
     listing = "; ".join(f"{t}: {r}" for t, r in skipped)
     partials = sorted(n for n in os.listdir(load_dir) if n.endswith(PARTIAL)) if os.path.isdir(load_dir) else []

@@ -10,6 +10,8 @@
     heads.py        per_head_muon: DeepSpeed's own attention-head resolution
     megatron.py     the Megatron-DeepSpeed hook (stage-0 client optimizer, ZeRO x TP routing)
     runtime_info.py what the main job reads from an engine (timers, groups, plans)
+    checkpoint_hooks.py  engine.save/load_checkpoint: manifest written, verified before loading
+    elastic.py      resume a Canzona checkpoint at another DP/TP size
     accelerator.py  asking (and, for tests, widening) the CPU accelerator's capabilities
 
 ``install()`` registers ``"CanzonaMuon"``, ``"CanzonaShampoo"`` and ``"CanzonaSOAP"`` with

@@ -24,6 +24,9 @@ CLASS_MEMBERS: tuple[tuple[str, str], ...] = (
     ("deepspeed.runtime.engine", "DeepSpeedEngine._scheduler_from_config"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine.load_checkpoint"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine.clip_fp32_gradients"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine.save_checkpoint"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine.use_node_local_storage"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine.load_universal_checkpoint"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine.scheduler_name"),
     # engine accessors the integration reads
     ("deepspeed.runtime.engine", "DeepSpeedEngine.optimizer_name"),

@@ -1,17 +1,22 @@
 """ds_config ``"type"`` names -> :class:`~canzona_ds.optim.optimizer.CanzonaOptimizer`; engine patches.
 
 :func:`install` (run by ``import canzona_ds`` as soon as ``deepspeed`` is imported) wraps
-three ``DeepSpeedEngine`` methods on the class; each falls through to the stock code
-unless the optimizer is one of ``OPTIMIZER_TYPES`` ("CanzonaMuon", "CanzonaShampoo",
-"CanzonaSOAP"):
+``DeepSpeedEngine`` methods on the class; each falls through to the stock code unless the
+optimizer is one of ``OPTIMIZER_TYPES`` ("CanzonaMuon", "CanzonaShampoo", "CanzonaSOAP"):
 
 * ``_is_supported_optimizer``: accept our type names (stock: built-ins and ``torch.optim``);
 * ``_configure_basic_optimizer``: build the optimizer from ds_config (:func:`build_optimizer`);
 * ``_configure_zero_optimizer``: build :mod:`canzona_ds.integration.zero`'s subclass instead
   of the stock ``DeepSpeedZeroOptimizer`` (engine.py reads that class from a module global,
-  so the global is swapped for the duration of this one call).
+  so the global is swapped for the duration of this one call);
+* ``_configure_bf16_optimizer``, ``_scheduler_from_config``: keep matrices whole under bf16
+  ZeRO-1, the ds_config's lr split under absolute-lr schedulers;
+* ``save_checkpoint``: a sha256 manifest beside DeepSpeed's files, then ``latest``;
+  ``load_checkpoint``: the manifest verified first (a bad file is a CheckpointError naming
+  it, or the newest intact tag with ``canzona_checkpoint.fallback``), then the elastic path
+  (another DP/TP size) or DeepSpeed's own (integration/checkpoint_hooks.py);
 
-and ``DeepSpeedConfig._do_sanity_check`` validates our optimizer section as soon as DeepSpeed
+and ``DeepSpeedConfig._do_sanity_check`` validates our sections as soon as DeepSpeed
 has parsed the ds_config, so a bad key or value is a clear error before DeepSpeed's own
 checks trip over it (e.g. ``params`` given as a list).
 
@@ -19,11 +24,12 @@ checks trip over it (e.g. ``params`` given as a list).
 """
 from __future__ import annotations
 
+import functools
 
 import torch
 
 from ..optim import OPTIMIZER_TYPES
-from ..optim.config import CanzonaConfig
+from ..optim.config import CanzonaConfig, CheckpointConfig
 from ..optim.optimizer import MATRIX, CanzonaOptimizer
 from .pinned import check_deepspeed
 
@@ -148,15 +154,20 @@ def install() -> None:
     import deepspeed.runtime.engine as engine_mod
     from deepspeed.runtime.zero import utils as zero_utils
 
-    from .zero import zero_optimizer_class
-
     from deepspeed.runtime.config import DeepSpeedConfig
+
+    from ..checkpoint import engine_hooks_on
+    from . import checkpoint_hooks
+    from .runtime_info import canzona_optimizer
+    from .zero import zero_optimizer_class
 
     stock_sanity = DeepSpeedConfig._do_sanity_check
 
     def _do_sanity_check(self):
         if self.optimizer_name in OPTIMIZER_TYPES:
             CanzonaConfig.from_ds(self.optimizer_name, self.optimizer_params, self._param_dict.get(DS_CONFIG_TP_KEY))
+        if checkpoint_hooks.DS_CONFIG_CHECKPOINT_KEY in self._param_dict:
+            CheckpointConfig.from_section(self._param_dict[checkpoint_hooks.DS_CONFIG_CHECKPOINT_KEY])
         return stock_sanity(self)
 
     DeepSpeedConfig._do_sanity_check = _do_sanity_check
@@ -228,8 +239,9 @@ def install() -> None:
         return stock_clip(self)
 
     stock_load = Engine.load_checkpoint
+    stock_save = Engine.save_checkpoint
 
-    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+    def load_unverified(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
         # a Canzona checkpoint written at another DP/TP size (or with another plan) resumes
         # through integration/elastic.py; everything else is DeepSpeed's own load
@@ -241,8 +253,28 @@ def install() -> None:
         return stock_load(self, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
                           load_module_only, custom_load_fn)
 
+    @functools.wraps(stock_load)
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+        kwargs = dict(load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
+                      load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                      custom_load_fn=custom_load_fn)
+        # verified first (canzona_ds.checkpoint.load turns this off: it has just verified)
+        if canzona_optimizer(self) is not None and engine_hooks_on():
+            return checkpoint_hooks.load_checkpoint(self, load_unverified, load_dir, tag, **kwargs)
+        return load_unverified(self, load_dir, tag, **kwargs)
+
+    @functools.wraps(stock_save)
+    def save_checkpoint(self, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006 - DeepSpeed's
+                        exclude_frozen_parameters=False):
+        if canzona_optimizer(self) is not None and engine_hooks_on():
+            return checkpoint_hooks.save_checkpoint(self, stock_save, save_dir, tag, client_state, save_latest,
+                                                    exclude_frozen_parameters)
+        return stock_save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+
     Engine.load_checkpoint = load_checkpoint
     Engine.clip_fp32_gradients = clip_fp32_gradients
+    Engine.save_checkpoint = save_checkpoint
     Engine._configure_bf16_optimizer = _configure_bf16_optimizer
     Engine._scheduler_from_config = _scheduler_from_config
     Engine._is_supported_optimizer = _is_supported_optimizer

@@ -3,6 +3,7 @@
     "optimizer": {"type": "CanzonaMuon" | "CanzonaShampoo" | "CanzonaSOAP",
                   "params": {...}},                      -> CanzonaConfig.from_ds()
     "canzona_tp": {...}                                   -> TPConfig (optional section)
+    "canzona_checkpoint": {...}                           -> CheckpointConfig (optional section)
 
 ``params`` holds three families of keys, every one listed with default, range and meaning
 in docs/config.md (generated from this file and the rule files: ``python -m
@@ -109,6 +110,48 @@ class TPConfig:
         for k, v in section.items():
             if v is None and k != "c_max":
                 raise ValueError(f"Invalid canzona_tp.{k}=None. Give a value or remove the key.")
+        return cls(**dict(section))
+
+
+#: what a Canzona engine's load_checkpoint checks before loading (canzona_checkpoint.verify)
+CHECKPOINT_VERIFY = ("sha256", "size", "off")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """ds_config section ``"canzona_checkpoint"``: integrity of ``engine.save_checkpoint`` /
+    ``engine.load_checkpoint`` on an engine running a Canzona optimizer (docs/checkpoints.md)."""
+
+    #: what load_checkpoint checks against the checkpoint's canzona_manifest.json before loading:
+    #: "sha256" (every byte), "size" (files present with their sizes; blind to overwritten
+    #: bytes), "off" (nothing, DeepSpeed's own load). save_checkpoint writes the manifest in
+    #: every mode
+    verify: str = "sha256"
+    #: when the requested checkpoint fails verification, load the newest intact tag of the same
+    #: directory instead of raising (needs verify "sha256" or "size")
+    fallback: bool = False
+
+    def __post_init__(self) -> None:
+        check_choice("canzona_checkpoint.verify", self.verify, CHECKPOINT_VERIFY)
+        check_bool("canzona_checkpoint.fallback", self.fallback)
+        if self.fallback and self.verify == "off":
+            raise ValueError("Invalid canzona_checkpoint.fallback=true with verify='off': falling back needs "
+                             "verification to tell an intact checkpoint from a corrupt one. Set verify to "
+                             "'sha256' or 'size', or fallback to false.")
+
+    @classmethod
+    def from_section(cls, section: Any) -> "CheckpointConfig":
+        if section is None:
+            return cls()
+        if not isinstance(section, Mapping):
+            raise TypeError(f"Invalid canzona_checkpoint={section!r}. Must be a JSON object of "
+                            f"{sorted(_field_names(cls))}.")
+        unknown = sorted(set(section) - _field_names(cls))
+        if unknown:
+            raise ValueError(f"Unknown canzona_checkpoint key(s) {unknown}. Allowed: {sorted(_field_names(cls))}.")
+        for k, v in section.items():
+            if v is None:
+                raise ValueError(f"Invalid canzona_checkpoint.{k}=None. Give a value or remove the key.")
         return cls(**dict(section))
 
 
@@ -346,6 +389,10 @@ def markdown() -> str:
     lines += ["", "## `canzona_tp` (top-level ds_config section, tensor parallelism)", "",
               "| key | default | meaning |", "|---|---|---|"]
     for d in field_docs(TPConfig):
+        lines.append(f"| `{d.key}` | `{_fmt(d.default)}` | {d.doc} |")
+    lines += ["", "## `canzona_checkpoint` (top-level ds_config section, checkpoint integrity)", "",
+              "| key | default | meaning |", "|---|---|---|"]
+    for d in field_docs(CheckpointConfig):
         lines.append(f"| `{d.key}` | `{_fmt(d.default)}` | {d.doc} |")
     return "\n".join(lines) + "\n"
 
