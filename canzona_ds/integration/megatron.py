@@ -204,11 +204,11 @@ def _wrap_deepspeed_initialize(deepspeed_module) -> None:
             return original(*args, **kwargs)
         if args:
             raise TypeError("patched deepspeed.initialize: pass arguments by keyword (as Megatron-DeepSpeed does)")
-        if kwargs.get("mpu") is None:
+        if kwargs.get("mpu") is None and not _is_pipeline_module(kwargs.get("model")):
             raise ValueError(
-                "Canzona ZeRO x TP through Megatron-DeepSpeed needs the mpu in deepspeed.initialize: with "
-                "--no-pipeline-parallel Megatron-DeepSpeed passes its mpu; with pipeline parallelism DeepSpeed takes "
-                "the PipelineModule's grid, so pass mpu=model.mpu()")
+                "Canzona ZeRO x TP through Megatron-DeepSpeed needs the process groups: pass mpu= to "
+                "deepspeed.initialize (Megatron-DeepSpeed does with --no-pipeline-parallel) or a PipelineModule "
+                "(with pipeline parallelism DeepSpeed takes its grid)")
         from . import install
 
         install()
@@ -221,6 +221,16 @@ def _wrap_deepspeed_initialize(deepspeed_module) -> None:
     initialize._canzona_patched = True
     initialize._canzona_original = original
     deepspeed_module.initialize = initialize
+
+
+def _is_pipeline_module(model) -> bool:
+    """Megatron-DeepSpeed with pipeline parallelism passes its PipelineModule and no mpu:
+    DeepSpeed then takes the module's grid (data, pipe and slice = tensor groups)."""
+    try:
+        from deepspeed.pipe import PipelineModule
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(model, PipelineModule)
 
 
 def patch_megatron_training(training_module=None, get_args: Callable | None = None, mpu=None,

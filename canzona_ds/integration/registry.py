@@ -92,12 +92,28 @@ def elastic_needed(engine, load_dir, tag) -> bool:
         sizes = checkpoint_size(load_dir, tag)
     except ElasticError:
         return False
-    if sizes != (opt.groups.dp_size, opt.tp_size):
+    # DeepSpeed numbers optimizer files by the mpu's model-parallel rank, which spans the pipeline
+    # stages and the TP shards (a pipeline grid's model-parallel group is pipe x slice)
+    if sizes != (opt.groups.dp_size, opt.groups.tp_size * opt.groups.pp_size):
         return True
-    first = sorted(f for f in os.listdir(os.path.join(load_dir, tag)) if OPTIM_FILE.search(f))[0]
-    saved = torch.load(os.path.join(load_dir, tag, first), map_location="cpu", weights_only=False)
-    meta = saved["optimizer_state_dict"].get(LAYOUT_KEY) or {}
-    return meta.get("fingerprint") != engine.optimizer.canzona_layout_meta()["fingerprint"]
+    # this rank's own file (under pipeline parallelism each stage has its own layout); the
+    # verdict is shared so that every rank takes the same load path
+    mp_rank = engine.mpu.get_model_parallel_rank() if getattr(engine, "mpu", None) is not None else 0
+    own = [f for f in os.listdir(os.path.join(load_dir, tag)) if (m := OPTIM_FILE.search(f))
+           and (int(m.group(1)), int(m.group(2))) == (opt.groups.dp_rank, mp_rank)]
+    differs = True
+    if own:
+        saved = torch.load(os.path.join(load_dir, tag, own[0]), map_location="cpu", weights_only=False)
+        meta = saved["optimizer_state_dict"].get(LAYOUT_KEY) or {}
+        differs = meta.get("fingerprint") != engine.optimizer.canzona_layout_meta()["fingerprint"]
+    import torch.distributed as tdist
+    from deepspeed.accelerator import get_accelerator
+
+    if tdist.is_initialized():
+        flag = torch.tensor([1.0 if differs else 0.0], device=get_accelerator().current_device_name())
+        tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
+        differs = bool(flag.item())
+    return differs
 
 
 def _named_parameters(engine, model_parameters) -> list:
