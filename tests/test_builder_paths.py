@@ -1,0 +1,88 @@
+"""Every path that builds a Canzona optimizer goes through the one builder (integration/builder.py),
+so every path gets the settings agreement, the config checks and per-head tagging.
+
+The Megatron-DeepSpeed stage-0 hook once built its optimizer itself and never applied
+``per_head_muon``: a TP=2 attention block built through the hook must be tagged per head and
+update each head as its own matrix, exactly as the single-process per-head reference does."""
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import torch
+
+from canzona_ds.testing.dist import run_distributed
+
+HEADS, KV_HEADS, HEAD_DIM, HIDDEN, TP = 4, 2, 8, 6, 2
+SHAPES = {"q_proj.weight": (HEADS * HEAD_DIM, HIDDEN), "k_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
+          "v_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN), "o_proj.weight": (HIDDEN, HEADS * HEAD_DIM)}
+SPLIT_DIM = {"q_proj.weight": 0, "k_proj.weight": 0, "v_proj.weight": 0, "o_proj.weight": 1}
+PARAMS = {"lr": 0.02, "adam_lr": 0.01, "momentum": 0.9, "weight_decay": 0.1, "per_head_muon": True}
+
+
+def _full(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
+
+
+def _shard(t: torch.Tensor, name: str, rank: int) -> torch.Tensor:
+    return t.chunk(TP, dim=SPLIT_DIM[name])[rank].clone()
+
+
+def _hook_worker(rank, world, per_head):
+    from canzona_ds.integration.megatron import patch_megatron_training
+    from canzona_ds.testing import megatron_standin as ms
+
+    ms.initialize_model_parallel(TP)
+    block = torch.nn.Module()
+    block.config = types.SimpleNamespace(num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, hidden_size=HIDDEN,
+                                         head_dim=HEAD_DIM, model_type="llama")
+    block.q_proj = ms.ColumnParallelLinear(HIDDEN, HEADS * HEAD_DIM)
+    block.k_proj = ms.ColumnParallelLinear(HIDDEN, KV_HEADS * HEAD_DIM)
+    block.v_proj = ms.ColumnParallelLinear(HIDDEN, KV_HEADS * HEAD_DIM)
+    block.o_proj = ms.RowParallelLinear(HEADS * HEAD_DIM, HIDDEN)
+    init = _full(0)
+    with torch.no_grad():
+        for n, p in block.named_parameters():
+            p.copy_(_shard(init[n], n, rank))
+    ds = {"optimizer": {"type": "CanzonaMuon", "params": dict(PARAMS, per_head_muon=per_head)},
+          "zero_optimization": {"stage": 0}, "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0}
+    training = types.SimpleNamespace(get_megatron_optimizer=lambda model, *a, **k: "megatron's own optimizer")
+    patch_megatron_training(training, get_args=lambda: types.SimpleNamespace(deepspeed_config_dict=ds), mpu=ms.mpu)
+    opt = training.get_megatron_optimizer([block])
+    for step in range(2):
+        grads = _full(100 + step)
+        for n, p in block.named_parameters():
+            p.grad = _shard(grads[n], n, rank)
+        opt.step()
+    return {"heads": {n: i.num_heads for n, i in opt.infos.items()},
+            "params": {n: p.detach().numpy().copy() for n, p in block.named_parameters()}}
+
+
+def _reference(per_head: bool) -> dict[str, np.ndarray]:
+    from canzona_ds.optim.config import CanzonaConfig
+    from canzona_ds.optim.reference import ReferenceOptimizer
+
+    torch.set_num_threads(1)
+    params = {n: torch.nn.Parameter(t) for n, t in _full(0).items()}
+    heads = {"q_proj.weight": HEADS, "k_proj.weight": KV_HEADS, "v_proj.weight": KV_HEADS}
+    for n, p in params.items():
+        p.muon_num_heads = heads.get(n) if per_head else None
+    opt = ReferenceOptimizer(params.items(), CanzonaConfig.from_ds("CanzonaMuon", dict(PARAMS, per_head_muon=per_head)))
+    for step in range(2):
+        for n, g in _full(100 + step).items():
+            params[n].grad = g
+        opt.step()
+    return {n: p.detach().numpy() for n, p in params.items()}
+
+
+def test_megatron_stage0_hook_applies_per_head_muon():
+    res = run_distributed(_hook_worker, TP, True)
+    assert res[0]["heads"] == {"q_proj.weight": HEADS, "k_proj.weight": KV_HEADS, "v_proj.weight": KV_HEADS,
+                               "o_proj.weight": None}
+    ref = _reference(per_head=True)
+    for n in SHAPES:
+        got = np.concatenate([res[r]["params"][n] for r in range(TP)], axis=SPLIT_DIM[n])
+        np.testing.assert_array_equal(got, ref[n], err_msg=n)
+    whole = _reference(per_head=False)
+    assert max(float(np.abs(ref[n] - whole[n]).max()) for n in SHAPES) > 1e-4  # per-head is another update
