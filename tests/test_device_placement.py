@@ -96,6 +96,6 @@ def test_step_code_has_no_host_round_trip():
     root = Path(__file__).resolve().parents[1] / "canzona_ds"
     sync = re.compile(r"\.(item|cpu|tolist)\(\)")
     found = [f"{path.relative_to(root)}:{i}: {line.strip()}"
-             for pkg in ("optim", "tp", "integration") for path in sorted((root / pkg).rglob("*.py"))
+             for pkg in ("optim", "placement", "tp", "integration") for path in sorted((root / pkg).rglob("*.py"))
              for i, line in enumerate(path.read_text().splitlines(), 1) if sync.search(line)]
     assert not found, "host round trips in the step's code:\n" + "\n".join(found)

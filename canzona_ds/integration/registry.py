@@ -107,12 +107,11 @@ def elastic_needed(engine, load_dir, tag) -> bool:
         meta = saved["optimizer_state_dict"].get(LAYOUT_KEY) or {}
         differs = meta.get("fingerprint") != engine.optimizer.canzona_layout_meta()["fingerprint"]
     import torch.distributed as tdist
-    from deepspeed.accelerator import get_accelerator
 
-    if tdist.is_initialized():
-        flag = torch.tensor([1.0 if differs else 0.0], device=get_accelerator().current_device_name())
-        tdist.all_reduce(flag, op=tdist.ReduceOp.MAX)
-        differs = bool(flag.item())
+    if tdist.is_initialized():  # a load-time decision every rank must share (host objects, not the step)
+        verdicts = [None] * tdist.get_world_size()
+        tdist.all_gather_object(verdicts, differs)
+        differs = any(verdicts)
     return differs
 
 
