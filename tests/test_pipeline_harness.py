@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from canzona_ds.planning.params import default_is_matrix
 from canzona_ds.testing.dist import run_distributed
 from canzona_ds.testing.models import ds_config
 from canzona_ds.testing.pipeline import (CANONICAL, ReferenceDecoder, canonical_name, merge_stages,
@@ -61,10 +62,14 @@ def test_pipeline_adamw_equals_reference(world, pp, stage, tied):
     stages = {r["stage"] for r in results}
     assert stages == set(range(pp)) and {r["dp_rank"] for r in results} == set(range(world // pp))
     # the tied weight lives on the first and last stage; only the last stage's copy is replicated
+    tie = "tied_modules.embed.embed.weight"
     for r in results:
-        holds_tie = "tied_modules.embed.weight" in r["names"]
-        assert holds_tie == (tied and r["stage"] in (0, pp - 1))
-        assert r["replicated"] == (["tied_modules.embed.weight"] if tied and r["stage"] == pp - 1 else [])
+        assert (tie in r["names"]) == (tied and r["stage"] in (0, pp - 1))
+        assert r["replicated"] == ([tie] if tied and r["stage"] == pp - 1 else [])
+        # a stage name gets the role its canonical name gets from the default matrix filter
+        for stage_name, name in r["names"].items():
+            shape = r["params"][name].shape
+            assert default_is_matrix(stage_name, shape) == default_is_matrix(name, shape), stage_name
 
 
 def test_tied_shared_parameter_order_differs_by_rounding():
@@ -83,8 +88,9 @@ def test_reference_names_are_canonical():
     assert set(untied) - set(tied) == {"head.weight"}
     assert {".".join(n.split(".")[:-2]) for n in untied if n.startswith("blocks.")} == {
         m for m in CANONICAL if m.startswith("blocks")}
-    assert canonical_name("tied_modules.embed.weight") == "embed.weight"
-    assert canonical_name("3.fc1.weight") == "blocks.2.fc1.weight" and canonical_name("6.weight") == "head.weight"
+    assert canonical_name("tied_modules.embed.embed.weight") == "embed.weight"
+    assert canonical_name("0.embed.weight") == "embed.weight" and canonical_name("5.norm.bias") == "norm.bias"
+    assert canonical_name("3.fc1.weight") == "blocks.2.fc1.weight" and canonical_name("6.head.weight") == "head.weight"
     shapes = {tuple(untied[f"blocks.{i}.fc1.weight"].shape) for i in range(4)}
     assert len(shapes) == 2  # blocks differ in shape
 

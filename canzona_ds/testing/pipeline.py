@@ -19,11 +19,14 @@ PipelineModule's ``seed_layers`` does and whichever stage builds the layer.
 Canonical names (the reference module's) and a stage's names::
 
     stage name                        canonical
-    "0.weight"                        "embed.weight"
-    "tied_modules.embed.weight"       "embed.weight"          (held by the first AND last stage)
+    "0.embed.weight"                  "embed.weight"
+    "tied_modules.embed.embed.weight" "embed.weight"          (held by the first AND last stage)
     "3.fc1.weight"                    "blocks.2.fc1.weight"
-    "5.weight"                        "norm.weight"
-    "6.weight"                        "head.weight"           (untied only)
+    "5.norm.weight"                   "norm.weight"
+    "6.head.weight"                   "head.weight"           (untied only)
+
+A stage name keeps the fragments name-based matrix filters use (``embed``, ``head``), so a
+parameter gets the same matrix/aux role under its stage name as under its canonical one.
 
 Data: the samples of a run are one tensor of rows; DP rank ``d`` reads rows ``d, d+dp, d+2dp,
 ...`` (``torch.utils.data.DistributedSampler(shuffle=False)``, what
@@ -69,18 +72,21 @@ def _seeded(seed: int):
 
 
 class Embedding(nn.Module):
+    """Layer 0.  The attribute is named ``embed`` so a stage's name (``0.embed.weight``) keeps
+    the fragment the name-based matrix filters look for, like the canonical ``embed.weight``."""
+
     def __init__(self, seed: int) -> None:
         super().__init__()
         with _seeded(seed):
-            self.weight = nn.Parameter(torch.randn(VOCAB, D))
+            self.embed = nn.Embedding(VOCAB, D)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.embedding(x, self.weight)
+        return self.embed(x)
 
 
 def tied_head(embedding: Embedding, h: Tensor) -> Tensor:
     """The last stage's use of the tied embedding: logits = h @ W_embed^T (GPT-2's tie)."""
-    return F.linear(h, embedding.weight)
+    return F.linear(h, embedding.embed.weight)
 
 
 class Block(nn.Module):
@@ -101,22 +107,26 @@ class Block(nn.Module):
         return h + self.fc2(F.gelu(self.fc1(h)))
 
 
-class FinalNorm(nn.LayerNorm):
+class FinalNorm(nn.Module):
     def __init__(self, seed: int) -> None:
-        super().__init__(D)
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
         with _seeded(seed), torch.no_grad():  # not the trivial ones/zeros, so a wrong copy shows
-            self.weight.add_(0.1 * torch.randn(D))
-            self.bias.add_(0.1 * torch.randn(D))
+            self.norm.weight.add_(0.1 * torch.randn(D))
+            self.norm.bias.add_(0.1 * torch.randn(D))
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.norm(h)
 
 
 class Head(nn.Module):
     def __init__(self, seed: int) -> None:
         super().__init__()
         with _seeded(seed):
-            self.weight = nn.Parameter(torch.randn(VOCAB, D) / D ** 0.5)
+            self.head = nn.Linear(D, VOCAB, bias=False)
 
     def forward(self, h: Tensor) -> Tensor:
-        return F.linear(h, self.weight)
+        return self.head(h)
 
 
 def loss_fn(logits: Tensor, y: Tensor) -> Tensor:
@@ -127,8 +137,9 @@ def layer_specs(tied: bool = False, seed: int = 0) -> list:
     """The LayerSpecs of the tiny decoder (layer i seeded with ``seed + i``)."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
 
-    embed = TiedLayerSpec(TIE_KEY, Embedding, seed) if tied else LayerSpec(Embedding, seed)
-    head = (TiedLayerSpec(TIE_KEY, Embedding, seed, forward_fn=tied_head) if tied
+    embed = (TiedLayerSpec(TIE_KEY, Embedding, seed, tied_weight_attr=["embed.weight"]) if tied
+             else LayerSpec(Embedding, seed))
+    head = (TiedLayerSpec(TIE_KEY, Embedding, seed, forward_fn=tied_head, tied_weight_attr=["embed.weight"]) if tied
             else LayerSpec(Head, seed + NUM_LAYERS - 1))
     blocks = [LayerSpec(Block, seed + 1 + i, f) for i, f in enumerate(FFN)]
     return [embed, *blocks, LayerSpec(FinalNorm, seed + NUM_LAYERS - 2), head]
@@ -149,9 +160,11 @@ def canonical_name(stage_name: str) -> str:
     """A stage's parameter name -> the reference module's name (see the module docstring)."""
     tied_prefix = f"tied_modules.{TIE_KEY}."
     if stage_name.startswith(tied_prefix):
-        return "embed." + stage_name[len(tied_prefix):]
+        return stage_name[len(tied_prefix):]
     index, rest = stage_name.split(".", 1)
-    return f"{CANONICAL[int(index)]}.{rest}"
+    module = CANONICAL[int(index)]
+    # embed/norm/head layers hold their module under its canonical name; blocks are the layer
+    return rest if module in ("embed", "norm", "head") else f"{module}.{rest}"
 
 
 class _HeadUse(torch.autograd.Function):
@@ -181,10 +194,11 @@ class ReferenceDecoder(nn.Module):
         if tied_grad not in ("per_use", "shared"):
             raise ValueError(f"Invalid tied_grad={tied_grad!r}. Allowed: ['per_use', 'shared'].")
         self.tied, self.tied_grad = tied, tied_grad
-        self.embed = Embedding(seed)
+        # the pipeline layers' modules themselves, so the values are the stages' by construction
+        self.embed = Embedding(seed).embed
         self.blocks = nn.ModuleList(Block(seed + 1 + i, f) for i, f in enumerate(FFN))
-        self.norm = FinalNorm(seed + NUM_LAYERS - 2)
-        self.head = None if tied else Head(seed + NUM_LAYERS - 1)
+        self.norm = FinalNorm(seed + NUM_LAYERS - 2).norm
+        self.head = None if tied else Head(seed + NUM_LAYERS - 1).head
         self._head_use: dict = {}
 
     def forward(self, x: Tensor, y: Tensor) -> Tensor:
@@ -197,7 +211,7 @@ class ReferenceDecoder(nn.Module):
         elif self.tied_grad == "per_use":
             logits = F.linear(h, _HeadUse.apply(self.embed.weight, self._head_use))
         else:
-            logits = tied_head(self.embed, h)
+            logits = F.linear(h, self.embed.weight)
         return loss_fn(logits, y)
 
     def merge_tied_grad(self) -> None:
