@@ -11,6 +11,10 @@ Measured: a reference whose tied weight is one shared ``nn.Parameter`` (autograd
 every micro-batch: sum_m (e_m + h_m) instead of the pipeline's sum_m e_m + sum_m h_m) differs by
 up to ~1e-7 after 3 steps (PP=2, gas 2), on every parameter once the first step's embedding
 differs; test_tied_shared_parameter_order_differs_by_rounding pins that down.
+
+Clipping: ZeRO-1's pipeline clip equals torch's clip_grad_norm_ within rounding; ZeRO-0's counts
+only the first stage's gradients in the norm (a DeepSpeed behaviour, reproduced exactly by
+``clip_fn`` in the reference).
 """
 from __future__ import annotations
 
@@ -105,3 +109,50 @@ def test_micro_batches_partition_the_samples_like_distributed_sampler():
     assert sorted(seen) == sorted(x.tolist())
     first = rank_micro_batches(x, y, 2, 1, 2)[0][0]
     assert torch.equal(first, x[[1, 3]])  # rank d reads rows d, d+dp, ...
+
+
+# ---------------------------------------------------------------------------- gradient clipping
+CLIP = 0.5  # active: the gradient norms here are well above it
+
+
+def _first_stage_norm_clip(named):
+    """DeepSpeed 0.19.8's ZeRO-0 fp32 clip under a pipeline (runtime/utils.py clip_grad_norm_):
+    a parameter counts only where ``mpu.get_model_parallel_rank() == 0`` or it is flagged
+    model-parallel; the PipelineParallelGrid's model-parallel group is all stages of one DP
+    replica, so its rank is the stage id and every later stage's gradients drop out of the
+    norm.  The coefficient still scales every stage."""
+    first = [p for n, p in named if n.startswith(("embed.", "blocks.0.", "blocks.1.", "blocks.2."))]
+    total = torch.stack([p.grad.norm() for p in first]).pow(2).sum().pow(0.5)
+    coef = torch.clamp(CLIP / (total + 1e-6), max=1.0)
+    for _, p in named:
+        p.grad.mul_(coef)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_zero0_pipeline_clipping_counts_only_the_first_stage(tied):
+    """A DeepSpeed behaviour to know (not ours): with ZeRO-0 + pipeline, "gradient_clipping" uses
+    the first stage's gradient norm only.  Measured: against torch's clip_grad_norm_ over all
+    parameters the run differs by ~4e-4..8e-4 after 3 steps; against the first-stage-only rule,
+    by 0."""
+    cfg = _cfg(1, 0)
+    cfg["gradient_clipping"] = CLIP
+    got = merge_stages(run_distributed(run_pipe_engine, 2, cfg, 2, STEPS, tied))
+    ref = run_pipe_reference(STEPS, 1, GAS, _torch_adamw, micro=MICRO, tied=tied, stage=0,
+                             clip_fn=_first_stage_norm_clip)
+    assert max(float(np.abs(got[n] - ref["params"][n]).max()) for n in got) == 0.0
+    full = run_pipe_reference(STEPS, 1, GAS, _torch_adamw, micro=MICRO, tied=tied, stage=0, clip=CLIP)
+    assert max(float(np.abs(got[n] - full["params"][n]).max()) for n in got) > 1e-5
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_zero1_pipeline_clipping_is_torch_clip_within_rounding(tied):
+    """ZeRO-1 sums squared norms over all stages (skipping the last stage's replicated copy of the
+    tied weight) with an all-reduce: torch's clip_grad_norm_ over all parameters up to rounding
+    (measured after 3 steps: 0 untied, 6e-8 tied)."""
+    cfg = _cfg(1, 1)
+    cfg["gradient_clipping"] = CLIP
+    got = merge_stages(run_distributed(run_pipe_engine, 2, cfg, 2, STEPS, tied))
+    ref = run_pipe_reference(STEPS, 1, GAS, _torch_adamw, micro=MICRO, tied=tied, stage=1, clip=CLIP)
+    diff = max(float(np.abs(got[n] - ref["params"][n]).max()) for n in got)
+    print(f"ZeRO-1 pipeline clip vs torch clip_grad_norm_: max |diff| = {diff:.3g}")
+    assert diff < 1e-6

@@ -285,10 +285,12 @@ def dp_average(per_rank: list[dict], stage: int) -> dict:
 
 def run_pipe_reference(steps: int, dp: int, gas: int, optimizer_fn: Callable[[list], object], micro: int = 2,
                        tied: bool = False, seed: int = 0, data_seed: int = 1, stage: int = 1,
-                       tied_grad: str = "per_use", clip: float = 0.0) -> dict:
+                       tied_grad: str = "per_use", clip: float = 0.0,
+                       clip_fn: Callable[[list], None] | None = None) -> dict:
     """The pipeline run in one process, independent of DeepSpeed: every DP rank's micro-batches
     through :class:`ReferenceDecoder`, gradients accumulated and averaged in the pipeline's order
-    (module docstring), optionally clipped by ``torch.nn.utils.clip_grad_norm_``, then
+    (module docstring), optionally clipped by ``torch.nn.utils.clip_grad_norm_(params, clip)``
+    (``clip`` > 0) or by ``clip_fn(named_params)`` (to model another rule), then
     ``optimizer_fn(named_params).step()``.  ``optimizer_fn`` gets ``[(canonical name, param)]``
     (e.g. ``lambda named: torch.optim.AdamW([p for _, p in named], ...)`` or
     ``lambda named: ReferenceOptimizer(named, canzona_config)``).
@@ -321,7 +323,9 @@ def run_pipe_reference(steps: int, dp: int, gas: int, optimizer_fn: Callable[[li
         grads = dp_average(per_rank_grads, stage)
         for n, p in named:
             p.grad = grads[n]
-        if clip > 0:
+        if clip_fn is not None:
+            clip_fn(named)
+        elif clip > 0:
             torch.nn.utils.clip_grad_norm_([p for _, p in named], clip)
         opt.step()
         model.zero_grad(set_to_none=True)
