@@ -3,6 +3,8 @@
     dist.py              spawned multi-process runner (gloo on CPU, NCCL on CUDA)
     comm.py              collective counter (calls and bytes, by process-group size)
     models.py            tiny models, data, ds_config builder, engine and reference runners
+    pipeline.py          a tiny decoder as a DeepSpeed PipelineModule, a PipelineEngine runner,
+                         and its DeepSpeed-free single-process reference
     megatron_standin.py  a faithful CPU stand-in for the Megatron pieces canzona_ds touches
     baselines.py         what canzona-ds is compared against: TP-SC, shard-local TP,
                          layer-wise ownership (benchmarks only, never the product)
