@@ -18,8 +18,12 @@ partitions::
 
 Matrices are whole on their owner by construction (the Canzona layout), so only AdamW
 parameters that DeepSpeed's equal chunks cut cost traffic: at most ``dp - 1`` pieces per group.
-Used when clipping is on and there is no model (tensor) parallelism or MoE; otherwise DeepSpeed's
-own clip runs (its model-parallel reduction of squared norms: equal to rounding).
+
+Pipeline parallelism: each stage holds other parameters; a stage's norms (without the
+``ds_pipe_replicated`` copy of a tied weight, which the first holder counts) are gathered over
+the pipeline group and stacked in stage order, which is the model's parameter order
+(:class:`PipelineNorm`).  With tensor parallelism or MoE, DeepSpeed's own clip runs (its
+model-parallel reduction of squared norms: equal to rounding, not bit for bit).
 """
 from __future__ import annotations
 
@@ -30,6 +34,49 @@ import torch.distributed as tdist
 from torch import Tensor
 
 from ..optim.clip import clip_coefficient, per_tensor_norms, total_norm
+
+
+class PipelineNorm:
+    """torch's total norm over every pipeline stage's per-parameter norms, stacked in stage order
+    (each stage passes its own, 1-D fp32, in its parameters' order).  The stages' counts are
+    fixed for a run: gathered once (host objects), then one all-gather per step."""
+
+    def __init__(self, pp_group=None, pp_size: int = 1) -> None:
+        self.pp_group, self.pp_size = pp_group, pp_size
+        self.counts: list[int] | None = None
+
+    def total(self, stage_norms: Tensor) -> Tensor:
+        if self.pp_size == 1:
+            return total_norm(stage_norms)
+        if self.counts is None:
+            counts: list = [None] * self.pp_size
+            tdist.all_gather_object(counts, int(stage_norms.numel()), group=self.pp_group)
+            self.counts = [int(c) for c in counts]
+        longest = max(self.counts)
+        padded = torch.zeros(longest, dtype=stage_norms.dtype, device=stage_norms.device)
+        padded[:stage_norms.numel()] = stage_norms
+        gathered = torch.empty(self.pp_size * longest, dtype=stage_norms.dtype, device=stage_norms.device)
+        tdist.all_gather_into_tensor(gathered, padded, group=self.pp_group)
+        # the group's rank r is pipeline stage r (the grid builds the pipe group along its pipe axis)
+        return total_norm(torch.cat([gathered[r * longest:r * longest + n] for r, n in enumerate(self.counts)]))
+
+
+def clip_module_gradients(params: list, max_norm: float, pipeline: PipelineNorm) -> Tensor:
+    """ZeRO stage 0: every rank holds the averaged gradients of its stage's trainable parameters;
+    ``torch.nn.utils.clip_grad_norm_`` over all stages (a tied weight's replicated copy counted
+    once, a parameter without gradient as a zero one, as ZeRO steps it)."""
+    params = [p for p in params if p.requires_grad]
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    counted = [g for p, g in zip(params, grads) if not getattr(p, "ds_pipe_replicated", False)]
+    device = params[0].device
+    local = torch.stack([n.to(device) for n in per_tensor_norms(counted)]) if counted else \
+        torch.zeros(0, device=device)
+    norm = pipeline.total(local)
+    coef = clip_coefficient(norm, max_norm)
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.device))
+    return norm
 
 
 @dataclass(frozen=True)
@@ -51,9 +98,14 @@ class _Straddler:
 class TorchClip:
     """Per-step global norm and clip of a :class:`CanzonaZeroOptimizer`, torch's arithmetic."""
 
-    def __init__(self, zero, model_order: list[str]) -> None:
+    def __init__(self, zero, model_order: list[str], pp_group=None, pp_size: int = 1) -> None:
         index = {name: k for k, name in enumerate(model_order)}
         self.num_params = len(model_order)
+        self.pipeline = PipelineNorm(pp_group, pp_size)
+        #: model-order slots counted in the norm (a tied weight's replicated copy is not)
+        replicated = {zero.param_names[p] for g in zero.bit16_groups for p in g
+                      if getattr(p, "ds_pipe_replicated", False)}
+        self.counted = [k for k, name in enumerate(model_order) if name not in replicated]
         #: per group: [(param_id, model index)] of parameters whole on this rank
         self.whole: list[list[tuple[int, int]]] = []
         #: per group: parameters cut across ranks
@@ -162,7 +214,9 @@ class TorchClip:
             norms.index_copy_(0, at, torch.stack([v.to(device) for v in values]))
         # one rank holds each norm, zeros elsewhere: the sum is exact in any order
         tdist.all_reduce(norms, group=zero.dp_process_group)
-        total = total_norm(norms)
+        counted = norms if len(self.counted) == self.num_params else \
+            norms[torch.tensor(self.counted, dtype=torch.long, device=device)]
+        total = self.pipeline.total(counted)
         return torch.where(torch.isfinite(total), total, torch.full_like(total, -1.0))
 
     @staticmethod

@@ -246,10 +246,16 @@ def install() -> None:
     def clip_fp32_gradients(self):
         # ZeRO stage 0 (fp32): DeepSpeed's clip_grad_norm_ sums squared norms and averages the
         # norm over DP ranks, one rounding off torch's; every rank holds the same averaged
-        # gradients here, so torch's own clip_grad_norm_ is both exact and collective-free.
+        # gradients here, so torch's arithmetic needs no DP collective.
+        # Under pipeline parallelism DeepSpeed's stage-0 clip counts only the gradients of the ranks
+        # whose model-parallel rank is 0, i.e. the first stage's; ours gathers every stage's.
         opt = getattr(self, "basic_optimizer", None)
         if isinstance(opt, CanzonaOptimizer) and opt.tp_size == 1:
-            torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm=self.gradient_clipping())
+            from .clip import PipelineNorm, clip_module_gradients
+
+            if getattr(self, "_canzona_pipeline_norm", None) is None:
+                self._canzona_pipeline_norm = PipelineNorm(opt.groups.pp_group, opt.groups.pp_size)
+            clip_module_gradients(list(self.module.parameters()), self.gradient_clipping(), self._canzona_pipeline_norm)
             return
         return stock_clip(self)
 

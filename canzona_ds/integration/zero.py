@@ -169,14 +169,16 @@ def _make_zero_class():
 
         # -- gradient clipping ----------------------------------------------------------
         def _canzona_torch_clip(self):
-            """The torch-exact clip, or None where DeepSpeed's own runs (no clipping; model
+            """The torch-exact clip, or None where DeepSpeed's own runs (no clipping; tensor
             parallelism or MoE, whose norms DeepSpeed reduces over other groups)."""
-            if self.clip_grad <= 0.0 or self.model_parallel_world_size > 1 or self.has_moe_layers:
+            groups = self._canzona.groups
+            if self.clip_grad <= 0.0 or groups.tp_size > 1 or self.has_moe_layers or \
+                    self.model_parallel_world_size != groups.pp_size:
                 return None
             if self._canzona_clip is None:
                 from .clip import TorchClip
 
-                self._canzona_clip = TorchClip(self, self._canzona.param_order)
+                self._canzona_clip = TorchClip(self, self._canzona.param_order, groups.pp_group, groups.pp_size)
             return self._canzona_clip
 
         def scaled_global_norm(self, norm_type=2):
