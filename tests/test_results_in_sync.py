@@ -130,3 +130,15 @@ def test_dp4_claim_is_stated_against_plain_data_parallelism() -> None:
     assert rows[(2, "CanzonaMuon")]["max_abs_diff_matrices"] == 0.0
     canzona, plain = rows[(4, "CanzonaMuon")]["max_abs_diff_matrices"], rows[(4, "torch.optim.Muon")]["max_abs_diff_matrices"]
     assert 0 < canzona <= 2 * plain
+
+
+def test_main_job_doc_figures_come_from_the_results_file() -> None:
+    """docs/main_job.md's measured figures (speed, wall time, plan loads, compare losses) are
+    table blocks rendered from benchmarks/results/main_job.json (``python benchmarks/main_job.py``);
+    outside the blocks it quotes no throughput or timing that no command regenerates."""
+    text = (ROOT / "docs" / "main_job.md").read_text()
+    for name in ("main_job_run", "main_job_plan", "main_job_reference", "main_job_compare"):
+        assert f"<!-- table:{name} -->" in text, name
+    prose = re.sub(r"<!-- table:(\S+) -->.*?<!-- /table:\1 -->", "", text, flags=re.S)
+    stale = re.findall(r"[^\n]*(?:\d[\d,.]*\s?(?:tokens/s|tok/s|MB/s)|~\s?\d[\d.,]*\s?(?:s|ms|min)\b)[^\n]*", prose)
+    assert not stale, stale
