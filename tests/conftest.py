@@ -40,7 +40,11 @@ DS_PREFIX = "deepspeed_allreduce_buffer_"
 SETTLE_S = float(os.environ.get("CANZONA_SHM_SETTLE_S", "10"))
 SESSION_ENV = "CANZONA_TEST_SESSION"
 
+#: the per-test sweep of older buffers runs at most this often
+OLD_SWEEP_EVERY_S = 30.0
+
 _session_baseline: set[tuple[str, int]] | None = None
+_last_old_sweep = 0.0
 _session_report: list[str] = []
 
 
@@ -102,6 +106,9 @@ def sweep(candidates: dict[str, os.stat_result], shm: Path = SHM, wait: bool = T
     the names removed."""
     removed: list[str] = []
     pending = dict(candidates)
+    if not wait:  # young files would be left anyway: do not scan /proc for them
+        now = time.time()
+        pending = {n: st for n, st in pending.items() if _age(st, now) >= settle_s}
     while pending:
         mapped = mappers(shm)
         now = time.time()
@@ -200,8 +207,12 @@ def _release_deepspeed_shm_buffers():
     yield
     # this test's finished children: new DeepSpeed buffers nobody maps (a young one settles first)
     sweep(created_since(before, prefix=DS_PREFIX), wait=True)
-    # older abandoned buffers (this user's; e.g. of a run killed before the session started)
-    sweep({n: st for n, st in shm_files().items() if n.startswith(f"{DS_PREFIX}{os.getuid()}_")}, wait=False)
+    # older abandoned buffers (this user's; e.g. of a run killed before the session started),
+    # at most every OLD_SWEEP_EVERY_S (it scans every process's maps)
+    global _last_old_sweep
+    if time.time() - _last_old_sweep >= OLD_SWEEP_EVERY_S:
+        _last_old_sweep = time.time()
+        sweep({n: st for n, st in shm_files().items() if n.startswith(f"{DS_PREFIX}{os.getuid()}_")}, wait=False)
 
 
 def pytest_sessionfinish(session, exitstatus):

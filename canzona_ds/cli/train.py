@@ -43,7 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=None, help="YAML run config (default: built-in defaults = run_tiny)")
     ap.add_argument("--ds-config", default=None, help="DeepSpeed JSON config (overrides the run config's)")
-    ap.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue from the latest intact checkpoint of the newest run of this config and optimizer "
+                         "(or of log_dir, when set)")
     ap.add_argument("--compare", action="store_true",
                     help="run compare_ds_configs one after another + a single-process Muon reference")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
