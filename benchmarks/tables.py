@@ -420,6 +420,60 @@ def _fault_table_entry(d: Data) -> str:
     return module.fault_table(d["faults"]).strip()
 
 
+def dp_exactness(d: Data) -> str:
+    rows = ["| DP | run | vs | max abs diff, matrices | max abs diff, other params |", "|---|---|---|---|---|"]
+    for r in d["rows"]:
+        rows.append(f"| {r['dp']} | {r['run']} | {r['reference']} | {r['max_abs_diff_matrices']:.2g} "
+                    f"| {r['max_abs_diff_other']:.2g} |")
+    return "\n".join(rows)
+
+
+def main_job_run(d: Data) -> str:
+    r = d["run"]
+    return "\n".join([
+        "| command | model | ranks | steps | wall time | loss (first → last) | held-out loss | median tokens/s "
+        "| median step | machine |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| `{r['command']}` | {r['model']}, {r['optimizer']} | {r['ranks']} | {r['steps']} | {r['wall_s']:.0f} s "
+        f"| {r['first_loss']:.2f} → {r['final_loss']:.2f} | {r['final_val_loss']:.2f} "
+        f"| {r['median_tokens_per_s']:,.0f} | {r['median_step_ms']:.0f} ms | {d['machine']} |"])
+
+
+def main_job_plan(d: Data) -> str:
+    plan = d["plan"]
+    out = [f"| layout (dp={plan['world_size']}) | Newton–Schulz GFLOP per rank per step | busiest | max/mean "
+           "| padding |", "|---|---|---|---|---|"]
+    for lay in plan["layouts"]:
+        per_rank = ", ".join(f"{f / 1e9:.3f}" for f in lay["rank_flops"])
+        out.append(f"| {lay['name']} | {per_rank} | {max(lay['rank_flops']) / 1e9:.3f} | {lay['imbalance']:.2f} "
+                   f"| {_pct(lay['padding_fraction'], 2)} |")
+    return "\n".join(out)
+
+
+def main_job_reference(d: Data) -> str:
+    c = d["compare"]
+    names = list(c["losses"])
+    out = ["| step | reference | " + " | ".join(names) + " |", "|---" * (len(names) + 2) + "|"]
+    for i, ref in enumerate(c["reference"]):
+        out.append(f"| {ref['step']} | {ref['loss']:.5f} | "
+                   + " | ".join(f"{c['losses'][n][i]:.5f}" if i < len(c["losses"][n]) else "n/a" for n in names)
+                   + " |")
+    return "\n".join(out)
+
+
+def main_job_compare(d: Data) -> str:
+    def f(v, spec):
+        return "n/a" if v is None else format(v, spec)
+    out = ["| run (`" + d["compare"]["command"] + "`) | loss | held-out | median step ms | tokens/s | fwd+bwd "
+           "| reduce | opt | allgather |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in d["compare"]["runs"].items():
+        out.append(f"| {name} | {f(r['final_loss'], '.3f')} | {f(r['final_val_loss'], '.3f')} "
+                   f"| {f(r['median_step_ms'], '.0f')} | {f(r['median_tokens_per_s'], ',.0f')} "
+                   f"| {f(r['median_fwd_bwd_ms'], '.0f')} | {f(r['median_grad_reduce_ms'], '.0f')} "
+                   f"| {f(r['median_optimizer_ms'], '.0f')} | {f(r['median_allgather_ms'], '.0f')} |")
+    return "\n".join(out)
+
+
 #: table name -> (results JSON stem, renderer)
 TABLES: dict[str, tuple[str, Callable[[Data], str]]] = {
     "fig3_dp": ("paper_experiments", fig3_dp),
@@ -446,6 +500,11 @@ TABLES: dict[str, tuple[str, Callable[[Data], str]]] = {
     "bench_scaling": ("bench_scaling", bench_scaling),
     "config_fuzz": ("config_fuzz", config_fuzz),
     "faults": ("faults", _fault_table_entry),
+    "dp_exactness": ("dp_exactness", dp_exactness),
+    "main_job_run": ("main_job", main_job_run),
+    "main_job_plan": ("main_job", main_job_plan),
+    "main_job_reference": ("main_job", main_job_reference),
+    "main_job_compare": ("main_job", main_job_compare),
 }
 
 

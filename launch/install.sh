@@ -1,12 +1,21 @@
 #!/usr/bin/env bash
-# Install canzona-ds and its dependencies on a fresh CPU machine.
-#   bash launch/install.sh            # package + test, plot and hf (transformers, for AutoTP and HF Trainer) extras
-# torch comes first, pinned to the CPU build, so that deepspeed's dependency on torch is
-# already satisfied and pip pulls no CUDA wheels.
+# Install canzona-ds and its dependencies.
+#   bash launch/install.sh              # package + test, plot and hf (transformers, for AutoTP and HF Trainer) extras
+#   CPU_ONLY=1 bash launch/install.sh   # the same, torch from PyTorch's CPU wheel index
+# torch comes first, so that deepspeed's dependency on torch is already satisfied.  Which torch
+# build that is depends on where pip looks:
+#   * default: pip's configured index (PyPI unless pip.conf / PIP_INDEX_URL say otherwise).  On
+#     x86-64 Linux PyPI's torch==2.13.0 is the CUDA build (~GBs of nvidia-* wheels): right for a
+#     GPU host, and it also runs on CPU; a machine whose pip is preconfigured with a CPU mirror
+#     gets the CPU build.
+#   * CPU_ONLY=1: adds --index-url https://download.pytorch.org/whl/cpu for torch, so a CPU-only
+#     machine gets the small CPU wheel (that index must be reachable; PyPI alone does not have it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-"$PY" -m pip install --quiet "torch==2.13.0"
+TORCH_INDEX=()
+if [[ "${CPU_ONLY:-0}" == "1" ]]; then TORCH_INDEX=(--index-url https://download.pytorch.org/whl/cpu); fi
+"$PY" -m pip install --quiet "${TORCH_INDEX[@]}" "torch==2.13.0"
 "$PY" -m pip install --quiet -e ".[test,plot,hf]"
 "$PY" -c "import torch, deepspeed, canzona_ds; print(f'installed: torch {torch.__version__}, deepspeed {deepspeed.__version__}, canzona_ds {canzona_ds.__version__}')"
 # Build DeepSpeed's CPU shared-memory all-reduce op now (a JIT build, ~1 min, cached in

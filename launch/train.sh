@@ -11,7 +11,10 @@
 # waits for the group to end (SIGKILL after STOP_GRACE_S seconds), then removes this user's
 # DeepSpeed /dev/shm all-reduce buffers of MASTER_PORT (left when a rank died before it could
 # unlink its own, e.g. SIGKILLed during start-up).  Exit status: the launcher's, or 130 / 143
-# when stopped by SIGINT / SIGTERM.
+# when stopped by SIGINT / SIGTERM.  The launcher's is the job's: DeepSpeed's launch.py exits
+# with the first failing rank's status and runner.py passes it on, so the entry's documented
+# codes (2 bad config, 3 optimizer unavailable, 4 checkpoint error) arrive here unchanged.
+# Output goes to runs/<config>-<optimizer>-<time>/ (runs/latest -> it) unless log_dir is set.
 set -euo pipefail
 NUM_RANKS=${NUM_RANKS:-2}
 RUN_CONFIG=${RUN_CONFIG:-configs/run_tiny.yaml}

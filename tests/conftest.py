@@ -1,51 +1,235 @@
-"""Test-session hygiene.
+"""Test-session hygiene: nothing the suite starts leaves a file in ``/dev/shm``.
 
 DeepSpeed 0.19.8's CPU shared-memory all-reduce leaves a ~69 MB
 ``/dev/shm/deepspeed_allreduce_buffer_*`` file per rank per process group (it never unlinks
 it).  The suite starts dozens of DeepSpeed process groups, so without cleanup it would fill
-RAM-backed tmpfs.  After each test, remove this user's buffers that no live process maps.
-(The main job unlinks its own: ``canzona_ds.integration.runtime_info.release_shm_buffer``.)
+RAM-backed tmpfs.  (The main job unlinks its own: ``canzona_ds.integration.runtime_info.
+release_shm_buffer``.)
+
+Other people's jobs and test sessions run on the same machine at the same time, so a file
+is removed only when it is *abandoned*: no live process maps it (``/proc/*/maps``) and it has
+not changed for ``SETTLE_S`` seconds.  The second condition covers the one moment a live
+job's buffer is unmapped: DeepSpeed's ``shared_create`` (``shm.cpp``) writes the file and
+only then maps it, and the other ranks open it after that; a buffer deleted in between
+hangs that job.  Once mapped, a buffer stays mapped until its last process exits.
+
+* session start: the files already in ``/dev/shm`` are remembered (by name and inode) and
+  left alone, whoever owns them;
+* after each test: the DeepSpeed buffers this test's finished children created (new since
+  the test started, unmapped) are removed, waiting for a young one to settle; so are older
+  abandoned buffers of this user;
+* session end: every file created during the run that no live process maps is removed
+  (DeepSpeed buffers mapped only by this pytest process too: it is exiting); then **the run fails**
+  (exit status 1, with a report) if any file created during the run survives that this
+  session is responsible for: one it could not remove, or one still mapped by a process the
+  suite started (recognised by ``CANZONA_TEST_SESSION`` in its environment, or as a
+  descendant of this process).  Files mapped by unrelated live processes are someone
+  else's and are not touched.
 """
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
 
 SHM = Path("/dev/shm")
+DS_PREFIX = "deepspeed_allreduce_buffer_"
+#: seconds an unmapped file must be unchanged before it counts as abandoned
+SETTLE_S = float(os.environ.get("CANZONA_SHM_SETTLE_S", "10"))
+SESSION_ENV = "CANZONA_TEST_SESSION"
+
+#: the per-test sweep of older buffers runs at most this often
+OLD_SWEEP_EVERY_S = 30.0
+
+_session_baseline: set[tuple[str, int]] | None = None
+_last_old_sweep = 0.0
+_session_report: list[str] = []
 
 
-def _mapped_paths() -> set[str]:
-    mapped = set()
+# ------------------------------------------------------------------ /dev/shm and /proc
+def shm_files(shm: Path = SHM) -> dict[str, os.stat_result]:
+    """name -> stat of this user's regular files in ``shm``."""
+    out = {}
+    try:
+        entries = list(os.scandir(shm))
+    except OSError:
+        return out
+    uid = os.getuid()
+    for e in entries:
+        try:
+            st = e.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if e.is_file(follow_symlinks=False) and st.st_uid == uid:
+            out[e.name] = st
+    return out
+
+
+def snapshot(shm: Path = SHM) -> set[tuple[str, int]]:
+    """(name, inode) of the files in ``shm`` now: a file recreated under the same name is new."""
+    return {(name, st.st_ino) for name, st in shm_files(shm).items()}
+
+
+def created_since(baseline: set[tuple[str, int]], shm: Path = SHM, prefix: str = "") -> dict[str, os.stat_result]:
+    return {name: st for name, st in shm_files(shm).items()
+            if name.startswith(prefix) and (name, st.st_ino) not in baseline}
+
+
+def mappers(shm: Path = SHM) -> dict[str, set[int]]:
+    """path -> pids of live processes mapping it (a deleted file's mapping names no path)."""
+    found: dict[str, set[int]] = {}
+    prefix = f"{shm}/"
     for maps in Path("/proc").glob("[0-9]*/maps"):
         try:
             text = maps.read_text()
-        except OSError:  # the process exited, or is not ours
+        except OSError:  # the process exited, or is not ours to read
             continue
-        mapped.update(line.split(None, 5)[5] for line in text.splitlines()
-                      if "deepspeed_allreduce_buffer" in line and len(line.split(None, 5)) == 6)
-    return mapped
+        pid = int(maps.parent.name)
+        for line in text.splitlines():
+            parts = line.split(None, 5)
+            if len(parts) == 6 and parts[5].startswith(prefix) and not parts[5].endswith(" (deleted)"):
+                found.setdefault(parts[5], set()).add(pid)
+    return found
 
 
-def leaked_deepspeed_shm_buffers() -> list[Path]:
-    if not SHM.is_dir():
+def _age(st: os.stat_result, now: float) -> float:
+    return now - max(st.st_mtime, st.st_ctime)
+
+
+def sweep(candidates: dict[str, os.stat_result], shm: Path = SHM, wait: bool = True,
+          ignore_pids: frozenset[int] = frozenset(), settle_s: float = SETTLE_S) -> list[str]:
+    """Remove the abandoned files among ``candidates``: unmapped (mappings by ``ignore_pids``
+    do not count) and unchanged for ``settle_s`` seconds.  ``wait``: sleep until a young
+    unmapped candidate settles, then decide; otherwise leave it for a later sweep.  Returns
+    the names removed."""
+    removed: list[str] = []
+    pending = dict(candidates)
+    if not wait:  # young files would be left anyway: do not scan /proc for them
+        now = time.time()
+        pending = {n: st for n, st in pending.items() if _age(st, now) >= settle_s}
+    while pending:
+        mapped = mappers(shm)
+        now = time.time()
+        young = {}
+        for name, st in pending.items():
+            path = shm / name
+            if set(mapped.get(str(path), ())) - ignore_pids:
+                continue  # a live process uses it
+            try:
+                cur = path.stat()
+            except FileNotFoundError:
+                continue
+            if cur.st_ino != st.st_ino:
+                continue  # another file took the name meanwhile
+            if _age(cur, now) < settle_s:
+                young[name] = cur
+                continue
+            try:
+                path.unlink()
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+        if not (wait and young):
+            break
+        time.sleep(max(0.1, settle_s - min(_age(st, time.time()) for st in young.values())))
+        pending = young
+    return removed
+
+
+def _session_pids() -> set[int]:
+    """Live processes this session started: ``SESSION_ENV`` in their environment (inherited
+    by every child that keeps the environment, also after re-parenting), or descendants of
+    this process."""
+    token = os.environ.get(SESSION_ENV, "").encode()
+    children: dict[int, list[int]] = {}
+    ours = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        pid = int(stat.parent.name)
+        try:
+            fields_ = stat.read_text().rsplit(")", 1)[1].split()
+            if fields_[0] == "Z":
+                continue
+            children.setdefault(int(fields_[1]), []).append(pid)
+            if token and f"{SESSION_ENV}=".encode() + token in (stat.parent / "environ").read_bytes().split(b"\0"):
+                ours.add(pid)
+        except (OSError, IndexError, ValueError):
+            continue
+    todo = [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        for child in children.get(pid, ()):
+            if child not in ours:
+                ours.add(child)
+                todo.append(child)
+    ours.discard(os.getpid())
+    return ours
+
+
+def session_leaks(baseline: set[tuple[str, int]], shm: Path = SHM, settle_s: float = SETTLE_S) -> list[str]:
+    """Files created since ``baseline`` this session is responsible for, one line each: settled
+    and unmapped (the sweep could not remove it), or mapped by a live process the suite started
+    (this process aside: what it maps besides DeepSpeed buffers, e.g. ``sem.mp-*`` of
+    multiprocessing queues, its own exit handlers unlink).  An unmapped file younger than
+    ``settle_s`` appeared after the sweep: someone else's job starting, not judged."""
+    left = created_since(baseline, shm)
+    if not left:
         return []
-    import time
-
-    # a buffer younger than a minute may belong to a job starting right now: DeepSpeed
-    # writes it before every rank maps it, and deleting it then hangs that job's ranks
+    mapped = mappers(shm)
+    ours = _session_pids()
     now = time.time()
-    mine = [p for p in sorted(SHM.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*"))
-            if now - p.stat().st_mtime > 60]
-    if not mine:
-        return []
-    mapped = _mapped_paths()
-    return [p for p in mine if str(p) not in mapped]
+    leaks = []
+    for name, st in sorted(left.items()):
+        pids = mapped.get(str(shm / name), set())
+        if not pids and _age(st, now) >= settle_s:
+            leaks.append(f"{shm / name} ({st.st_size} bytes): unmapped, not removed")
+        elif pids & ours:
+            leaks.append(f"{shm / name} ({st.st_size} bytes): still mapped by process(es) the suite started: "
+                         f"{sorted(pids & ours)}")
+    return leaks
+
+
+# ------------------------------------------------------------------ hooks
+def pytest_configure(config):
+    global _session_baseline
+    if getattr(config, "workerinput", None) is None:  # not an xdist worker
+        os.environ.setdefault(SESSION_ENV, f"{os.getpid()}-{time.time_ns()}")
+    _session_baseline = snapshot() if SHM.is_dir() else None
 
 
 @pytest.fixture(autouse=True)
 def _release_deepspeed_shm_buffers():
+    if not SHM.is_dir():
+        yield
+        return
+    before = snapshot()
     yield
-    for path in leaked_deepspeed_shm_buffers():
-        path.unlink(missing_ok=True)
+    # this test's finished children: new DeepSpeed buffers nobody maps (a young one settles first)
+    sweep(created_since(before, prefix=DS_PREFIX), wait=True)
+    # older abandoned buffers (this user's; e.g. of a run killed before the session started),
+    # at most every OLD_SWEEP_EVERY_S (it scans every process's maps)
+    global _last_old_sweep
+    if time.time() - _last_old_sweep >= OLD_SWEEP_EVERY_S:
+        _last_old_sweep = time.time()
+        sweep({n: st for n, st in shm_files().items() if n.startswith(f"{DS_PREFIX}{os.getuid()}_")}, wait=False)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _session_baseline is None or getattr(session.config, "workerinput", None) is not None:
+        return
+    # DeepSpeed buffers this process maps too (it is exiting; DeepSpeed never unlinks them)
+    sweep(created_since(_session_baseline, prefix=DS_PREFIX), wait=True, ignore_pids=frozenset({os.getpid()}))
+    sweep(created_since(_session_baseline), wait=True)
+    leaks = session_leaks(_session_baseline)
+    _session_report[:] = leaks
+    if leaks and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if _session_report:
+        terminalreporter.section("/dev/shm files left by this run", sep="=", red=True)
+        for line in _session_report:
+            terminalreporter.write_line(line)
+        terminalreporter.write_line("FAILED: the suite must leave nothing in /dev/shm (tests/conftest.py)")

@@ -2,6 +2,7 @@
 command names files that exist, and every path it or the docs point to exists."""
 import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -48,3 +49,29 @@ def test_every_referenced_path_exists(doc):
             missing.append(ref)
     missing += [p for p in paths if not (ROOT / p).exists()]
     assert not missing, f"{doc.name} points to paths that do not exist: {sorted(set(missing))}"
+
+
+def _install_calls(tmp_path, **env) -> list[list[str]]:
+    """The interpreter calls ``launch/install.sh`` makes, with a stand-in interpreter that records them."""
+    log = tmp_path / "calls"
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/usr/bin/env bash\nprintf "%s\\0" "$@" >> {log}\nprintf "\\n" >> {log}\ncat >/dev/null\n')
+    fake.chmod(0o755)
+    r = subprocess.run(["bash", str(ROOT / "launch" / "install.sh")], env={**os.environ, "PYTHON": str(fake), **env},
+                       capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return [[a for a in line.split("\0") if a] for line in log.read_text().split("\n") if line]
+
+
+def test_install_sh_takes_the_cpu_index_only_when_asked(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    default = _install_calls(tmp_path / "a")
+    torch_call = next(c for c in default if "torch==2.13.0" in c)
+    assert "--index-url" not in torch_call  # CI and this workplace: pip's own configuration decides
+    cpu = _install_calls(tmp_path / "b", CPU_ONLY="1")
+    torch_call = next(c for c in cpu if "torch==2.13.0" in c)
+    assert torch_call[torch_call.index("--index-url") + 1] == "https://download.pytorch.org/whl/cpu"
+    assert all("--index-url" not in c for c in cpu if "torch==2.13.0" not in c)  # the package itself: from PyPI
+    text = (ROOT / "launch" / "install.sh").read_text()
+    assert "CUDA build" in text and "CPU_ONLY=1" in README and "CUDA build" in README

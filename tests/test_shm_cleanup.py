@@ -146,3 +146,113 @@ def test_train_sh_sweeps_its_port_buffers_after_the_launcher_returns(tmp_path):
             m.close()
         for p in (*mine, theirs):
             p.unlink(missing_ok=True)
+
+
+# ------------------------------------------------------------------ the test session's own sweep
+# (tests/conftest.py): helpers on a private folder, then whole pytest sessions on /dev/shm
+
+import conftest  # noqa: E402 - tests/conftest.py, importable as pytest puts tests/ on sys.path
+
+
+def _mapped_in_child(path: Path) -> subprocess.Popen:
+    """A live process (a child of this one) that maps ``path`` until its stdin closes."""
+    code = ("import mmap, sys\nf = open(sys.argv[1], 'r+b')\nm = mmap.mmap(f.fileno(), 4096)\n"
+            "print('mapped', flush=True)\nsys.stdin.read()\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "mapped"
+    return proc
+
+
+def test_sweep_removes_only_abandoned_files(tmp_path):
+    old = tmp_path / "deepspeed_allreduce_buffer_x_1"   # a finished job's: unmapped
+    young = tmp_path / "deepspeed_allreduce_buffer_x_2"  # unmapped too
+    used = tmp_path / "deepspeed_allreduce_buffer_x_3"   # mapped by a live process
+    for p in (old, young, used):
+        p.write_bytes(b"\0" * 4096)
+    # (ctime cannot be set back: every file is young; the settle time decides)
+    holder = _mapped_in_child(used)
+    try:
+        baseline = set()
+        assert conftest.sweep(conftest.created_since(baseline, tmp_path), tmp_path, wait=False, settle_s=60) == []
+        assert old.exists() and young.exists() and used.exists()  # ctime is fresh for all: nothing settled
+        removed = conftest.sweep(conftest.created_since(baseline, tmp_path), tmp_path, wait=True, settle_s=1.0)
+        assert sorted(removed) == [old.name, young.name]  # waited for them to settle
+        assert used.exists()
+        # the one that was mapped is a leak only while its process lives
+        assert [line.split(" ")[0] for line in conftest.session_leaks(baseline, tmp_path)] == [str(used)]
+        assert "still mapped by process(es) the suite started" in conftest.session_leaks(baseline, tmp_path)[0]
+    finally:
+        holder.stdin.close()
+        holder.wait()
+    assert conftest.sweep(conftest.created_since(set(), tmp_path), tmp_path, settle_s=0.5) == [used.name]
+    assert conftest.session_leaks(set(), tmp_path) == []
+
+
+def test_sweep_leaves_files_present_at_the_start(tmp_path):
+    before = tmp_path / "someone_elses"
+    before.write_bytes(b"x")
+    baseline = conftest.snapshot(tmp_path)
+    new = tmp_path / "new"
+    new.write_bytes(b"y")
+    assert set(conftest.created_since(baseline, tmp_path)) == {"new"}
+    assert conftest.sweep(conftest.created_since(baseline, tmp_path), tmp_path, settle_s=0.2) == ["new"]
+    assert before.exists()
+
+
+INNER_TESTS = '''
+import mmap, os, subprocess, sys
+from pathlib import Path
+
+NAME = os.environ["SELFTEST_NAME"]
+
+
+def test_leaves_unmapped_file():
+    Path("/dev/shm", NAME + "_unmapped").write_bytes(b"\\0" * 4096)
+
+
+def test_leaves_a_live_process_mapping_a_file():
+    if os.environ.get("SELFTEST_LEAK_PROCESS") != "1":
+        return
+    p = Path("/dev/shm", NAME + "_mapped")
+    p.write_bytes(b"\\0" * 4096)
+    code = ("import mmap, sys, time\\nf = open(sys.argv[1], 'r+b')\\nm = mmap.mmap(f.fileno(), 4096)\\n"
+            "print('mapped', flush=True)\\ntime.sleep(float(sys.argv[2]))\\n")
+    child = subprocess.Popen([sys.executable, "-c", code, str(p), "60"], stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    assert child.stdout.readline().strip() == "mapped"
+    Path(os.environ["SELFTEST_PID_FILE"]).write_text(str(child.pid))
+'''
+
+
+@pytest.mark.parametrize("leak_process", [False, True], ids=["unmapped-removed", "live-process-fails-run"])
+def test_session_end_check(tmp_path, leak_process):
+    """A whole pytest session with this conftest: a file a test leaves unmapped is removed at
+    the end (exit 0); a process the suite started that still maps a file fails the run."""
+    (tmp_path / "conftest.py").write_text((REPO / "tests" / "conftest.py").read_text())
+    (tmp_path / "test_inner.py").write_text(INNER_TESTS)
+    name = f"canzona_selftest_{os.getpid()}_{time.time_ns()}"
+    pid_file = tmp_path / "pid"
+    env = {**os.environ, "SELFTEST_NAME": name, "SELFTEST_LEAK_PROCESS": "1" if leak_process else "0",
+           "SELFTEST_PID_FILE": str(pid_file), "CANZONA_SHM_SETTLE_S": "1"}
+    env.pop(conftest.SESSION_ENV, None)  # the inner session is a session of its own
+    try:
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        out = r.stdout + r.stderr
+        assert not (SHM / f"{name}_unmapped").exists(), out
+        if leak_process:
+            assert r.returncode == 1, out
+            assert "/dev/shm files left by this run" in out and f"{name}_mapped" in out, out
+            assert "still mapped by process(es) the suite started" in out, out
+        else:
+            assert r.returncode == 0, out
+            assert "/dev/shm files left" not in out, out
+    finally:
+        if pid_file.exists():
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for suffix in ("_unmapped", "_mapped"):
+            (SHM / f"{name}{suffix}").unlink(missing_ok=True)

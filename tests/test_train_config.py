@@ -1,4 +1,5 @@
 """Run-config validation: unknown keys, wrong types, a batch the DP size cannot split."""
+import json
 import os
 import subprocess
 import sys
@@ -102,3 +103,36 @@ def test_cli_rejects_bad_config_with_exit_2(args, world, words):
     assert "config error" in r.stderr
     for w in words:
         assert w in r.stderr
+
+
+def test_unknown_key_names_where_it_came_from(tmp_path):
+    with pytest.raises(ValueError) as e:
+        load_run_config(REPO / "configs/run_tiny.yaml", {"stepz": 10}, overrides_from="the --set override(s)")
+    assert "['stepz'] in the --set override(s)" in str(e.value) and "run_tiny.yaml" not in str(e.value)
+    bad = tmp_path / "run.yaml"
+    bad.write_text("stepz: 10\n")
+    with pytest.raises(ValueError, match=r"\['stepz'\] in .*run.yaml"):
+        load_run_config(bad, {"steps": 3}, overrides_from="the --set override(s)")
+
+
+def test_cli_names_the_set_override_as_the_source():
+    r = _cli(["--config", "configs/run_tiny.yaml", "--set", "stepz=10"])
+    assert r.returncode == 2, r.stderr
+    assert "Unknown run config key(s) ['stepz'] in the --set override(s)" in r.stderr
+    assert "in configs/run_tiny.yaml" not in r.stderr
+
+
+def test_bad_optimizer_key_is_one_line_from_rank_0_before_any_process_group(tmp_path):
+    ds = json.loads((REPO / "configs/ds_cpu_canzona.json").read_text())
+    ds["optimizer"]["params"]["lrr"] = 0.1
+    bad = tmp_path / "ds.json"
+    bad.write_text(json.dumps(ds))
+    r = _cli(["--config", "configs/run_tiny.yaml", "--ds-config", str(bad)], world_size=2)
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if "canzona_ds.cli.train" in ln or "Traceback" in ln]
+    assert len(lines) == 1 and "config error" in lines[0] and "lrr" in lines[0], r.stderr
+    # another rank: the same status, quietly
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2"}
+    r1 = subprocess.run([sys.executable, "-m", "canzona_ds.cli.train", "--config", "configs/run_tiny.yaml",
+                         "--ds-config", str(bad)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert r1.returncode == 2 and "canzona_ds.cli.train" not in r1.stderr + r1.stdout, r1.stderr

@@ -162,3 +162,53 @@ def test_shipped_shampoo_and_soap_configs_train(config, name, tmp_path):
     assert m[-1]["loss"] < m[0]["loss"] - 0.5
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["optimizer"] == name
+
+
+def test_bad_ds_config_key_is_one_line_and_exit_2(tmp_path):
+    """A ds_config key DeepSpeed rejects (inside deepspeed.initialize, on every rank): one line
+    from rank 0, exit 2 through the launcher, no traceback."""
+    ds = json.loads((REPO / "configs/ds_cpu_canzona.json").read_text())
+    ds["zero_optimization"]["stagee"] = 1
+    bad = tmp_path / "ds.json"
+    bad.write_text(json.dumps(ds))
+    r = launch(["--set", "steps=2", "--set", f"log_dir={tmp_path / 'run'}", "--ds-config", str(bad)], timeout=180)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out[-3000:]
+    lines = [ln for ln in out.splitlines() if "canzona_ds.cli.train:" in ln]
+    assert len(lines) == 1 and "config error" in lines[0] and "stagee" in lines[0] and str(bad) in lines[0], out[-3000:]
+    assert "Traceback" not in out
+
+
+def test_runs_get_their_own_folders_and_resume_finds_its_own(tmp_path):
+    """Per-run folders under runs_dir with runs/latest; a Shampoo run does not touch the Muon
+    run's files; --resume (no log_dir) continues the Muon run although latest is the Shampoo
+    one, and with nothing left to train says so and rewrites nothing; resuming that checkpoint
+    with another optimizer type is exit 4 and one line."""
+    runs = tmp_path / "runs"
+    base = ["--set", f"runs_dir={runs}", "--set", "steps=2", "--set", "eval_every=0"]
+    r = launch([*base, "--set", "checkpoint_every=2", "--ds-config", "configs/ds_cpu_muon.json"], ranks=1)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    (muon,) = sorted(runs.glob("run_tiny-muon-*"))
+    assert (muon / "checkpoints" / "step2").is_dir() and (runs / "latest").resolve() == muon.resolve()
+    before = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in muon.iterdir() if p.is_file()}
+    assert {"metrics.jsonl", "summary.json", "loss.png"} <= set(before)
+
+    r = launch([*base, "--set", "checkpoint_every=0", "--ds-config", "configs/ds_cpu_shampoo.json"], ranks=1)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    (shampoo,) = sorted(runs.glob("run_tiny-canzonashampoo-*"))
+    assert (runs / "latest").resolve() == shampoo.resolve()
+
+    r = launch([*base, "--ds-config", "configs/ds_cpu_muon.json", "--resume"], ranks=1)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert f"continuing the newest run_tiny-muon run, {muon}" in out
+    assert "nothing to do: the checkpoint step2" in out and "steps=2" in out, out[-3000:]
+    after = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in muon.iterdir() if p.is_file()}
+    assert after == before  # no artifact rewritten (no empty loss.png)
+
+    r = launch([*base, "--set", f"log_dir={muon}", "--ds-config", "configs/ds_cpu_canzona.json", "--resume"], ranks=1)
+    out = r.stdout + r.stderr
+    assert r.returncode == 4, out[-3000:]
+    lines = [ln for ln in out.splitlines() if "canzona_ds.cli.train:" in ln]
+    assert len(lines) == 1 and "was written by a Muon run; this run uses CanzonaMuon" in lines[0], out[-3000:]
+    assert "Traceback" not in out

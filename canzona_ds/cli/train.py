@@ -8,10 +8,19 @@
     ... --resume          ... --compare
 
 ``--set key=value`` overrides one run-config key (value parsed as YAML); ``--ds-config``
-overrides the run config's ds_config.  Exit status: 0 done, 2 bad config (one line naming
-the bad key or value), 3 optimizer type unavailable, 4 checkpoint error (``--resume`` found
-checkpoints but none intact, or a save failed: one line naming each bad file), 130 / 143
-stopped by SIGINT / SIGTERM.
+overrides the run config's ds_config.  Exit status: 0 done (also a ``--resume`` with nothing
+left to train: it says so and leaves the run's files as they are), 2 bad config (run config or
+ds_config: one line naming the bad key or value), 3 optimizer type unavailable, 4 checkpoint
+error (``--resume`` found checkpoints but none intact or loadable by this run, e.g. written by
+another optimizer type, or a save failed: one line naming each bad file), 130 / 143 stopped
+by SIGINT / SIGTERM.  Errors are one line from rank 0; the other ranks exit quietly with the
+same status, and DeepSpeed's launcher (hence launch/train.sh) exits with it.
+
+Where a run writes: ``log_dir`` unset -> a new folder per run,
+``runs/<config stem>-<optimizer>-<YYYYmmdd-HHMMSS>``, with ``runs/latest`` pointing at it;
+checkpoints in ``<log_dir>/checkpoints`` unless ``checkpoint_dir`` is set.  ``--resume``
+without a log_dir continues the newest run of the same config stem and optimizer (not
+simply runs/latest).  See canzona_ds/train/rundir.py.
 
 DeepSpeed's CPU all-reduce leaves a ~69 MB ``/dev/shm`` buffer per rank that it never
 unlinks.  Every rank unlinks its own as soon as all ranks have mapped every buffer (right
@@ -34,7 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=None, help="YAML run config (default: built-in defaults = run_tiny)")
     ap.add_argument("--ds-config", default=None, help="DeepSpeed JSON config (overrides the run config's)")
-    ap.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue from the latest intact checkpoint of the newest run of this config and optimizer "
+                         "(or of log_dir, when set)")
     ap.add_argument("--compare", action="store_true",
                     help="run compare_ds_configs one after another + a single-process Muon reference")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -57,6 +68,18 @@ def _ensure_dist_env() -> None:
                       MASTER_PORT=str(port))
 
 
+def _is_launch_rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _fail(code: int, message: str) -> int:
+    """One line from rank 0 (every rank reaches the same verdict; the others exit quietly
+    with the same status, which DeepSpeed's launcher passes on)."""
+    if _is_launch_rank0():
+        print(f"canzona_ds.cli.train: {message}", file=sys.stderr, flush=True)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from canzona_ds.train.config import load_run_config, parse_override
@@ -67,14 +90,15 @@ def main(argv: list[str] | None = None) -> int:
             overrides["ds_config"] = args.ds_config
         if args.resume:
             overrides["resume"] = True
-        cfg = load_run_config(args.config, overrides)
+        cfg = load_run_config(args.config, overrides, overrides_from="the --set override(s)")
         _ensure_dist_env()
         world = int(os.environ["WORLD_SIZE"])
-        from canzona_ds.train.trainer import build_ds_config, data_parallel_size
+        from canzona_ds.train.trainer import build_ds_config, check_optimizer_section, data_parallel_size
 
         # fail before any process group exists
         for path in (cfg.compare_ds_configs if args.compare else [cfg.ds_config]):
             ds = build_ds_config(cfg, path, data_parallel_size(path, world))
+            check_optimizer_section(ds, path)
             from canzona_ds.train.compare import REFERENCE_TYPES
 
             if args.compare and cfg.reference_steps and str(ds["optimizer"]["type"]).lower() in REFERENCE_TYPES:
@@ -82,13 +106,13 @@ def main(argv: list[str] | None = None) -> int:
 
                 reference_config(ds["optimizer"])
     except (ValueError, TypeError) as e:
-        print(f"canzona_ds.cli.train: config error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return _fail(2, f"config error: {_one_line(e)}")
 
     import canzona_ds  # noqa: F401 - registers the Canzona optimizer types with DeepSpeed (when available)
     from canzona_ds.checkpoint import CheckpointError
     from canzona_ds.integration.runtime_info import release_shm_buffer
-    from canzona_ds.train.trainer import OptimizerUnavailable, is_rank0, setup_process, shutdown_distributed, train
+    from canzona_ds.train.trainer import (ConfigError, OptimizerUnavailable, is_rank0, setup_process,
+                                          shutdown_distributed, train)
 
     previous = _install_signal_handlers()
     setup_process(cfg)
@@ -101,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         # unlink ours now, so no exit path (SIGKILL included) can leave it in /dev/shm
         dist.barrier()
         release_shm_buffer()
+        cfg = _run_dirs(cfg, args)
         if args.compare:
             from canzona_ds.train.compare import run_compare
 
@@ -113,19 +138,34 @@ def main(argv: list[str] | None = None) -> int:
                 _final_report(cfg, result)
         shutdown_distributed()
     except OptimizerUnavailable as e:  # raised on every rank before the engine exists
-        print(f"canzona_ds.cli.train: {e}", file=sys.stderr, flush=True)
         shutdown_distributed()
-        return 3
+        return _fail(3, _one_line(e))
     except CheckpointError as e:  # the same verdict on every rank (canzona_ds.checkpoint)
-        if is_rank0():
-            print(f"canzona_ds.cli.train: checkpoint error: {e}", file=sys.stderr, flush=True)
         shutdown_distributed()
-        return 4
+        return _fail(4, f"checkpoint error: {_one_line(e)}")
+    except ConfigError as e:  # DeepSpeed rejected the ds_config: the same on every rank
+        shutdown_distributed()
+        return _fail(2, f"config error: {_one_line(e)}")
     finally:
         release_shm_buffer()  # no-op when already unlinked; covers a failure before the barrier
         for sig, h in previous.items():
             signal.signal(sig, h)
     return 0
+
+
+def _one_line(e: BaseException) -> str:
+    """An error message on one line (pydantic's span several; its doc links are dropped)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and "errors.pydantic.dev" not in ln]
+    return "; ".join(lines) or type(e).__name__
+
+
+def _run_dirs(cfg, args):
+    """log_dir / checkpoint_dir of this run (canzona_ds/train/rundir.py), the same on every rank."""
+    from canzona_ds.train.rundir import resolve_collective
+    from canzona_ds.train.trainer import load_ds_config
+
+    optimizer = "compare" if args.compare else str(load_ds_config(cfg.ds_config)["optimizer"]["type"])
+    return resolve_collective(cfg, args.config, optimizer, resume=cfg.resume and not args.compare)
 
 
 def _install_signal_handlers() -> dict:
@@ -166,6 +206,8 @@ def _final_report(cfg, result) -> None:
     from canzona_ds.train.metrics import (MATPLOTLIB_MISSING, have_matplotlib, plot_loss, plot_rank_load,
                                           read_metrics, summary_table)
 
+    if not result.trained:  # a resume with nothing left to train: it said so; nothing to report
+        return
     log_dir = Path(result.log_dir)
     print(summary_table({result.name: result.summary}), flush=True)
     artifacts = {"metrics_jsonl": result.metrics_path, "metrics_csv": str(log_dir / "metrics.csv"),

@@ -52,13 +52,17 @@ class RunConfig:
     eval_batches: int = 4
     #: DeepSpeed config JSON (its optimizer section picks Canzona* / Muon / AdamW)
     ds_config: str = "configs/ds_cpu_canzona.json"
-    #: run output folder: metrics, plots, summary
-    log_dir: str = "runs/tiny"
-    #: DeepSpeed checkpoint folder
-    checkpoint_dir: str = "runs/tiny/checkpoints"
+    #: run output folder: metrics, plots, summary.  null -> a new folder per run,
+    #: <runs_dir>/<config stem>-<optimizer>-<YYYYmmdd-HHMMSS>, with <runs_dir>/latest pointing at it
+    #: (canzona_ds/train/rundir.py; --resume then continues the newest run of the same config and optimizer)
+    log_dir: str | None = None
+    #: where new per-run folders go (when log_dir is null)
+    runs_dir: str = "runs"
+    #: DeepSpeed checkpoint folder; null -> <log_dir>/checkpoints
+    checkpoint_dir: str | None = None
     #: save a checkpoint every N steps (0 -> never; the last step is always saved when > 0)
     checkpoint_every: int = 50
-    #: continue from the latest checkpoint in checkpoint_dir (same trajectory)
+    #: continue from the latest intact checkpoint in checkpoint_dir (same trajectory)
     resume: bool = False
     #: ds_configs run by ``--compare`` one after another (same seed and data)
     compare_ds_configs: list = field(default_factory=lambda: [
@@ -147,9 +151,14 @@ def _check_type(name: str, value, hint) -> None:
                         f"Must be {getattr(expected, '__name__', expected)}.")
 
 
-def load_run_config(path: str | Path | None, overrides: dict | None = None) -> RunConfig:
-    """Read a YAML run config (or defaults when ``path`` is None), apply ``overrides``."""
+def load_run_config(path: str | Path | None, overrides: dict | None = None,
+                    overrides_from: str = "overrides") -> RunConfig:
+    """Read a YAML run config (or defaults when ``path`` is None), apply ``overrides``.
+
+    An unknown key is reported with where it came from: the YAML file, or ``overrides_from``
+    (the CLI passes "the --set override(s)")."""
     data: dict = {}
+    allowed = [f.name for f in fields(RunConfig)]
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -159,13 +168,14 @@ def load_run_config(path: str | Path | None, overrides: dict | None = None) -> R
             loaded = {}
         if not isinstance(loaded, dict):
             raise TypeError(f"Run config {str(path)!r} must be a YAML mapping, got {type(loaded).__name__}.")
+        unknown = sorted(set(loaded) - set(allowed))
+        if unknown:
+            raise ValueError(f"Unknown run config key(s) {unknown} in {path}. Allowed: {allowed}")
         data.update(loaded)
-    data.update(overrides or {})
-    allowed = [f.name for f in fields(RunConfig)]
-    unknown = sorted(set(data) - set(allowed))
+    unknown = sorted(set(overrides or {}) - set(allowed))
     if unknown:
-        raise ValueError(f"Unknown run config key(s) {unknown} in {str(path) if path else 'overrides'}. "
-                         f"Allowed: {allowed}")
+        raise ValueError(f"Unknown run config key(s) {unknown} in {overrides_from}. Allowed: {allowed}")
+    data.update(overrides or {})
     return RunConfig(**data)
 
 

@@ -113,24 +113,46 @@ def _pyplot():
     return plt
 
 
-def plot_loss(curves: dict[str, list[dict]], out: Path, title: str = "training loss") -> Path:
-    """``curves``: run name -> metric rows.  Train loss (solid) and val loss (markers)."""
+def plot_loss(curves: dict[str, list[dict]], out: Path, title: str = "training loss",
+              dashed: tuple[str, ...] = (), markers_only: tuple[str, ...] = ()) -> Path:
+    return _save(loss_figure(curves, title, dashed, markers_only), out)
+
+
+def _save(fig, out: Path) -> Path:
+    fig.savefig(out, dpi=120)
+    _pyplot().close(fig)
+    return out
+
+
+def loss_figure(curves: dict[str, list[dict]], title: str = "training loss", dashed: tuple[str, ...] = (),
+                markers_only: tuple[str, ...] = ()):
+    """``curves``: run name -> metric rows.  Train loss (solid) and val loss (markers).
+
+    Curves that coincide must stay visible: the first run is drawn wide, the runs in ``dashed``
+    narrower and dashed on top of it (e.g. DeepSpeed's Muon over CanzonaMuon, equal to ~1e-4),
+    the runs in ``markers_only`` as black crosses (e.g. the single-process reference's first
+    steps).  The legend sits outside the axes, so it covers no curve."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, rows in curves.items():
-        line, = ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=f"{name} train", lw=1.2)
+    fig, ax = plt.subplots(figsize=(8.5, 4.5))
+    for i, (name, rows) in enumerate(curves.items()):
+        xs, ys = [r["step"] for r in rows], [r["loss"] for r in rows]
+        if name in markers_only:
+            ax.plot(xs, ys, "x", color="black", ms=7, mew=1.5, label=name, zorder=5)
+            continue
+        style = dict(ls=(0, (4, 3)), lw=1.6, zorder=4) if name in dashed else dict(lw=3.2 if i == 0 else 1.6,
+                                                                                 alpha=0.8 if i == 0 else 1.0)
+        line, = ax.plot(xs, ys, label=f"{name} train", **style)
         val = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
         if val:
-            ax.plot(*zip(*val), "o--", color=line.get_color(), ms=4, lw=0.8, label=f"{name} val")
+            ax.plot(*zip(*val), "o", color=line.get_color(), ms=7 if i == 0 else 4, mfc="none" if i == 0 else None,
+                    label=f"{name} val", zorder=5)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy (nats/byte)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return fig
 
 
 def plot_rank_load(plan_summary: dict, out: Path) -> Path:
@@ -157,23 +179,28 @@ def plot_rank_load(plan_summary: dict, out: Path) -> Path:
     return out
 
 
-def plot_step_times(results: dict[str, dict], out: Path) -> Path:
-    """Stacked median step-time breakdown per run."""
+def plot_step_times(results: dict[str, dict], out: Path, title: str = "median time per optimizer step") -> Path:
+    return _save(step_times_figure(results, title), out)
+
+
+def step_times_figure(results: dict[str, dict], title: str = "median time per optimizer step"):
+    """Stacked median step-time breakdown per run, the wall-clock step as a black bar; legend
+    outside the axes."""
     plt = _pyplot()
     parts = [("median_fwd_bwd_ms", "fwd+bwd"), ("median_grad_reduce_ms", "grad reduce"),
              ("median_optimizer_ms", "optimizer"), ("median_allgather_ms", "param all-gather")]
     names = list(results)
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(8.5, 4.2))
     bottom = [0.0] * len(names)
     for key, label in parts:
         vals = [results[n].get(key) or 0.0 for n in names]
-        ax.bar(names, vals, bottom=bottom, label=label)
+        ax.bar(names, vals, bottom=bottom, label=label, width=0.6)
         bottom = [b + v for b, v in zip(bottom, vals)]
-    ax.plot(names, [results[n].get("median_step_ms") or 0.0 for n in names], "k_", ms=30, label="total step (wall)")
+    ax.plot(names, [results[n].get("median_step_ms") or 0.0 for n in names], "k_", ms=40, mew=2,
+            label="total step (wall)")
     ax.set_ylabel("ms per optimizer step")
-    ax.legend(fontsize=8)
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, markerscale=0.4)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return fig

@@ -42,6 +42,10 @@ class OptimizerUnavailable(RuntimeError):
     """The ds_config names an optimizer type this installation cannot build."""
 
 
+class ConfigError(ValueError):
+    """DeepSpeed rejected the ds_config while building the engine (raised on every rank)."""
+
+
 @dataclass
 class RunResult:
     name: str
@@ -52,6 +56,8 @@ class RunResult:
     summary: dict
     plan_summary: dict
     checkpoint_dir: str | None
+    #: False when a resume found nothing left to train (no artifact was written)
+    trained: bool = True
 
 
 def is_rank0() -> bool:
@@ -82,6 +88,20 @@ def load_ds_config(path: str | Path) -> dict:
     if not isinstance(ds.get("optimizer"), dict) or "type" not in ds["optimizer"]:
         raise ValueError(f"ds_config {str(path)!r} needs an 'optimizer': {{'type': ..., 'params': {{...}}}} section.")
     return ds
+
+
+def check_optimizer_section(ds: dict, path: str | Path) -> None:
+    """Validate a Canzona type's optimizer params before any process group exists (the same
+    check the optimizer makes later, but here every rank fails at once, naming the key)."""
+    from canzona_ds.optim import OPTIMIZER_TYPES
+    from canzona_ds.optim.config import CanzonaConfig
+
+    opt_type = str(ds["optimizer"]["type"])
+    if opt_type in OPTIMIZER_TYPES:
+        try:
+            CanzonaConfig.from_ds(opt_type, dict(ds["optimizer"].get("params") or {}), ds.get("canzona_tp"))
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"ds_config {str(path)!r}: optimizer {opt_type}: {e}") from None
 
 
 def tensor_parallel_size(ds: dict) -> int:
@@ -122,7 +142,7 @@ def build_ds_config(cfg: RunConfig, ds_path: str | Path, dp: int) -> dict:
     return ds
 
 
-def _initialize(model, ds: dict):
+def _initialize(model, ds: dict, ds_path: str = "the ds_config"):
     """deepspeed.initialize, by strategy:
 
     * ds_config optimizer section (Canzona* / Muon / AdamW) built by DeepSpeed (ZeRO);
@@ -151,6 +171,8 @@ def _initialize(model, ds: dict):
                 "canzona_ds DeepSpeed integration (import canzona_ds registers them); use configs/ds_cpu_muon.json "
                 "(DeepSpeed's built-in Muon) meanwhile.") from None
         raise
+    except (ValueError, TypeError) as e:  # pydantic's ValidationError is a ValueError: a bad ds_config key
+        raise ConfigError(f"DeepSpeed rejected {ds_path}: {e}") from None
     return engine
 
 
@@ -190,10 +212,14 @@ def train(cfg: RunConfig, name: str | None = None, progress: bool = True) -> Run
     ds = build_ds_config(cfg, cfg.ds_config, dp)
     opt_type = str(ds["optimizer"]["type"])
     name = name or opt_type
+    if cfg.log_dir is None or cfg.checkpoint_dir is None:  # called without the CLI's resolution
+        from canzona_ds.train.rundir import resolve_collective
+
+        cfg = resolve_collective(cfg, None, opt_type, cfg.resume)
     log_dir = Path(cfg.log_dir)
 
     model = build_model(cfg.model_config(), cfg.seed)
-    engine = _initialize(model, ds)
+    engine = _initialize(model, ds, str(cfg.ds_config))
     # the data shard follows the DP rank; AutoTP ranks of one DP group read the same batch
     rank = data_parallel_rank(engine) if dp < world else (dist.get_rank() if dist.is_initialized() else 0)
     tap = TimerTap(engine)
@@ -203,7 +229,7 @@ def train(cfg: RunConfig, name: str | None = None, progress: bool = True) -> Run
     start_step = 0
     if cfg.resume:
         # verified load; a corrupt/incomplete newest checkpoint falls back to the newest intact one
-        res = checkpoint.load(engine, cfg.checkpoint_dir, fallback=True)
+        res = checkpoint.load(engine, cfg.checkpoint_dir, fallback=True, loader=_loader_for(opt_type))
         if is_rank0():
             for tag, reason in res.skipped:
                 print(f"[{name}] checkpoint {tag} is corrupt or incomplete ({reason}); skipped", flush=True)
@@ -219,6 +245,19 @@ def train(cfg: RunConfig, name: str | None = None, progress: bool = True) -> Run
             if is_rank0():
                 how = f" (newest intact checkpoint; skipped {[t for t, _ in res.skipped]})" if res.skipped else ""
                 print(f"[{name}] resumed from {res.tag}{how}: {res.path} at step {start_step}", flush=True)
+        if start_step >= cfg.steps:
+            # nothing to train: say so, and leave metrics, plots, summary and checkpoints as they are
+            if is_rank0():
+                print(f"[{name}] nothing to do: the checkpoint {res.tag} in {cfg.checkpoint_dir} is at step "
+                      f"{start_step} and steps={cfg.steps}; the run's files in {log_dir} are left as they are "
+                      f"(to train further, raise steps, e.g. --set steps={start_step + cfg.steps})", flush=True)
+            if dist.is_initialized():
+                dist.barrier()
+            if hasattr(engine, "destroy"):
+                engine.destroy()
+            return RunResult(name=name, optimizer_type=opt_type, log_dir=str(log_dir),
+                             metrics_path=str(log_dir / "metrics.jsonl"), start_step=start_step, summary={},
+                             plan_summary=plan, checkpoint_dir=cfg.checkpoint_dir, trained=False)
 
     sampler = BatchSampler(DataConfig(corpus=cfg.corpus, seq_len=cfg.seq_len, seed=cfg.seed))
     writer = MetricsWriter(log_dir, start_step) if is_rank0() else None
@@ -284,6 +323,34 @@ def train(cfg: RunConfig, name: str | None = None, progress: bool = True) -> Run
     return RunResult(name=name, optimizer_type=opt_type, log_dir=str(log_dir),
                      metrics_path=str(log_dir / "metrics.jsonl"), start_step=start_step, summary=summary,
                      plan_summary=plan, checkpoint_dir=cfg.checkpoint_dir if cfg.checkpoint_every else None)
+
+
+def saved_optimizer_type(ckpt_dir: str | Path) -> str | None:
+    """The optimizer type in the ds_config DeepSpeed stores in a checkpoint's model states
+    (memory-mapped: the tensors are not read); None when unreadable."""
+    files = sorted(Path(ckpt_dir).glob("*model_states.pt"))
+    if not files:
+        return None
+    try:
+        states = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)
+        return str(states["ds_config"]["optimizer"]["type"])
+    except Exception:  # noqa: BLE001 - not knowable: DeepSpeed's own load decides
+        return None
+
+
+def _loader_for(opt_type: str):
+    """``checkpoint.load``'s loader: DeepSpeed's load, but a checkpoint written with another
+    optimizer type is refused first, as a checkpoint error (every rank reads the same file,
+    so every rank refuses; nothing is loaded)."""
+    def load(engine, load_dir, tag, manifest, **kw):
+        path = os.path.join(load_dir, tag)
+        saved = saved_optimizer_type(path)
+        if saved is not None and saved != opt_type:
+            raise checkpoint.CheckpointError(
+                f"checkpoint {path} was written by a {saved} run; this run uses {opt_type}. Resume with the "
+                "ds_config it was written with, or start a new run (another log_dir).", path)
+        return engine.load_checkpoint(load_dir, tag=tag, **kw)
+    return load
 
 
 def _postfix(row: dict) -> str:
