@@ -94,7 +94,7 @@ def elastic_needed(engine, load_dir, tag) -> bool:
     another DP or TP size, or with another plan (reads one optimizer file's layout record)."""
     import os
 
-    from .elastic import OPTIM_FILE, ElasticError, checkpoint_size
+    from .elastic import OPTIM_FILE, ElasticError, _load, checkpoint_size
     from .runtime_info import canzona_optimizer
     from .zero import LAYOUT_KEY
 
@@ -116,7 +116,7 @@ def elastic_needed(engine, load_dir, tag) -> bool:
     if sizes != (_dp_world_size(engine), opt.tp_size):
         return True
     first = sorted(f for f in os.listdir(os.path.join(load_dir, tag)) if OPTIM_FILE.search(f))[0]
-    saved = torch.load(os.path.join(load_dir, tag, first), map_location="cpu", weights_only=False)
+    saved = _load(os.path.join(load_dir, tag, first), mmap=True)  # the layout record only, no tensor data
     meta = saved["optimizer_state_dict"].get(LAYOUT_KEY) or {}
     return meta.get("fingerprint") != engine.optimizer.canzona_layout_meta()["fingerprint"]
 
