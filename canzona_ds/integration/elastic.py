@@ -39,10 +39,10 @@ own buffers::
                        the pages of adam[2Q:3Q) (and their moments) in whichever files hold them
 
 so a rank reads (and its resident memory grows by) its own share of the fp32 state, not the
-model's.  The bit16 weights every rank keeps whole come from the owners' fp32 partitions by
-DeepSpeed's post-step all-gather (``update_lp_params``), not from the files.  Only a
-TP-split parameter whose TP size changes is rebuilt whole, one at a time, on the ranks
-holding part of it.  ``read`` (the converter) still builds every parameter whole.
+model's.  The bit16 weights every rank keeps whole come from the owners' fp32 partitions,
+broadcast into the flat bit16 buffer (what DeepSpeed's post-step all-gather does), not from
+the files.  Only a TP-split parameter whose TP size changes is rebuilt whole, one at a time,
+on the ranks holding part of it.  ``read`` (the converter) still builds every parameter whole.
 """
 from __future__ import annotations
 
@@ -174,7 +174,7 @@ class SavedCheckpoint:
         missing = [f"zero_pp_rank_{r}_mp_rank_{t:02d}" for r in range(dp) for t in range(tp) if (r, t) not in files]
         if missing:
             raise ElasticError(f"{folder} lacks optimizer files {missing}.")
-        self.dp, self.tp, self.folder = dp, tp, folder
+        self.dp, self.tp, self.folder, self._mmap = dp, tp, folder, mmap
         self.elements_read = 0
         #: [tp rank][dp rank] -> that file's optimizer_state_dict (tensors memory-mapped)
         self._shards = [[_load(files[(r, t)], mmap)["optimizer_state_dict"] for r in range(dp)] for t in range(tp)]
@@ -227,7 +227,7 @@ class SavedCheckpoint:
                 self.engine_state = _owned({k: model.get(k) for k in ("global_steps", "global_samples",
                                                                       "skipped_steps", "lr_scheduler")})
                 self.client_state = _owned({k: v for k, v in model.items() if k not in DS_MODEL_KEYS})
-            del model  # its bit16 module weights are never read
+            self._model = model  # (its bit16 weights are never read; held as the reader before held it)
         self.rule = meta0["rule"]
         #: name -> (dim, shard sizes, blocks) of every TP-split parameter, as saved
         self.tp_params = {n: (int(d), tuple(s), tuple(b)) for n, (d, s, b) in meta0["tp_params"].items()}
@@ -332,7 +332,8 @@ class SavedCheckpoint:
         params = {name: self.whole(name) for name in self.names}
         adam = {name: {k: self.whole(name, k) for k in ADAM_KEYS}
                 for name in self.names if self._where[0][name][1] is None}
-        rule_state = {name: _owned(self.state_of(name)) for name in self._state_at}
+        # copied out of the mapped files: a Universal must outlive them (a save may rewrite a file in place)
+        rule_state = {name: (_owned if self._mmap else dict)(self.state_of(name)) for name in self._state_at}
         return Universal(rule=self.rule, params=params, adam=adam, adam_step=self.adam_step, rule_state=rule_state,
                          matrix_step=self.matrix_step, zero_scalars=self.zero_scalars, engine_state=self.engine_state,
                          client_state=self.client_state, source={"dp": self.dp, "tp": self.tp, "dir": self.folder})
@@ -414,10 +415,13 @@ def _check_state(rule, info, shapes: dict[str, tuple[int, ...]]) -> None:
                                f"{tuple(t.shape)} (a hyper-parameter that shapes the state changed?).")
 
 
-def write(engine, src: Universal | SavedCheckpoint) -> dict:
+def write(engine, src: Universal | SavedCheckpoint, gather: bool = True) -> dict:
     """Fill ``engine`` (a Canzona optimizer under ZeRO 1/2, any DP x TP) from ``src``, copying
     only what this rank holds; returns the client state.
 
+    The bit16 weights every rank keeps whole are gathered from the ranks' fp32 partitions
+    (``gather``, a collective), or with ``gather=False`` copied from ``src`` parameter by
+    parameter (every parameter read on every rank: the way before, no collective).
     Everything that can refuse (names, shapes, rule, state that cannot follow a TP layout) is
     checked first, from shapes alone and alike on every rank, so no rank is left waiting in the
     closing all-gather."""
@@ -504,11 +508,12 @@ def write(engine, src: Universal | SavedCheckpoint) -> dict:
         opt.load_matrix_state(wanted)
         # the bit16 weights: every rank's fp32 partition, gathered as after a step (a parameter
         # outside the optimizer's groups, e.g. frozen here, is copied whole)
-        grouped = {id(p) for group in zopt.bit16_groups for p in group}
+        grouped = {id(p) for group in zopt.bit16_groups for p in group} if gather else set()
         for name, p in names.items():
             if id(p) not in grouped:
                 p.data.copy_(mine(name, MASTER, 0, p.numel()).view(p.shape))
-        zopt.update_lp_params()
+        if gather:
+            _gather_bit16(zopt)
     for key, value in src.zero_scalars.items():
         setattr(zopt, key, value)
     for key in ("global_steps", "global_samples", "skipped_steps"):
@@ -519,17 +524,34 @@ def write(engine, src: Universal | SavedCheckpoint) -> dict:
     return dict(src.client_state)
 
 
+def _gather_bit16(zopt) -> None:
+    """DeepSpeed's post-step all-gather (``update_lp_params``), as one broadcast per DP rank
+    straight into the flat bit16 buffer: no staging copy of the buffer (gloo's
+    all_gather_into_tensor stages a whole one, which would cost every rank the model's size)."""
+    import torch.distributed as tdist
+
+    for i, (parts, fp32) in enumerate(zip(zopt.parallel_partitioned_bit16_groups,
+                                          zopt.single_partition_of_fp32_groups)):
+        group = zopt.real_dp_process_group[i]
+        parts[tdist.get_rank(group=group)].data.copy_(fp32.data)
+        for r in range(tdist.get_world_size(group=group)):
+            src = r if group is None else tdist.get_global_rank(group, r)
+            tdist.broadcast(parts[r].data, src=src, group=group)
+
+
 def load(engine, ckpt_dir: str, tag: str | None = None, whole: bool = False) -> tuple[str, dict]:
     """Resume ``engine`` from a Canzona checkpoint written at any DP x TP size.
 
     Each rank reads only its share (``SavedCheckpoint``).  ``whole=True`` is the previous way,
-    kept to measure against (benchmarks/bench_elastic_rss.py): every file read into memory
-    and every parameter rebuilt whole on every rank (``read(mmap=False)``) before ``write``."""
+    kept to measure against (benchmarks/bench_elastic_rss.py): every file read into memory,
+    every parameter rebuilt whole on every rank (``read(mmap=False)``) and the module's weights
+    set from them (no collective)."""
     if tag is None:
         with open(os.path.join(ckpt_dir, "latest")) as f:
             tag = f.read().strip()
-    src = read(ckpt_dir, tag, mmap=False) if whole else SavedCheckpoint(ckpt_dir, tag)
-    return os.path.join(ckpt_dir, tag), write(engine, src)
+    if whole:
+        return os.path.join(ckpt_dir, tag), write(engine, read(ckpt_dir, tag, mmap=False), gather=False)
+    return os.path.join(ckpt_dir, tag), write(engine, SavedCheckpoint(ckpt_dir, tag))
 
 
 #: format marker of a file written by ``convert``
