@@ -7,12 +7,15 @@ split parameter) and every matrix's rule state by name.  That is enough to rebui
 every parameter, its whole (TP=1) fp32 master weight and optimizer state, whatever the
 DP and TP size it was saved at::
 
-    read(dir, tag)  -> Universal            every parameter whole, in the TP=1 layout:
-                                            fp32 master, AdamW moments, the rule's state,
-                                            step counts, loss scale, lr scheduler, client state
-    write(engine, universal)                 fill a live engine laid out for the CURRENT
-                                            DP x TP (its plan, its layout, its TP hosts)
-    load(engine, dir, tag) = write(engine, read(dir, tag))
+    SavedCheckpoint(dir, tag)               the files memory-mapped and indexed: any slice of a
+                                            parameter's fp32 master, AdamW moments or rule state
+                                            on request (TP=1 layout or a TP rank's), step counts,
+                                            loss scale, lr scheduler, client state
+    read(dir, tag)  -> Universal            the same, every parameter whole in memory (converter)
+    write(engine, source)                   fill a live engine laid out for the CURRENT
+                                            DP x TP (its plan, its layout, its TP hosts) with
+                                            what this rank holds, from either
+    load(engine, dir, tag) = write(engine, SavedCheckpoint(dir, tag))
 
 Nothing is approximated: matrices are moved whole (a DP change only changes which rank
 owns a matrix and where its range starts), AdamW's element-wise state is re-sliced, and a
@@ -47,7 +50,6 @@ on the ranks holding part of it.  ``read`` (the converter) still builds every pa
 from __future__ import annotations
 
 import copy
-import glob
 import os
 import re
 from dataclasses import dataclass, field, fields
