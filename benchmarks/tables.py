@@ -410,6 +410,21 @@ def config_fuzz(d: Data) -> str:
     return _table(["bad input", "what happened"], rows)
 
 
+def elastic_rss(d: Data) -> str:
+    """bench_elastic_rss: peak RSS and wall time of an elastic resume per rank, share read vs whole model."""
+    what = {"new": "reads its share (memory-mapped)", "old": "reads the whole model (before)"}
+    rows = []
+    for c in d["cases"]:
+        for path in ("new", "old"):
+            ranks = c[path]
+            rows.append([f"{c['from_dp']} -> {c['to_dp']}", what[path],
+                         ", ".join(f"{r['peak_mib']:,.0f}" for r in ranks), _mib(max(r["peak_mib"] for r in ranks)),
+                         _mib(max(r["retained_mib"] for r in ranks)), f"{max(r['wall_s'] for r in ranks):.1f}",
+                         "yes" if c["identical"] else "NO"])
+    return _table(["DP", "load", "peak RSS increment per rank, MiB", "max", "kept (new state), max",
+                   "load wall s, slowest rank", "same state as the other path"], rows)
+
+
 def _fault_table_entry(d: Data) -> str:
     """fault_injection: checkpoint faults injected into a real run and what --resume did."""
     import importlib.util
@@ -505,6 +520,7 @@ TABLES: dict[str, tuple[str, Callable[[Data], str]]] = {
     "main_job_plan": ("main_job", main_job_plan),
     "main_job_reference": ("main_job", main_job_reference),
     "main_job_compare": ("main_job", main_job_compare),
+    "elastic_rss": ("elastic_rss", elastic_rss),
 }
 
 

@@ -142,6 +142,52 @@ def test_converter_errors_name_the_problem(tmp_path):
     assert proc.returncode == 2 and "nope" in proc.stderr
 
 
+# ------------------------------------------------------------------------------ memory
+def _resume_counting(rank, dp, ckpt):
+    """Load through SavedCheckpoint and count what this rank copied out of the files."""
+    from canzona_ds.integration.elastic import SavedCheckpoint, write
+    from canzona_ds.integration.runtime_info import canzona_optimizer
+
+    _, _, engine = run_engine(rank, dp, ds_config(dp), 0)
+    src = SavedCheckpoint(ckpt, "before")
+    opened = src.elements_read
+    write(engine, src)
+    zopt, opt = engine.optimizer, canzona_optimizer(engine)
+    share = 0  # what this rank holds in the new layout: fp32 master, AdamW moments, rule state
+    for i, group in enumerate(opt.param_groups):
+        flat = zopt.single_partition_of_fp32_groups[i]
+        if group["canzona_role"] == "matrix":
+            share += sum(v.numel for v in opt._flat_views[id(flat)])
+            continue
+        lo, hi = rank * zopt.partition_size[i], (rank + 1) * zopt.partition_size[i]
+        held = sum(max(0, min(off + p.numel(), hi) - max(off, lo))
+                   for p, off in zip(zopt.round_robin_bit16_groups[i], zopt.round_robin_bit16_offsets[i]))
+        share += 3 * held  # master, exp_avg, exp_avg_sq
+    share += sum(v.numel() for st in opt.matrix_state.values() for v in st.values() if torch.is_tensor(v))
+    return dict(opened=opened, read=src.elements_read, share=share, params=params_of(engine.module))
+
+
+def test_each_rank_reads_only_its_share(tmp_path):
+    """Resuming DP 2 -> 4, a rank copies out of the checkpoint exactly the elements it holds in
+    the new layout (its matrices, its AdamW range and moments, its matrices' rule state), none
+    when the files are opened; the four shares together are the checkpoint, read once."""
+    from canzona_ds.integration.elastic import SavedCheckpoint
+
+    ckpt = str(tmp_path / "ckpt")
+    saved = run_distributed(_save, 2, ckpt, "CanzonaMuon", 1)[0]
+    res = run_distributed(_resume_counting, 4, ckpt)
+    whole = SavedCheckpoint(ckpt, "before")
+    whole.universal()
+    total = whole.elements_read  # every fp32 master, moment and rule-state element, once
+    for r in res:
+        assert r["opened"] == 0
+        assert r["read"] == r["share"] and 0 < r["read"] < total / 2, (r["read"], r["share"], total)
+    print("elements read per rank", [r["read"] for r in res], "checkpoint", total)
+    assert sum(r["read"] for r in res) == total
+    for k in saved:
+        np.testing.assert_array_equal(res[3]["params"][k], saved[k], err_msg=k)
+
+
 # ------------------------------------------------------------------------------ DP x TP
 TP_CFG = dict(vocab=64, hidden=32, heads=4, kv_heads=2, head_dim=8, ffn=48)
 TP_PARAMS = {"CanzonaMuon": {"lr": 0.02, "adam_lr": 1e-3, "momentum": 0.95, "weight_decay": 0.01},

@@ -7,12 +7,15 @@ split parameter) and every matrix's rule state by name.  That is enough to rebui
 every parameter, its whole (TP=1) fp32 master weight and optimizer state, whatever the
 DP and TP size it was saved at::
 
-    read(dir, tag)  -> Universal            every parameter whole, in the TP=1 layout:
-                                            fp32 master, AdamW moments, the rule's state,
-                                            step counts, loss scale, lr scheduler, client state
-    write(engine, universal)                 fill a live engine laid out for the CURRENT
-                                            DP x TP (its plan, its layout, its TP hosts)
-    load(engine, dir, tag) = write(engine, read(dir, tag))
+    SavedCheckpoint(dir, tag)               the files memory-mapped and indexed: any slice of a
+                                            parameter's fp32 master, AdamW moments or rule state
+                                            on request (TP=1 layout or a TP rank's), step counts,
+                                            loss scale, lr scheduler, client state
+    read(dir, tag)  -> Universal            the same, every parameter whole in memory (converter)
+    write(engine, source)                   fill a live engine laid out for the CURRENT
+                                            DP x TP (its plan, its layout, its TP hosts) with
+                                            what this rank holds, from either
+    load(engine, dir, tag) = write(engine, SavedCheckpoint(dir, tag))
 
 Nothing is approximated: matrices are moved whole (a DP change only changes which rank
 owns a matrix and where its range starts), AdamW's element-wise state is re-sliced, and a
@@ -29,13 +32,24 @@ universal form to one file, like DeepSpeed's ``ds_to_universal``::
 
     python -m canzona_ds.integration.elastic convert CKPT_DIR TAG OUT.pt
 
-Memory: every rank reads every optimizer file and holds the whole fp32 model and optimizer
-state while converting (shared filesystem required); fine up to a few billion parameters
-per host, use the offline converter beyond.
+Memory: ``load`` never builds the ``Universal``.  It opens every file memory-mapped
+(``SavedCheckpoint``: ``torch.load(mmap=True)`` reads the pickled structure, no tensor data)
+and each rank copies out only the slices it will hold in the new layout, straight into its
+own buffers::
+
+    saved at DP=2      rank 0 file | W0  W3  pad | adam[0:P)   |   rank 1 file | W1  W2  W4 | adam[P:2P) |
+    resumed at DP=4    rank 2 owns W2 and adam[2Q:3Q): it touches W2's bytes in rank 1's file and
+                       the pages of adam[2Q:3Q) (and their moments) in whichever files hold them
+
+so a rank reads (and its resident memory grows by) its own share of the fp32 state, not the
+model's.  The bit16 weights every rank keeps whole come from the owners' fp32 partitions,
+broadcast into the flat bit16 buffer (what DeepSpeed's post-step all-gather does), not from
+the files.  Only a TP-split parameter whose TP size changes is rebuilt whole, one at a time,
+on the ranks holding part of it.  ``read`` (the converter) still builds every parameter whole.
 """
 from __future__ import annotations
 
-import glob
+import copy
 import os
 import re
 from dataclasses import dataclass, field, fields
@@ -59,6 +73,11 @@ class ElasticError(ValueError):
     """A checkpoint cannot be resumed at this size (the message says why)."""
 
 
+#: the key of a parameter's fp32 master weight in ``flat_range``; the others are AdamW's moments
+MASTER = "param"
+ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+
+
 @dataclass
 class Universal:
     """A checkpoint independent of DP and TP size: every parameter whole (TP=1 layout)."""
@@ -79,6 +98,34 @@ class Universal:
     client_state: dict[str, Any]
     source: dict[str, Any] = field(default_factory=dict)
 
+    # what ``write`` reads through (``SavedCheckpoint`` answers the same)
+    @property
+    def names(self) -> list[str]:
+        return list(self.params)
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.params[name].shape)
+
+    def flat_range(self, name: str, key: str, start: int, stop: int, tp_layout, tp_rank: int) -> Tensor:
+        whole = self.params[name] if key == MASTER else self.adam.get(name, {}).get(key)
+        if whole is None:
+            raise ElasticError(f"{name!r} has no AdamW state in the checkpoint (a matrix there?).")
+        if tp_layout is not None:
+            from ..tp.layout import shard
+
+            dim, sizes, blocks = tp_layout
+            whole = shard(whole, dim, blocks, sizes, tp_rank)
+        return whole.reshape(-1)[start:stop]
+
+    def state_names(self) -> list[str]:
+        return list(self.rule_state)
+
+    def state_shapes(self, name: str) -> dict[str, tuple[int, ...]]:
+        return {k: tuple(v.shape) for k, v in self.rule_state[name].items() if isinstance(v, Tensor)}
+
+    def state_of(self, name: str) -> dict[str, Any]:
+        return self.rule_state[name]
+
 
 # ------------------------------------------------------------------------------ reading
 def checkpoint_size(ckpt_dir: str, tag: str) -> tuple[int, int]:
@@ -90,102 +137,239 @@ def checkpoint_size(ckpt_dir: str, tag: str) -> tuple[int, int]:
     return max(d for d, _ in found) + 1, max(t for _, t in found) + 1
 
 
-def _load(path: str) -> dict:
+def _load(path: str, mmap: bool = False) -> dict:
+    """A checkpoint file; with ``mmap`` its tensors stay in the file until sliced and copied."""
+    if mmap:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        except RuntimeError:  # written with the legacy (non-zip) format: cannot be mapped
+            pass
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def read(ckpt_dir: str, tag: str) -> Universal:
-    """Every parameter and its state, whole (see the module doc)."""
-    from ..optim import rule_from_description
-    from ..tp.layout import concat_permutation, unshard
+def _owned(obj: Any) -> Any:
+    """``obj`` with every tensor copied out of a memory-mapped file (small things handed to the user)."""
+    if isinstance(obj, Tensor):
+        return obj.clone()
+    if isinstance(obj, dict):
+        out = copy.copy(obj)  # keeps an OrderedDict or defaultdict what it is
+        for k, v in obj.items():
+            out[k] = _owned(v)
+        return out
+    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        return type(obj)(_owned(v) for v in obj)
+    return obj
 
-    folder = os.path.join(ckpt_dir, tag)
-    dp, tp = checkpoint_size(ckpt_dir, tag)
-    files = {(int(m.group(1)), int(m.group(2))): os.path.join(folder, f)
-             for f in os.listdir(folder) if (m := OPTIM_FILE.search(f))}
-    missing = [f"zero_pp_rank_{r}_mp_rank_{t:02d}" for r in range(dp) for t in range(tp) if (r, t) not in files]
-    if missing:
-        raise ElasticError(f"{folder} lacks optimizer files {missing}.")
-    local_params: list[dict[str, Tensor]] = []  # per TP rank: name -> local fp32 master
-    local_adam: list[dict[str, dict[str, Tensor]]] = []
-    rule_state: dict[str, dict] = {}
-    hosted_in_tp_layout: set[str] = set()
-    meta0 = None
-    rule_description = None
-    adam_step, matrix_step, zero_scalars = 0.0, 0, {}
-    for t in range(tp):
-        model = _load(os.path.join(folder, MODEL_FILE.format(t)))
-        shards = [_load(files[(r, t)])["optimizer_state_dict"] for r in range(dp)]
-        metas = [s.get(LAYOUT_KEY) for s in shards]
-        if any(m is None or m.get("matrix_names") is None for m in metas):
-            raise ElasticError(f"{folder} was not written by a Canzona optimizer with a planned layout (no "
-                               f"'{LAYOUT_KEY}'); only Canzona checkpoints can change size here.")
-        meta = metas[0]
-        meta0 = meta0 or meta
-        roles = meta["roles"]
-        group_shapes = model["param_shapes"]
-        params: dict[str, Tensor] = {}
-        adam: dict[str, dict[str, Tensor]] = {}
-        for g, role in enumerate(roles):
-            shapes = dict(group_shapes[g])
-            if role == "matrix":
-                P = meta["shard_numel"]
-                owners = [r for r, c in enumerate(meta["rank_counts"]) for _ in range(c)]
-                for name, off, owner in zip(meta["matrix_names"], meta["offsets"], owners):
-                    shape = tuple(shapes[name])
-                    n = int(torch.Size(shape).numel())
-                    part = shards[owner]["single_partition_of_fp32_groups"][g]
-                    params[name] = part[off - owner * P: off - owner * P + n].view(shape).clone()
-                for s in shards:
-                    base = s["base_optimizer_state"]
-                    rule_description = base["canzona"]["config"]["rule"]
-                    for name, st in base["canzona"]["matrix_state"].items():
-                        rule_state.setdefault(name, st)  # TP replicas of a non-split matrix are identical
-                    matrix_step = int(base["param_groups"][g]["step"])
-            else:
-                flat = torch.cat([s["single_partition_of_fp32_groups"][g] for s in shards])
-                lengths = [s["single_partition_of_fp32_groups"][g].numel() for s in shards]
-                moments = {}
-                for key in ("exp_avg", "exp_avg_sq"):
-                    moments[key] = torch.cat([s["base_optimizer_state"]["state"][g][key][:n]
-                                              for s, n in zip(shards, lengths)])
-                adam_step = float(shards[0]["base_optimizer_state"]["state"][g]["step"])
-                off = 0
-                for (name, shape), pad in zip(shapes.items(), shards[0]["param_alignment_paddings"][g]):
-                    n = int(torch.Size(shape).numel())
-                    params[name] = flat[off:off + n].view(tuple(shape)).clone()
-                    adam[name] = {k: v[off:off + n].view(tuple(shape)).clone() for k, v in moments.items()}
-                    off += n + pad
-        hosted_in_tp_layout |= set(meta["tp_params"]) & set(meta["matrix_names"])
-        local_params.append(params)
-        local_adam.append(adam)
-        if t == 0:
-            zero_scalars = {k: shards[0][k] for k in ("loss_scaler", "dynamic_loss_scale", "overflow") if k in shards[0]}
-            engine_state = {k: model.get(k) for k in ("global_steps", "global_samples", "skipped_steps", "lr_scheduler")}
-            client_state = {k: v for k, v in model.items() if k not in DS_MODEL_KEYS}
-    # TP=1 layout
-    tp_params = meta0["tp_params"]
-    params, adam = {}, {}
-    for name in local_params[0]:
-        if name in tp_params:
-            dim, _, blocks = tp_params[name]
-            params[name] = unshard([lp[name] for lp in local_params], dim, blocks)
-            if name in local_adam[0]:
-                adam[name] = {k: unshard([la[name][k] for la in local_adam], dim, blocks) for k in local_adam[0][name]}
+
+class SavedCheckpoint:
+    """A Canzona checkpoint opened for slicing: every file memory-mapped, no tensor data read
+    until ``flat_range`` or ``state_of`` asks for it (see the module doc).
+
+    ``elements_read`` counts the elements handed out so far: what this rank copied from the
+    checkpoint (a whole parameter counts once per TP shard it was rebuilt from)."""
+
+    def __init__(self, ckpt_dir: str, tag: str, mmap: bool = True) -> None:
+        folder = os.path.join(ckpt_dir, tag)
+        dp, tp = checkpoint_size(ckpt_dir, tag)
+        files = {(int(m.group(1)), int(m.group(2))): os.path.join(folder, f)
+                 for f in os.listdir(folder) if (m := OPTIM_FILE.search(f))}
+        missing = [f"zero_pp_rank_{r}_mp_rank_{t:02d}" for r in range(dp) for t in range(tp) if (r, t) not in files]
+        if missing:
+            raise ElasticError(f"{folder} lacks optimizer files {missing}.")
+        self.dp, self.tp, self.folder, self._mmap = dp, tp, folder, mmap
+        self.elements_read = 0
+        #: [tp rank][dp rank] -> that file's optimizer_state_dict (tensors memory-mapped)
+        self._shards = [[_load(files[(r, t)], mmap)["optimizer_state_dict"] for r in range(dp)] for t in range(tp)]
+        #: [tp rank] name -> (group, owner DP rank or None for the AdamW group, offset, TP-local shape)
+        self._where: list[dict[str, tuple[int, int | None, int, tuple[int, ...]]]] = []
+        #: [tp rank] AdamW group -> (start, numel) of every DP rank's partition in the group's flat buffer
+        self._parts: list[dict[int, list[tuple[int, int]]]] = []
+        self._state_at: dict[str, tuple[int, int]] = {}  # matrix -> the (tp, dp) file holding its rule state
+        hosted: set[str] = set()
+        meta0, rule_description = None, None
+        self.adam_step, self.matrix_step = 0.0, 0
+        for t in range(tp):
+            shards = self._shards[t]
+            model = _load(os.path.join(folder, MODEL_FILE.format(t)), mmap)
+            metas = [s.get(LAYOUT_KEY) for s in shards]
+            if any(m is None or m.get("matrix_names") is None for m in metas):
+                raise ElasticError(f"{folder} was not written by a Canzona optimizer with a planned layout (no "
+                                   f"'{LAYOUT_KEY}'); only Canzona checkpoints can change size here.")
+            meta = metas[0]
+            meta0 = meta0 or meta
+            where: dict[str, tuple] = {}
+            parts: dict[int, list[tuple[int, int]]] = {}
+            for g, role in enumerate(meta["roles"]):
+                shapes = dict(model["param_shapes"][g])
+                if role == "matrix":
+                    P = meta["shard_numel"]
+                    owners = [r for r, c in enumerate(meta["rank_counts"]) for _ in range(c)]
+                    for name, off, owner in zip(meta["matrix_names"], meta["offsets"], owners):
+                        where[name] = (g, owner, off - owner * P, tuple(shapes[name]))
+                    for r, s in enumerate(shards):
+                        base = s["base_optimizer_state"]
+                        rule_description = base["canzona"]["config"]["rule"]
+                        for name in base["canzona"]["matrix_state"]:
+                            self._state_at.setdefault(name, (t, r))  # TP replicas of a non-split matrix agree
+                        self.matrix_step = int(base["param_groups"][g]["step"])
+                else:
+                    lengths = [s["single_partition_of_fp32_groups"][g].numel() for s in shards]
+                    parts[g] = [(sum(lengths[:r]), n) for r, n in enumerate(lengths)]
+                    self.adam_step = float(shards[0]["base_optimizer_state"]["state"][g]["step"])
+                    off = 0
+                    for (name, shape), pad in zip(shapes.items(), shards[0]["param_alignment_paddings"][g]):
+                        where[name] = (g, None, off, tuple(shape))
+                        off += int(torch.Size(shape).numel()) + pad
+            hosted |= set(meta["tp_params"]) & set(meta["matrix_names"])
+            self._where.append(where)
+            self._parts.append(parts)
+            if t == 0:
+                self.zero_scalars = _owned({k: shards[0][k] for k in ("loss_scaler", "dynamic_loss_scale", "overflow")
+                                            if k in shards[0]})
+                self.engine_state = _owned({k: model.get(k) for k in ("global_steps", "global_samples",
+                                                                      "skipped_steps", "lr_scheduler")})
+                self.client_state = _owned({k: v for k, v in model.items() if k not in DS_MODEL_KEYS})
+            self._model = model  # (its bit16 weights are never read; held as the reader before held it)
+        self.rule = meta0["rule"]
+        #: name -> (dim, shard sizes, blocks) of every TP-split parameter, as saved
+        self.tp_params = {n: (int(d), tuple(s), tuple(b)) for n, (d, s, b) in meta0["tp_params"].items()}
+        self._hosted = hosted
+        self._rule = None if rule_description is None else _rule_of(rule_description)
+        # a state that cannot leave its saved TP layout is refused here, from shapes alone, on every rank
+        for name in sorted(hosted & set(self._state_at)):
+            _check_permutable(self._rule, name, self.state_shapes(name), self.full_shape(name), self._perm(name))
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._where[0])
+
+    def _perm(self, name: str) -> Tensor:
+        from ..tp.layout import concat_permutation
+
+        _, sizes, blocks = self.tp_params[name]
+        return concat_permutation(blocks, sizes)
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        shape = list(self._where[0][name][3])
+        if name in self.tp_params:
+            dim, sizes, _ = self.tp_params[name]
+            shape[dim] = sum(sizes)
+        return tuple(shape)
+
+    def _partition(self, t: int, r: int, g: int, key: str) -> Tensor:
+        shard = self._shards[t][r]
+        if key == MASTER:
+            return shard["single_partition_of_fp32_groups"][g]
+        return shard["base_optimizer_state"]["state"][g][key]
+
+    def local_range(self, t: int, name: str, key: str, start: int, stop: int) -> Tensor:
+        """Elements [start, stop) of ``name`` flattened as saved TP rank ``t`` held it: a view into
+        the one file holding them, or the few pieces of an AdamW range that crosses partitions."""
+        g, owner, off, _ = self._where[t][name]
+        if owner is not None:
+            if key != MASTER:
+                raise ElasticError(f"{name!r} is a matrix in the checkpoint and has no AdamW state.")
+            pieces = [self._partition(t, owner, g, MASTER)[off + start:off + stop]]
         else:
-            params[name] = local_params[0][name]
-            if name in local_adam[0]:
-                adam[name] = local_adam[0][name]
-    rule = rule_from_description(rule_description)  # with its hyper-parameters (Shampoo's blocks)
-    for name in hosted_in_tp_layout:
-        if name not in rule_state:
-            continue
-        dim, sizes, blocks = tp_params[name]
-        perm = concat_permutation(blocks, sizes)
-        rule_state[name] = _permute_state(rule, name, rule_state[name], params[name].shape, dim, perm, inverse=True)
-    return Universal(rule=meta0["rule"], params=params, adam=adam, adam_step=adam_step, rule_state=rule_state,
-                     matrix_step=matrix_step, zero_scalars=zero_scalars, engine_state=engine_state,
-                     client_state=client_state, source={"dp": dp, "tp": tp, "dir": folder})
+            a, b = off + start, off + stop
+            pieces = [self._partition(t, r, g, key)[max(a, lo) - lo:min(b, lo + n) - lo]
+                      for r, (lo, n) in enumerate(self._parts[t][g]) if max(a, lo) < min(b, lo + n)]
+        self.elements_read += sum(p.numel() for p in pieces)
+        if not pieces:
+            return torch.empty(0)
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def whole(self, name: str, key: str = MASTER) -> Tensor:
+        """``name``'s TP=1 tensor (a copy), from every saved TP shard of a split parameter."""
+        from ..tp.layout import unshard
+
+        def local(t: int) -> Tensor:
+            shape = self._where[t][name][3]
+            return self.local_range(t, name, key, 0, int(torch.Size(shape).numel())).view(shape)
+
+        if name in self.tp_params:
+            dim, _, blocks = self.tp_params[name]
+            return unshard([local(t) for t in range(self.tp)], dim, blocks)
+        return local(0).clone()
+
+    def flat_range(self, name: str, key: str, start: int, stop: int, tp_layout, tp_rank: int) -> Tensor:
+        """Elements [start, stop) of ``name`` flattened as TP rank ``tp_rank`` of ``tp_layout``
+        ((dim, shard sizes, blocks); None: not split) holds it.  Sliced from the file holding
+        them when the TP layout is the saved one; else from the whole parameter."""
+        saved = self.tp_params.get(name)
+        if saved is None and tp_layout is None:
+            return self.local_range(0, name, key, start, stop)
+        if saved is not None and tp_layout is not None and saved == _layout_key(tp_layout):
+            return self.local_range(tp_rank, name, key, start, stop)
+        whole = self.whole(name, key)
+        if tp_layout is not None:
+            from ..tp.layout import shard
+
+            dim, sizes, blocks = tp_layout
+            whole = shard(whole, dim, blocks, sizes, tp_rank)
+        return whole.reshape(-1)[start:stop]
+
+    def state_names(self) -> list[str]:
+        return list(self._state_at)
+
+    def _saved_state(self, name: str) -> dict[str, Any]:
+        t, r = self._state_at[name]
+        return self._shards[t][r]["base_optimizer_state"]["canzona"]["matrix_state"][name]
+
+    def state_shapes(self, name: str) -> dict[str, tuple[int, ...]]:
+        return {k: tuple(v.shape) for k, v in self._saved_state(name).items() if isinstance(v, Tensor)}
+
+    def state_of(self, name: str) -> dict[str, Any]:
+        """The rule state of ``name`` in the TP=1 layout (views into the file where no permutation
+        was needed: copy what you keep)."""
+        state = self._saved_state(name)
+        self.elements_read += sum(v.numel() for v in state.values() if isinstance(v, Tensor))
+        if name in self._hosted:
+            dim = self.tp_params[name][0]
+            state = _permute_state(self._rule, name, state, self.full_shape(name), dim, self._perm(name), inverse=True)
+        return state
+
+    def universal(self) -> Universal:
+        """Every parameter and its state whole, in memory (the converter's form)."""
+        params = {name: self.whole(name) for name in self.names}
+        adam = {name: {k: self.whole(name, k) for k in ADAM_KEYS}
+                for name in self.names if self._where[0][name][1] is None}
+        # copied out of the mapped files: a Universal must outlive them (a save may rewrite a file in place)
+        rule_state = {name: (_owned if self._mmap else dict)(self.state_of(name)) for name in self._state_at}
+        return Universal(rule=self.rule, params=params, adam=adam, adam_step=self.adam_step, rule_state=rule_state,
+                         matrix_step=self.matrix_step, zero_scalars=self.zero_scalars, engine_state=self.engine_state,
+                         client_state=self.client_state, source={"dp": self.dp, "tp": self.tp, "dir": self.folder})
+
+
+def _rule_of(description: dict):
+    from ..optim import rule_from_description
+
+    return rule_from_description(description)  # with its hyper-parameters (Shampoo's blocks)
+
+
+def _layout_key(tp_layout) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    dim, sizes, blocks = tp_layout
+    return int(dim), tuple(int(s) for s in sizes), tuple(int(b) for b in blocks)
+
+
+def read(ckpt_dir: str, tag: str, mmap: bool = True) -> Universal:
+    """Every parameter and its state, whole (see the module doc); ``mmap=False`` reads every
+    file into memory first (the elastic load before it read by slices)."""
+    return SavedCheckpoint(ckpt_dir, tag, mmap=mmap).universal()
+
+
+def _check_permutable(rule, name: str, shapes: dict[str, tuple[int, ...]], full_shape, perm: Tensor) -> None:
+    """Refuse (by name) a state that cannot follow the TP-layout permutation ``perm``."""
+    from ..optim.rule import MatrixInfo
+
+    if torch.equal(perm, torch.arange(perm.numel(), device=perm.device)):
+        return
+    info = MatrixInfo(name, tuple(full_shape))
+    for key, shape in shapes.items():
+        if rule.state_axes(key, tuple(shape), info) is None:
+            raise ElasticError(f"The {rule.name} state {key!r} of {name!r} cannot follow a change of tensor-parallel "
+                               "size (its fused TP layout permutes the matrix, and that state is not defined along "
+                               "whole rows/columns); resume at the saved TP size.")
 
 
 def _permute_state(rule, name: str, state: dict, full_shape, dim: int, perm: Tensor, inverse: bool) -> dict:
@@ -196,6 +380,8 @@ def _permute_state(rule, name: str, state: dict, full_shape, dim: int, perm: Ten
 
     if torch.equal(perm, torch.arange(perm.numel(), device=perm.device)):
         return state
+    _check_permutable(rule, name, {k: tuple(v.shape) for k, v in state.items() if isinstance(v, Tensor)},
+                      full_shape, perm)
     info = MatrixInfo(name, tuple(full_shape))
     side = "row" if dim == 0 else "col"
     out = {}
@@ -204,10 +390,6 @@ def _permute_state(rule, name: str, state: dict, full_shape, dim: int, perm: Ten
             out[key] = value
             continue
         axes = rule.state_axes(key, tuple(value.shape), info)
-        if axes is None:
-            raise ElasticError(f"The {rule.name} state {key!r} of {name!r} cannot follow a change of tensor-parallel "
-                               "size (its fused TP layout permutes the matrix, and that state is not defined along "
-                               "whole rows/columns); resume at the saved TP size.")
         t = value
         for axis, kind in enumerate(axes):
             if kind != side:
@@ -223,26 +405,32 @@ def _permute_state(rule, name: str, state: dict, full_shape, dim: int, perm: Ten
 
 
 # ------------------------------------------------------------------------------ writing
-def _check_state(rule, info, state: dict) -> None:
+def _check_state(rule, info, shapes: dict[str, tuple[int, ...]]) -> None:
     """The loaded state has every tensor this rule keeps for the matrix, with its shape (e.g.
     Shampoo's blocks depend on max_preconditioner_dim: a changed value is refused here)."""
     fresh = rule.init_state(info, like=torch.empty(0, device="meta"))
     for key, t in fresh.items():
-        got = state.get(key)
-        if got is None or tuple(got.shape) != tuple(t.shape):
+        got = shapes.get(key)
+        if got is None or tuple(got) != tuple(t.shape):
             raise ElasticError(f"The checkpoint's {rule.name} state of {info.name!r} does not fit this run's settings: "
-                               f"{key!r} is {None if got is None else tuple(got.shape)}, the rule keeps "
+                               f"{key!r} is {got}, the rule keeps "
                                f"{tuple(t.shape)} (a hyper-parameter that shapes the state changed?).")
 
 
+def write(engine, src: Universal | SavedCheckpoint, gather: bool = True) -> dict:
+    """Fill ``engine`` (a Canzona optimizer under ZeRO 1/2, any DP x TP) from ``src``, copying
+    only what this rank holds; returns the client state.
 
-def write(engine, uni: Universal) -> dict:
-    """Fill ``engine`` (a Canzona optimizer under ZeRO 1/2, any DP x TP) from ``uni``; returns
-    the client state."""
+    The bit16 weights every rank keeps whole are gathered from the ranks' fp32 partitions
+    (``gather``, a collective), or with ``gather=False`` copied from ``src`` parameter by
+    parameter (every parameter read on every rank: the way before, no collective).
+    Everything that can refuse (names, shapes, rule, state that cannot follow a TP layout) is
+    checked first, from shapes alone and alike on every rank, so no rank is left waiting in the
+    closing all-gather."""
     from deepspeed import comm as dist
 
     from ..optim.optimizer import MATRIX
-    from ..tp.layout import concat_permutation, shard, tp_blocks
+    from ..tp.layout import concat_permutation, tp_blocks
     from ..tp.runtime import TPMatrix
     from .runtime_info import canzona_optimizer
 
@@ -250,93 +438,122 @@ def write(engine, uni: Universal) -> dict:
     zopt = engine.optimizer
     if opt is None or getattr(zopt, "canzona_layout", None) is None:
         raise ElasticError("elastic loading needs an engine running a Canzona optimizer under ZeRO stage 1 or 2.")
-    if opt.rule.name != uni.rule:
-        raise ElasticError(f"The checkpoint holds {uni.rule!r} state; this engine runs {opt.rule.name!r}.")
+    if opt.rule.name != src.rule:
+        raise ElasticError(f"The checkpoint holds {src.rule!r} state; this engine runs {opt.rule.name!r}.")
     names = dict(engine.module.named_parameters())
-    missing = sorted(set(names) - set(uni.params))
-    extra = sorted(set(uni.params) - set(names))
+    saved_names = src.names
+    missing = sorted(set(names) - set(saved_names))
+    extra = sorted(set(saved_names) - set(names))
     if missing or extra:
         raise ElasticError(f"The checkpoint's parameters differ from the model's: missing {missing[:5]}, "
                            f"unexpected {extra[:5]}.")
     tp_size = opt.tp_size
     tp_rank = dist.get_rank(group=opt.tp_group) if tp_size > 1 else 0
-    layouts = {}
-    local: dict[str, Tensor] = {}
+    layouts = {}  # name -> (dim, shard sizes, blocks) of this run's TP-split parameters
     for name, p in names.items():
-        full = uni.params[name]
+        full = src.full_shape(name)
         if TPMatrix.is_split(p, tp_size):
             m = TPMatrix.from_param(name, p, tp_size)
-            if tuple(full.shape) != tuple(m.full_shape):
-                raise ElasticError(f"{name!r} is {tuple(full.shape)} in the checkpoint, {m.full_shape} here.")
-            layouts[name] = (m.partition_dim, m.shard_sizes, tp_blocks(p, m.full_shape[m.partition_dim]))
+            if tuple(full) != tuple(m.full_shape):
+                raise ElasticError(f"{name!r} is {tuple(full)} in the checkpoint, {m.full_shape} here.")
+            layouts[name] = (m.partition_dim, tuple(m.shard_sizes), tuple(tp_blocks(p, m.full_shape[m.partition_dim])))
+        elif tuple(full) != tuple(p.shape):
+            raise ElasticError(f"{name!r} is {tuple(full)} in the checkpoint, {tuple(p.shape)} here.")
+    with_state = [n for n in src.state_names() if n in opt.infos]
+    for name in with_state:
+        shapes = src.state_shapes(name)
+        if name in opt.tp_matrices:
             dim, sizes, blocks = layouts[name]
-            local[name] = shard(full, dim, blocks, sizes, tp_rank)
-        else:
-            if tuple(full.shape) != tuple(p.shape):
-                raise ElasticError(f"{name!r} is {tuple(full.shape)} in the checkpoint, {tuple(p.shape)} here.")
-            local[name] = full
+            _check_permutable(opt.rule, name, shapes, src.full_shape(name), concat_permutation(blocks, sizes))
+        _check_state(opt.rule, opt.infos[name], shapes)
+
+    def mine(name: str, key: str, start: int, stop: int) -> Tensor:
+        return src.flat_range(name, key, start, stop, layouts.get(name), tp_rank)
+
     with torch.no_grad():
-        for name, p in names.items():
-            p.data.copy_(local[name].to(p.dtype))
         roles = [g["canzona_role"] for g in opt.param_groups]
         for i, role in enumerate(roles):
             flat = zopt.single_partition_of_fp32_groups[i]
             if role == MATRIX:
                 for v in opt.placement.views[id(flat)]:
-                    flat[v.offset:v.offset + v.numel].copy_(local[v.name].reshape(-1).to(flat.dtype))
-                opt.param_groups[i]["step"] = uni.matrix_step
+                    flat[v.offset:v.offset + v.numel].copy_(mine(v.name, MASTER, 0, v.numel))
+                opt.param_groups[i]["step"] = src.matrix_step
                 continue
             P = zopt.partition_size[i]
             rank = dist.get_rank(group=zopt.real_dp_process_group[i])
             lo, hi = rank * P, (rank + 1) * P
-            state = {"step": torch.tensor(uni.adam_step, dtype=torch.float32, device="cpu"),
+            state = {"step": torch.tensor(src.adam_step, dtype=torch.float32, device="cpu"),
                      "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
             for p, off in zip(zopt.round_robin_bit16_groups[i], zopt.round_robin_bit16_offsets[i]):
                 name = zopt.param_names[p]
                 a, b = max(off, lo), min(off + p.numel(), hi)
                 if a >= b:
                     continue
-                src = slice(a - off, b - off)
                 dst = slice(a - lo, b - lo)
-                flat[dst].copy_(local[name].reshape(-1)[src].to(flat.dtype))
-                for key in ("exp_avg", "exp_avg_sq"):
-                    moment = uni.adam[name][key]
-                    if name in layouts:
-                        dim, sizes, blocks = layouts[name]
-                        moment = shard(moment, dim, blocks, sizes, tp_rank)
-                    state[key][dst].copy_(moment.reshape(-1)[src].to(flat.dtype))
+                flat[dst].copy_(mine(name, MASTER, a - off, b - off))
+                for key in ADAM_KEYS:
+                    state[key][dst].copy_(mine(name, key, a - off, b - off))
             opt.state[flat] = state
         # every matrix this rank keeps state for: owned ones, and the TP-split ones it hosts
         wanted = {}
-        for name in opt.handled_names():
-            if name not in uni.rule_state:
-                continue  # never stepped before the checkpoint (e.g. SOAP's basis not built yet)
-            st = uni.rule_state[name]
+        handled = set(opt.handled_names())
+        for name in with_state:
+            if name not in handled:
+                continue
+            st = src.state_of(name)
             if name in opt.tp_matrices:
                 dim, sizes, blocks = layouts[name]
-                st = _permute_state(opt.rule, name, st, uni.params[name].shape, dim,
+                st = _permute_state(opt.rule, name, st, src.full_shape(name), dim,
                                     concat_permutation(blocks, sizes), inverse=False)
-            _check_state(opt.rule, opt.infos[name], st)
-            wanted[name] = st
+            wanted[name] = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in st.items()}
         opt.matrix_state.clear()
         opt.load_matrix_state(wanted)
-    for key, value in uni.zero_scalars.items():
+        # the bit16 weights: every rank's fp32 partition, gathered as after a step (a parameter
+        # outside the optimizer's groups, e.g. frozen here, is copied whole)
+        grouped = {id(p) for group in zopt.bit16_groups for p in group} if gather else set()
+        for name, p in names.items():
+            if id(p) not in grouped:
+                p.data.copy_(mine(name, MASTER, 0, p.numel()).view(p.shape))
+        if gather:
+            _gather_bit16(zopt)
+    for key, value in src.zero_scalars.items():
         setattr(zopt, key, value)
     for key in ("global_steps", "global_samples", "skipped_steps"):
-        if uni.engine_state.get(key) is not None:
-            setattr(engine, key, uni.engine_state[key])
-    if engine.lr_scheduler is not None and uni.engine_state.get("lr_scheduler") is not None:
-        engine.lr_scheduler.load_state_dict(uni.engine_state["lr_scheduler"])
-    return dict(uni.client_state)
+        if src.engine_state.get(key) is not None:
+            setattr(engine, key, src.engine_state[key])
+    if engine.lr_scheduler is not None and src.engine_state.get("lr_scheduler") is not None:
+        engine.lr_scheduler.load_state_dict(src.engine_state["lr_scheduler"])
+    return dict(src.client_state)
 
 
-def load(engine, ckpt_dir: str, tag: str | None = None) -> tuple[str, dict]:
-    """Resume ``engine`` from a Canzona checkpoint written at any DP x TP size."""
+def _gather_bit16(zopt) -> None:
+    """DeepSpeed's post-step all-gather (``update_lp_params``), as one broadcast per DP rank
+    straight into the flat bit16 buffer: no staging copy of the buffer (gloo's
+    all_gather_into_tensor stages a whole one, which would cost every rank the model's size)."""
+    import torch.distributed as tdist
+
+    for i, (parts, fp32) in enumerate(zip(zopt.parallel_partitioned_bit16_groups,
+                                          zopt.single_partition_of_fp32_groups)):
+        group = zopt.real_dp_process_group[i]
+        parts[tdist.get_rank(group=group)].data.copy_(fp32.data)
+        for r in range(tdist.get_world_size(group=group)):
+            src = r if group is None else tdist.get_global_rank(group, r)
+            tdist.broadcast(parts[r].data, src=src, group=group)
+
+
+def load(engine, ckpt_dir: str, tag: str | None = None, whole: bool = False) -> tuple[str, dict]:
+    """Resume ``engine`` from a Canzona checkpoint written at any DP x TP size.
+
+    Each rank reads only its share (``SavedCheckpoint``).  ``whole=True`` is the previous way,
+    kept to measure against (benchmarks/bench_elastic_rss.py): every file read into memory,
+    every parameter rebuilt whole on every rank (``read(mmap=False)``) and the module's weights
+    set from them (no collective)."""
     if tag is None:
         with open(os.path.join(ckpt_dir, "latest")) as f:
             tag = f.read().strip()
-    uni = read(ckpt_dir, tag)
-    return os.path.join(ckpt_dir, tag), write(engine, uni)
+    if whole:
+        return os.path.join(ckpt_dir, tag), write(engine, read(ckpt_dir, tag, mmap=False), gather=False)
+    return os.path.join(ckpt_dir, tag), write(engine, SavedCheckpoint(ckpt_dir, tag))
 
 
 #: format marker of a file written by ``convert``
@@ -349,10 +566,12 @@ def save_universal_file(uni: Universal, path: str) -> None:
 
 def load_universal_file(engine, path: str) -> dict:
     """Resume ``engine`` from a file written by ``convert``."""
-    data = torch.load(path, map_location="cpu", weights_only=False)
+    data = _load(path, mmap=True)  # each rank copies out its share (a TP-resharded parameter whole)
     if not isinstance(data, dict) or data.pop("format", None) != UNIVERSAL_FORMAT:
         raise ElasticError(f"{path} is not a canzona universal checkpoint (written by `python -m "
                            "canzona_ds.integration.elastic convert`).")
+    for key in ("zero_scalars", "engine_state", "client_state"):
+        data[key] = _owned(data[key])
     return write(engine, Universal(**data))
 
 

@@ -73,7 +73,7 @@ def elastic_needed(engine, load_dir, tag) -> bool:
     another DP or TP size, or with another plan (reads one optimizer file's layout record)."""
     import os
 
-    from .elastic import OPTIM_FILE, ElasticError, checkpoint_size
+    from .elastic import OPTIM_FILE, ElasticError, _load, checkpoint_size
     from .runtime_info import canzona_optimizer
     from .zero import LAYOUT_KEY
 
@@ -103,7 +103,7 @@ def elastic_needed(engine, load_dir, tag) -> bool:
            and (int(m.group(1)), int(m.group(2))) == (opt.groups.dp_rank, mp_rank)]
     differs = True
     if own:
-        saved = torch.load(os.path.join(load_dir, tag, own[0]), map_location="cpu", weights_only=False)
+        saved = _load(os.path.join(load_dir, tag, own[0]), mmap=True)  # the layout record only, no tensor data
         meta = saved["optimizer_state_dict"].get(LAYOUT_KEY) or {}
         differs = meta.get("fingerprint") != engine.optimizer.canzona_layout_meta()["fingerprint"]
     import torch.distributed as tdist
