@@ -157,7 +157,7 @@ def _resume_counting(rank, dp, ckpt):
     for i, group in enumerate(opt.param_groups):
         flat = zopt.single_partition_of_fp32_groups[i]
         if group["canzona_role"] == "matrix":
-            share += sum(v.numel for v in opt._flat_views[id(flat)])
+            share += sum(v.numel for v in opt.placement.views[id(flat)])
             continue
         lo, hi = rank * zopt.partition_size[i], (rank + 1) * zopt.partition_size[i]
         held = sum(max(0, min(off + p.numel(), hi) - max(off, lo))
