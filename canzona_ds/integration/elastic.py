@@ -168,12 +168,19 @@ class SavedCheckpoint:
     ``elements_read`` counts the elements handed out so far: what this rank copied from the
     checkpoint (a whole parameter counts once per TP shard it was rebuilt from)."""
 
-    def __init__(self, ckpt_dir: str, tag: str, mmap: bool = True) -> None:
+    def __init__(self, ckpt_dir: str, tag: str, mmap: bool = True, mp_ranks: list[int] | None = None) -> None:
+        """``mp_ranks``: the model-parallel file ranks to read, by TP rank (pipeline parallelism:
+        DeepSpeed numbers files by pipe x slice rank, and a stage reads its own); default: every
+        file rank is a TP rank."""
         folder = os.path.join(ckpt_dir, tag)
         dp, tp = checkpoint_size(ckpt_dir, tag)
-        files = {(int(m.group(1)), int(m.group(2))): os.path.join(folder, f)
+        file_rank = list(range(tp)) if mp_ranks is None else list(mp_ranks)
+        tp = len(file_rank)
+        found = {(int(m.group(1)), int(m.group(2))): os.path.join(folder, f)
                  for f in os.listdir(folder) if (m := OPTIM_FILE.search(f))}
-        missing = [f"zero_pp_rank_{r}_mp_rank_{t:02d}" for r in range(dp) for t in range(tp) if (r, t) not in files]
+        files = {(r, t): found[(r, mp)] for r in range(dp) for t, mp in enumerate(file_rank) if (r, mp) in found}
+        missing = [f"zero_pp_rank_{r}_mp_rank_{mp:02d}" for r in range(dp) for t, mp in enumerate(file_rank)
+                   if (r, t) not in files]
         if missing:
             raise ElasticError(f"{folder} lacks optimizer files {missing}.")
         self.dp, self.tp, self.folder, self._mmap = dp, tp, folder, mmap
@@ -190,7 +197,7 @@ class SavedCheckpoint:
         self.adam_step, self.matrix_step = 0.0, 0
         for t in range(tp):
             shards = self._shards[t]
-            model = _load(os.path.join(folder, MODEL_FILE.format(t)), mmap)
+            model = _load(os.path.join(folder, MODEL_FILE.format(file_rank[t])), mmap)
             metas = [s.get(LAYOUT_KEY) for s in shards]
             if any(m is None or m.get("matrix_names") is None for m in metas):
                 raise ElasticError(f"{folder} was not written by a Canzona optimizer with a planned layout (no "
@@ -551,9 +558,45 @@ def load(engine, ckpt_dir: str, tag: str | None = None, whole: bool = False) -> 
     if tag is None:
         with open(os.path.join(ckpt_dir, "latest")) as f:
             tag = f.read().strip()
+    mp_ranks = _stage_file_ranks(engine, ckpt_dir, tag)
     if whole:
+        if mp_ranks is not None:
+            raise ElasticError("load(whole=True) does not read pipeline-parallel checkpoints; use the default path.")
         return os.path.join(ckpt_dir, tag), write(engine, read(ckpt_dir, tag, mmap=False), gather=False)
-    return os.path.join(ckpt_dir, tag), write(engine, SavedCheckpoint(ckpt_dir, tag))
+    return os.path.join(ckpt_dir, tag), write(engine, SavedCheckpoint(ckpt_dir, tag, mp_ranks=mp_ranks))
+
+
+def _stage_file_ranks(engine, ckpt_dir: str, tag: str) -> list[int] | None:
+    """Under pipeline parallelism: the model-parallel file ranks of this rank's stage, by TP rank
+    (each stage resumes from its own files; the DP size may change, the PP x TP layout may not).
+    None without pipeline parallelism."""
+    import torch.distributed as tdist
+
+    from .runtime_info import canzona_optimizer
+
+    opt = canzona_optimizer(engine)
+    groups = opt.groups
+    folder = os.path.join(ckpt_dir, tag)
+    first = sorted(f for f in os.listdir(folder) if OPTIM_FILE.search(f))[0]
+    saved_pp = int((_load(os.path.join(folder, first), mmap=True)["optimizer_state_dict"].get(LAYOUT_KEY) or {})
+                   .get("pp_size", 1))
+    if saved_pp != groups.pp_size:
+        raise ElasticError(f"{folder} was saved with PP={saved_pp}; this run has PP={groups.pp_size} x "
+                           f"TP={groups.tp_size}. Under pipeline parallelism a resume may change the DP size only.")
+    if groups.pp_size == 1:
+        return None
+    _, saved_mp = checkpoint_size(ckpt_dir, tag)
+    if saved_mp != groups.pp_size * groups.tp_size:
+        raise ElasticError(
+            f"{os.path.join(ckpt_dir, tag)} was saved with {saved_mp} model-parallel ranks (pipeline x tensor); this "
+            f"run has PP={groups.pp_size} x TP={groups.tp_size}. Under pipeline parallelism a resume may change the "
+            "DP size only.")
+    mine = int(engine.mpu.get_model_parallel_rank())
+    if groups.tp_size == 1:
+        return [mine]
+    ranks: list = [None] * groups.tp_size
+    tdist.all_gather_object(ranks, mine, group=groups.tp_group)
+    return [int(r) for r in ranks]
 
 
 #: format marker of a file written by ``convert``

@@ -70,15 +70,20 @@ def scale_scheduler_params(name: str, params: dict, optimizer: CanzonaOptimizer)
 
 def elastic_needed(engine, load_dir, tag) -> bool:
     """True when ``engine`` runs a Canzona optimizer under ZeRO and the checkpoint was written at
-    another DP or TP size, or with another plan (reads one optimizer file's layout record)."""
+    another DP, TP or PP size, or with another plan (reads this rank's optimizer file's layout
+    record).  Every rank takes the same branch: the verdicts are shared, and a run in which some
+    rank holds no planned layout (a pipeline stage without matrices uses DeepSpeed's own ZeRO)
+    cannot change size: refused on every rank, naming it."""
     import os
+
+    import torch.distributed as tdist
 
     from .elastic import OPTIM_FILE, ElasticError, _load, checkpoint_size
     from .runtime_info import canzona_optimizer
     from .zero import LAYOUT_KEY
 
     opt = canzona_optimizer(engine)
-    if opt is None or getattr(engine.optimizer, "canzona_layout", None) is None:
+    if opt is None or engine.zero_optimization_stage() not in (1, 2):
         return False
     if tag is None:
         latest = os.path.join(load_dir, "latest")
@@ -92,27 +97,33 @@ def elastic_needed(engine, load_dir, tag) -> bool:
         sizes = checkpoint_size(load_dir, tag)
     except ElasticError:
         return False
+    layout = getattr(engine.optimizer, "canzona_layout", None)
     # DeepSpeed numbers optimizer files by the mpu's model-parallel rank, which spans the pipeline
     # stages and the TP shards (a pipeline grid's model-parallel group is pipe x slice)
-    if sizes != (opt.groups.dp_size, opt.groups.tp_size * opt.groups.pp_size):
-        return True
-    # this rank's own file (under pipeline parallelism each stage has its own layout); the
-    # verdict is shared so that every rank takes the same load path
-    mp_rank = engine.mpu.get_model_parallel_rank() if getattr(engine, "mpu", None) is not None else 0
-    own = [f for f in os.listdir(os.path.join(load_dir, tag)) if (m := OPTIM_FILE.search(f))
-           and (int(m.group(1)), int(m.group(2))) == (opt.groups.dp_rank, mp_rank)]
-    differs = True
-    if own:
-        saved = _load(os.path.join(load_dir, tag, own[0]), mmap=True)  # the layout record only, no tensor data
-        meta = saved["optimizer_state_dict"].get(LAYOUT_KEY) or {}
-        differs = meta.get("fingerprint") != engine.optimizer.canzona_layout_meta()["fingerprint"]
-    import torch.distributed as tdist
-
-    if tdist.is_initialized():  # a load-time decision every rank must share (host objects, not the step)
-        verdicts = [None] * tdist.get_world_size()
-        tdist.all_gather_object(verdicts, differs)
-        differs = any(verdicts)
-    return differs
+    differs = sizes != (opt.groups.dp_size, opt.groups.tp_size * opt.groups.pp_size)
+    if not differs and layout is not None:  # same sizes: this rank's own file says whether the plan moved
+        mp_rank = engine.mpu.get_model_parallel_rank() if getattr(engine, "mpu", None) is not None else 0
+        own = [f for f in os.listdir(os.path.join(load_dir, tag)) if (m := OPTIM_FILE.search(f))
+               and (int(m.group(1)), int(m.group(2))) == (opt.groups.dp_rank, mp_rank)]
+        differs = True
+        if own:
+            saved = _load(os.path.join(load_dir, tag, own[0]), mmap=True)  # the layout record only, no tensor data
+            meta = saved["optimizer_state_dict"].get(LAYOUT_KEY) or {}
+            differs = meta.get("fingerprint") != engine.optimizer.canzona_layout_meta()["fingerprint"]
+    if not tdist.is_initialized():
+        return differs
+    # a load-time decision every rank must share (host objects, not the step)
+    verdicts: list = [None] * tdist.get_world_size()
+    tdist.all_gather_object(verdicts, (differs, layout is not None, opt.groups.pp_rank))
+    if not any(v[0] for v in verdicts):
+        return False
+    without = sorted({v[2] for v in verdicts if not v[1]})
+    if without:
+        raise ElasticError(f"{os.path.join(load_dir, tag)} was written at another size or plan, and pipeline "
+                           f"stage(s) {without} hold no matrices (DeepSpeed's own ZeRO runs their AdamW "
+                           "parameters), so this run cannot resume it at a new size. Resume at the size it was "
+                           "saved at.")
+    return True
 
 
 def _named_parameters(engine, model_parameters) -> list:

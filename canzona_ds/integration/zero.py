@@ -165,6 +165,7 @@ def _make_zero_class():
                     "rank_counts": list(layout.rank_counts), "offsets": list(layout.offsets),
                     "rule": opt.rule.name, "roles": [g["canzona_role"] for g in opt.param_groups],
                     "tp_size": opt.tp_size, "tp_rank": tp_rank, "tp_params": tp_params,
+                    "pp_size": opt.groups.pp_size, "pp_rank": opt.groups.pp_rank,
                     "dp_rank": dist.get_rank(group=self.dp_process_group)}
 
         # -- gradient clipping ----------------------------------------------------------
