@@ -298,6 +298,38 @@ def plan_rules_detail(d: Data) -> str:
     return _table(["rule", "planner", "FLOPs max/mean", "peak FLOPs max/mean", "memory max/mean", "padding"], rows)
 
 
+# ============================================================================ pipeline.json
+def pipeline_planned(d: Data) -> str:
+    """bench_pipeline planned part: per-stage FLOPs / memory max/mean, Fig. 12 setting with PP=2."""
+    p = d["planned"]
+    shown = ("naive_atomic", "equal_chunk", p["default_dp_planner"])
+    rows = []
+    for label, stages in p["rules"].items():
+        for k, e in enumerate(stages):
+            cells = [label, f"{k} of {p['pp']}", str(e["matrices"])]
+            for name in shown:
+                r = e["planners"][name]
+                cell = f"{r['flops_ratio']:.3f} / {r['memory_ratio']:.3f}"
+                cells.append(f"**{cell}**" if name == p["default_dp_planner"] else cell)
+            lp = e["lower_bound"]["flops_lp"]
+            cells.append("-" if lp is None else f"{lp:.3f}")
+            rows.append(cells)
+    return _table(["rule", "stage", "matrices"] + [f"`{n}` FLOPs / memory" for n in shown] + ["FLOPs LP bound"], rows)
+
+
+def pipeline_measured(d: Data) -> str:
+    """bench_pipeline measured part: PP=2 x DP=2, per stage busiest/mean rule CPU time beside the plan."""
+    m = d["measured"]
+    rows = []
+    for r in m["rows"]:
+        rows.append([r["rule"], f"`{r['planner']}`", str(r["stage"]), f"{r['planned_flops_ratio']:.3f}",
+                     f"{r['measured_ratio']:.3f}", ", ".join(f"{v:.1f}" for v in r["rule_cpu_ms_per_step"]),
+                     ", ".join(f"{v:.3f}" for v in r["planned_gflop_per_rank"]),
+                     ", ".join(str(n) for n in r["matrices_per_rank"])])
+    return _table(["rule", "planner", "stage", "planned FLOPs max/mean", "measured rule CPU max/mean",
+                   "rule CPU ms / step, DP rank 0, 1", "planned GFLOP / step, DP rank 0, 1", "matrices per rank"], rows)
+
+
 # ============================================================================ tp.json
 TP_LABELS = {"sc": "TP-SC (all-gather + redundant update)", "asc-blocking": "TP-ASC micro-groups, blocking",
              "asc-pipelined": "TP-ASC micro-groups, pipelined", "asc-no-fusion": "no fusion (one matrix per group)",
@@ -521,6 +553,8 @@ TABLES: dict[str, tuple[str, Callable[[Data], str]]] = {
     "main_job_reference": ("main_job", main_job_reference),
     "main_job_compare": ("main_job", main_job_compare),
     "elastic_rss": ("elastic_rss", elastic_rss),
+    "pipeline_planned": ("pipeline", pipeline_planned),
+    "pipeline_measured": ("pipeline", pipeline_measured),
 }
 
 
