@@ -2,6 +2,8 @@
 
     # 2 CPU ranks through DeepSpeed's launcher (what launch/train.sh runs)
     deepspeed --num_gpus 2 --module canzona_ds.cli.train --config configs/run_tiny.yaml
+    # pipeline parallelism: 2 stages x 2 DP ranks (launch/train.sh: NUM_RANKS=4 launch/train.sh --set pp=2)
+    deepspeed --num_gpus 4 --module canzona_ds.cli.train --config configs/run_tiny.yaml --set pp=2
     # one process, no launcher
     python -m canzona_ds.cli.train --config configs/run_tiny.yaml --set steps=20
     # resume from the latest intact checkpoint; compare Canzona* / Muon / AdamW + exact reference
@@ -96,8 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         from canzona_ds.train.trainer import build_ds_config, check_optimizer_section, data_parallel_size
 
         # fail before any process group exists
+        if args.compare and cfg.pp > 1:
+            raise ValueError(f"--compare runs pp=1 only (got pp={cfg.pp}); drop --set pp or --compare.")
         for path in (cfg.compare_ds_configs if args.compare else [cfg.ds_config]):
-            ds = build_ds_config(cfg, path, data_parallel_size(path, world))
+            ds = build_ds_config(cfg, path, data_parallel_size(path, world, cfg.pp))
             check_optimizer_section(ds, path)
             from canzona_ds.train.compare import REFERENCE_TYPES
 

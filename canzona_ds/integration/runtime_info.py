@@ -84,9 +84,13 @@ def realised_layout(engine):
 
 
 def data_parallel_rank(engine) -> int:
-    """This rank's index in the data-parallel group DeepSpeed set up (AutoTP included)."""
+    """This rank's index in the data-parallel group DeepSpeed set up (AutoTP included; a
+    PipelineEngine's from its grid)."""
     from deepspeed.utils import groups
 
+    grid = getattr(engine, "grid", None)
+    if grid is not None:
+        return int(grid.get_data_parallel_rank())
     return int(groups.get_data_parallel_rank())
 
 

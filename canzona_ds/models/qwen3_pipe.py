@@ -25,7 +25,7 @@ draws, in construction / ``named_parameters`` order) into scratch tensors and ke
 values a stage holds, so a stage never materialises the whole model.  :class:`Qwen3Pipe` replays
 once per stage; a layer built on its own (outside Qwen3Pipe) replays for itself.
 
-Not wired into the trainer.
+The main job trains it when the run config sets ``pp`` > 1 (``canzona_ds/train/trainer.py``).
 """
 from __future__ import annotations
 

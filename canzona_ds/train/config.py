@@ -74,6 +74,11 @@ class RunConfig:
     disable_torch_compile: bool = True
     #: torch intra-op threads per rank (0 -> leave torch's default)
     threads_per_rank: int = 1
+    #: pipeline-parallel stages (DeepSpeed PipelineModule + PipelineEngine over the decoder,
+    #: canzona_ds/models/qwen3_pipe.py).  1 -> no pipeline.  Must divide the world size;
+    #: data-parallel size = world / (pp * AutoTP degree).  pp > 1 needs ZeRO stage 0 or 1
+    #: (DeepSpeed's PipelineEngine refuses 2 and 3), no AutoTP, and at most num_layers stages.
+    pp: int = 1
 
     # --------------------------------------------------------------- validation
     def __post_init__(self) -> None:
@@ -98,6 +103,12 @@ class RunConfig:
                      "threads_per_rank"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Invalid {name}={getattr(self, name)}. Must be >= 0.")
+        if self.pp < 1:
+            raise ValueError(f"Invalid pp={self.pp}. Must be an int >= 1 (pipeline stages).")
+        layers = Qwen3Config(**{**PRESETS[self.model].to_dict(), **self.model_overrides}).num_layers
+        if self.pp > layers:
+            raise ValueError(f"Invalid pp={self.pp}: model {self.model!r} has num_layers={layers}; every pipeline "
+                             f"stage needs a decoder layer (pp <= {layers}).")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"Invalid lr_schedule={self.lr_schedule!r}. Allowed: {list(LR_SCHEDULES)}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:

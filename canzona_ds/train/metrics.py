@@ -158,21 +158,32 @@ def loss_figure(curves: dict[str, list[dict]], title: str = "training loss", das
 def plot_rank_load(plan_summary: dict, out: Path) -> Path:
     """Per-rank Newton-Schulz FLOPs and optimizer memory, one bar group per layout."""
     plt = _pyplot()
-    layouts = plan_summary["layouts"]
     dp = plan_summary["world_size"]
+    if "stages" in plan_summary:  # pipeline: one bar group per (stage, DP rank), layouts by position
+        stages = plan_summary["stages"]
+        layouts = [{"name": lay["name"],
+                    **{k: [v for st in stages for v in st["layouts"][i][k]]
+                       for k in ("rank_flops", "rank_memory_bytes")}}
+                   for i, lay in enumerate(stages[0]["layouts"][:min(len(st["layouts"]) for st in stages)])]
+        labels = [f"stage {st['stage']}\nrank {r}" for st in stages for r in range(dp)]
+    else:
+        layouts = plan_summary["layouts"]
+        labels = [f"rank {r}" for r in range(dp)]
+    n = len(labels)
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     width = 0.8 / max(len(layouts), 1)
     for k, lay in enumerate(layouts):
-        xs = [r + k * width for r in range(dp)]
+        xs = [r + k * width for r in range(n)]
         axes[0].bar(xs, [f / 1e9 for f in lay["rank_flops"]], width, label=lay["name"])
         axes[1].bar(xs, [m / 2**20 for m in lay["rank_memory_bytes"]], width, label=lay["name"])
     for ax, ylabel in zip(axes, ("Newton-Schulz GFLOP per step", "optimizer memory (MiB)")):
-        ax.set_xticks([r + width * (len(layouts) - 1) / 2 for r in range(dp)], [f"rank {r}" for r in range(dp)])
+        ax.set_xticks([r + width * (len(layouts) - 1) / 2 for r in range(n)], labels)
         ax.set_ylabel(ylabel)
         ax.grid(axis="y", alpha=0.3)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(layouts), fontsize=8)
-    fig.suptitle(f"per-rank optimizer load, dp={dp}")
+    pp = plan_summary.get("pipeline_stages", 1)
+    fig.suptitle(f"per-rank optimizer load, dp={dp}" + (f" per stage, {pp} pipeline stages" if pp > 1 else ""))
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(out, dpi=120)
     plt.close(fig)

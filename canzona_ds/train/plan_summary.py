@@ -46,9 +46,12 @@ class PlanSummary:
     plan_source: str
     rule: str
     layouts: list[LayoutLoad] = field(default_factory=list)
+    #: names of the parameters planned as matrices (the module's own names)
+    matrices: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {"world_size": self.world_size, "plan_source": self.plan_source, "rule": self.rule,
+                "matrices": list(self.matrices),
                 "layouts": [asdict(lay) | {"imbalance": lay.imbalance} for lay in self.layouts]}
 
 
@@ -69,7 +72,7 @@ def summarize(model, world_size: int, optimizer=None, layout=None) -> PlanSummar
     specs = specs_from_module(model, **kw)
     matrices = [s for s in specs if s.is_matrix]
     aux = _aux_chunks(sum(s.numel for s in specs if not s.is_matrix), world_size)
-    out = PlanSummary(world_size, "", model_cost.name)
+    out = PlanSummary(world_size, "", model_cost.name, matrices=[s.name for s in matrices])
     if not matrices:
         out.plan_source = "no matrices: every parameter uses AdamW"
         return out
@@ -98,12 +101,43 @@ def summarize(model, world_size: int, optimizer=None, layout=None) -> PlanSummar
 
 
 def format_plan(plan: dict) -> list[str]:
-    """Text lines of a ``PlanSummary.to_dict()``."""
+    """Text lines of a ``PlanSummary.to_dict()``, or of the main job's per-stage summary under
+    pipeline parallelism (``{"pipeline_stages", "stages": [stage's to_dict() + stage, ranks]}``)."""
+    if "stages" in plan:
+        out = [f"pipeline of {plan['pipeline_stages']} stages: each stage plans its own matrices over its "
+               f"dp={plan['world_size']} ranks, rule {plan['rule']} ({plan['plan_source']})"]
+        for st in plan["stages"]:
+            out.append(f"stage {st['stage']} (global ranks {st['ranks']}): {len(st.get('matrices', []))} matrices: "
+                       f"{compact_names(st.get('matrices', []))}")
+            out += ["  " + line for line in _layout_lines(st)]
+        return out
     out = [f"partition plan over dp={plan['world_size']} ranks, rule {plan['rule']} ({plan['plan_source']})"]
+    return out + _layout_lines(plan)
+
+
+def _layout_lines(plan: dict) -> list[str]:
+    out = []
     for lay in plan["layouts"]:
-        out.append(f"  {lay['name']}: FLOPs max/mean={lay['imbalance']:.3f}, "
+        flops = lay["rank_flops"]
+        busiest = max(range(len(flops)), key=flops.__getitem__) if flops else 0
+        out.append(f"  {lay['name']}: FLOPs max/mean={lay['imbalance']:.3f}, busiest rank {busiest}, "
                    f"padding={100 * lay['padding_fraction']:.2f}%" + (f" [{lay['note']}]" if lay["note"] else ""))
         for r in range(plan["world_size"]):
             out.append(f"    rank {r}: GFLOP/step={lay['rank_flops'][r] / 1e9:.4f}  "
                        f"opt-mem={lay['rank_memory_bytes'][r] / 2**20:.3f} MiB  elems={lay['rank_numel'][r]}")
     return out
+
+
+def compact_names(names: list[str]) -> str:
+    """``model.layers.3.mlp.up_proj.weight``, ... -> ``model.layers.3.* (7)``; other names as they are."""
+    import re
+
+    out: list[str] = []
+    counts: dict[str, int] = {}
+    for n in names:
+        m = re.match(r"(.*\blayers\.\d+)\.", n)
+        key = f"{m.group(1)}.*" if m else n
+        if key not in counts:
+            out.append(key)
+        counts[key] = counts.get(key, 0) + 1
+    return ", ".join(k if counts[k] == 1 and not k.endswith(".*") else f"{k} ({counts[k]})" for k in out)

@@ -13,6 +13,16 @@ content digests.  Resume verifies the latest checkpoint and, if it is corrupt or
 falls back to the newest intact one (and says so); it continues at that checkpoint's step.
 Because the data and the learning-rate multiplier are functions of the step alone, the
 trajectory is the one an uninterrupted run takes.
+
+Pipeline parallelism (run config ``pp`` > 1; ZeRO 0/1, no AutoTP): the model is
+``Qwen3Pipe(num_stages=pp)`` (build_model's values, per stage), DeepSpeed builds a
+PipelineEngine, and each optimizer step is one ``engine.train_batch(iterator)`` over this DP
+replica's ``grad_accum`` micro-batches, the same slices ``sampler.micro_batch`` hands a pp=1
+rank of that DP index (a step's global batch depends only on (seed, step, global_batch), so a
+pp=2 run sees the global batches of a pp=1 run with the same global_batch).  The loss
+is what train_batch returns (mean over micro-batches and DP, the same on every rank).
+Evaluation goes through ``engine.eval_batch`` (:func:`evaluate_pipe`).  Every stage plans its
+own matrices over its DP group; rank 0 (stage 0) gathers and prints every stage's summary.
 """
 from __future__ import annotations
 
@@ -112,9 +122,27 @@ def tensor_parallel_size(ds: dict) -> int:
     return tp
 
 
-def data_parallel_size(ds_path: str | Path, world_size: int) -> int:
-    """Data-parallel ranks of a run: world size / AutoTP degree."""
-    tp = tensor_parallel_size(load_ds_config(ds_path))
+def zero_stage(ds: dict) -> int:
+    return int((ds.get("zero_optimization") or {}).get("stage", 0))
+
+
+def data_parallel_size(ds_path: str | Path, world_size: int, pp: int = 1) -> int:
+    """Data-parallel ranks of a run: world size / (pipeline stages * AutoTP degree).  pp > 1
+    is refused with AutoTP and with ZeRO stage >= 2 (DeepSpeed's PipelineEngine allows 0 and 1)."""
+    ds = load_ds_config(ds_path)
+    tp = tensor_parallel_size(ds)
+    if pp > 1:
+        if tp > 1:
+            raise ValueError(f"pp={pp} with tensor_parallel.autotp_size={tp} in {str(ds_path)!r}: the pipeline "
+                             "does not combine with AutoTP in the main job. Use pp=1 or a ds_config without "
+                             "tensor_parallel.")
+        if zero_stage(ds) >= 2:
+            raise ValueError(f"pp={pp} with zero_optimization.stage={zero_stage(ds)} in {str(ds_path)!r}: DeepSpeed's "
+                             "PipelineEngine allows ZeRO stage 0 or 1 only.")
+        if world_size % pp:
+            raise ValueError(f"pp={pp} does not divide the world size {world_size}. Use a number of ranks that "
+                             f"is a multiple of {pp}.")
+        return world_size // pp
     if world_size % tp:
         raise ValueError(f"world size {world_size} is not divisible by tensor_parallel.autotp_size={tp} "
                          f"in {str(ds_path)!r}.")
@@ -136,8 +164,10 @@ def build_ds_config(cfg: RunConfig, ds_path: str | Path, dp: int) -> dict:
                              f"(micro_batch={cfg.micro_batch}, grad_accum={accum}, dp={dp}). Remove {key} from "
                              "the ds_config: the run config owns the batch layout.")
         ds[key] = value
-    # timers are captured by TimerTap (not printed); they drive the step-time breakdown
-    ds["wall_clock_breakdown"] = True
+    # timers are captured by TimerTap (not printed); they drive the step-time breakdown.  Not
+    # under pp > 1: DeepSpeed 0.19.8's PipelineEngine with wall_clock_breakdown starts
+    # "bwd_microstep" twice (its own backward, then DeepSpeedEngine's) and fails its assert
+    ds["wall_clock_breakdown"] = cfg.pp == 1
     ds.setdefault("steps_per_print", 10**9)
     return ds
 
@@ -155,15 +185,15 @@ def _initialize(model, ds: dict, ds_path: str = "the ds_config"):
     import deepspeed
 
     try:
-        zero_stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
-        if tensor_parallel_size(ds) > 1 and str(ds["optimizer"]["type"]).startswith("Canzona") and zero_stage == 0:
+        if tensor_parallel_size(ds) > 1 and str(ds["optimizer"]["type"]).startswith("Canzona") and zero_stage(ds) == 0:
             from canzona_ds.integration.megatron import build_tp_optimizer
 
             client = {k: v for k, v in ds.items() if k != "optimizer"}
             engine, _, _, _ = deepspeed.initialize(model=model, optimizer=lambda _params: build_tp_optimizer(model, ds),
                                                    config=client)
             return engine
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()
+                                                                              if p.requires_grad], config=ds)
     except AssertionError as e:  # DeepSpeed reports unknown optimizer types with an assert
         if "not a supported DeepSpeed Optimizer" in str(e):
             raise OptimizerUnavailable(
@@ -202,13 +232,55 @@ def evaluate(engine, sampler: BatchSampler, n_batches: int, batch: int, rank: in
     return _global_mean(total, count)
 
 
+@torch.no_grad()
+def evaluate_pipe(engine, sampler: BatchSampler, n_batches: int, batch: int, rank: int, dp: int) -> float | None:
+    """:func:`evaluate` on a PipelineEngine: DP replica ``rank`` runs batches ``rank, rank + dp,
+    ...`` through ``engine.eval_batch`` (one call per replica: eval_batch holds a world barrier),
+    the last stage keeps each batch's loss, and the mean is over all batches (other stages add 0).
+    A replica with no batch of its own (eval_batches < dp) runs batch 0 and counts nothing."""
+    batches = sampler.val_batches(n_batches, batch)
+    if not batches:
+        return None
+    mine = batches[rank::dp]
+    counted = bool(mine)
+    mine = mine or batches[:1]
+    was_training = engine.module.training
+    losses = engine.eval_batch(iter(mine), reduce_output=None, bcast_loss=False, num_micro_batches=len(mine))
+    engine.module.train(was_training)
+    total, count = 0.0, 0
+    if engine.is_last_stage() and counted:
+        total, count = sum(float(loss) for loss in losses), len(losses)
+    return _global_mean(total, count)
+
+
+def stage_plans(engine, plan: dict) -> tuple[list[dict], int]:
+    """Every pipeline stage's plan summary in stage order, on every rank (a stage's ranks know
+    only their own plan; gathered with all_gather_object), with the stage's ranks and its
+    matrices by build_model's names; and the model's parameter count (tied weight once)."""
+    grid, module = engine.grid, engine.module
+    names = module.canonical_names()
+    mine = {"stage": grid.get_stage_id(), "rank": dist.get_rank(),
+            "plan": plan | {"matrices": [names.get(n, n) for n in plan.get("matrices", [])]},
+            "numel": {names[n]: p.numel() for n, p in module.named_parameters()}}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    stages: dict[int, dict] = {}
+    params: dict[str, int] = {}
+    for item in every:
+        stages.setdefault(item["stage"], {"stage": item["stage"], "ranks": [], **item["plan"]})["ranks"].append(
+            item["rank"])
+        params.update(item["numel"])
+    return [stages[s] for s in sorted(stages)], sum(params.values())
+
+
 def train(cfg: RunConfig, name: str | None = None, progress: bool = True) -> RunResult:
     """One run of the main job in the current process group (all ranks call it)."""
     from tqdm.auto import tqdm
 
     world = dist.get_world_size() if dist.is_initialized() else 1
-    dp = data_parallel_size(cfg.ds_config, world)
+    dp = data_parallel_size(cfg.ds_config, world, cfg.pp)
     accum, global_batch = cfg.batch_layout(dp)
+    pipe = cfg.pp > 1
     ds = build_ds_config(cfg, cfg.ds_config, dp)
     opt_type = str(ds["optimizer"]["type"])
     name = name or opt_type
@@ -218,18 +290,32 @@ def train(cfg: RunConfig, name: str | None = None, progress: bool = True) -> Run
         cfg = resolve_collective(cfg, None, opt_type, cfg.resume)
     log_dir = Path(cfg.log_dir)
 
-    model = build_model(cfg.model_config(), cfg.seed)
+    if pipe:
+        import deepspeed
+
+        from canzona_ds.models.qwen3_pipe import Qwen3Pipe
+
+        deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)  # no-op when the CLI did it
+        model = Qwen3Pipe(cfg.model_config(), cfg.seed, num_stages=cfg.pp)  # build_model's values, per stage
+    else:
+        model = build_model(cfg.model_config(), cfg.seed)
     engine = _initialize(model, ds, str(cfg.ds_config))
-    # the data shard follows the DP rank; AutoTP ranks of one DP group read the same batch
+    # the data shard follows the DP rank; AutoTP ranks of one DP group and the stages of one
+    # pipeline read the same batch
     rank = data_parallel_rank(engine) if dp < world else (dist.get_rank() if dist.is_initialized() else 0)
     tap = TimerTap(engine)
     plan = summarize(engine.module, dp, canzona_optimizer(engine), realised_layout(engine)).to_dict()
+    n_params = sum(p.numel() for p in engine.module.parameters())
+    if pipe:  # one plan per stage, each over its own DP group; rank 0 (stage 0) gets them all
+        stages, n_params = stage_plans(engine, plan)
+        plan = {"pipeline_stages": cfg.pp, "world_size": dp, "rule": plan["rule"],
+                "plan_source": plan["plan_source"], "stages": stages}
 
     base_lrs = [float(g["lr"]) for g in engine.optimizer.param_groups]
     start_step = 0
     if cfg.resume:
         # verified load; a corrupt/incomplete newest checkpoint falls back to the newest intact one
-        res = checkpoint.load(engine, cfg.checkpoint_dir, fallback=True, loader=_loader_for(opt_type))
+        res = checkpoint.load(engine, cfg.checkpoint_dir, fallback=True, loader=_loader_for(opt_type, cfg.pp, world))
         if is_rank0():
             for tag, reason in res.skipped:
                 print(f"[{name}] checkpoint {tag} is corrupt or incomplete ({reason}); skipped", flush=True)
@@ -265,14 +351,15 @@ def train(cfg: RunConfig, name: str | None = None, progress: bool = True) -> Run
         (log_dir / "plan_summary.json").write_text(json.dumps(plan, indent=1))
         (log_dir / "run_config.json").write_text(json.dumps(cfg.to_dict() | {"dp": dp, "grad_accum": accum,
                                                                                "global_batch": global_batch}, indent=1))
-        n_params = sum(p.numel() for p in engine.module.parameters())
-        print(f"[{name}] model={cfg.model} params={n_params:,} dp={dp} micro_batch={cfg.micro_batch} "
+        pp_note = f"pp={cfg.pp} " if pipe else ""
+        print(f"[{name}] model={cfg.model} params={n_params:,} {pp_note}dp={dp} micro_batch={cfg.micro_batch} "
               f"grad_accum={accum} global_batch={global_batch} seq_len={cfg.seq_len} "
               f"optimizer={opt_type} ds_config={cfg.ds_config}", flush=True)
         for line in format_plan(plan):
             print(f"[{name}] {line}", flush=True)
-        if not tap.attached:
-            print(f"[{name}] DeepSpeed timers unavailable: step-time breakdown will show n/a", flush=True)
+        if pipe or not tap.attached:
+            why = " (pp > 1: DeepSpeed's PipelineEngine cannot run wall_clock_breakdown)" if pipe else ""
+            print(f"[{name}] DeepSpeed timers unavailable{why}: step-time breakdown will show n/a", flush=True)
 
     tokens_per_step = global_batch * cfg.seq_len
     bar = tqdm(total=cfg.steps, initial=start_step, desc=name, disable=not (progress and is_rank0()),
@@ -283,20 +370,27 @@ def train(cfg: RunConfig, name: str | None = None, progress: bool = True) -> Run
         for group, base in zip(engine.optimizer.param_groups, base_lrs):
             group["lr"] = base * mult
         t0 = time.perf_counter()
-        loss_sum = 0.0
-        for micro in range(accum):
-            x, y = sampler.micro_batch(step, micro, rank, dp, cfg.micro_batch, accum)
-            _, loss = engine(x.to(engine.device), y.to(engine.device))
-            engine.backward(loss)
-            engine.step()
-            loss_sum += float(loss.detach())
-        step_ms = (time.perf_counter() - t0) * 1e3
-        loss_mean = _global_mean(loss_sum, accum)
+        if pipe:
+            # this DP replica's accum micro-batches of the step, exactly those a pp=1 rank of the
+            # same DP index reads; the first stage pulls the inputs, the last the labels
+            data = iter([sampler.micro_batch(step, micro, rank, dp, cfg.micro_batch, accum) for micro in range(accum)])
+            loss_mean = float(engine.train_batch(data))  # mean over micro-batches and DP, on every rank
+            step_ms = (time.perf_counter() - t0) * 1e3
+        else:
+            loss_sum = 0.0
+            for micro in range(accum):
+                x, y = sampler.micro_batch(step, micro, rank, dp, cfg.micro_batch, accum)
+                _, loss = engine(x.to(engine.device), y.to(engine.device))
+                engine.backward(loss)
+                engine.step()
+                loss_sum += float(loss.detach())
+            step_ms = (time.perf_counter() - t0) * 1e3
+            loss_mean = _global_mean(loss_sum, accum)
         times = tap.drain()
         done = step + 1
         val = None
         if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
-            val = evaluate(engine, sampler, cfg.eval_batches, cfg.micro_batch, rank, dp)
+            val = (evaluate_pipe if pipe else evaluate)(engine, sampler, cfg.eval_batches, cfg.micro_batch, rank, dp)
         if is_rank0():
             row = {"step": done, "loss": loss_mean, "val_loss": val, "lr_mult": mult,
                    "tokens": done * tokens_per_step, "step_ms": step_ms,
@@ -328,7 +422,8 @@ def train(cfg: RunConfig, name: str | None = None, progress: bool = True) -> Run
 def saved_optimizer_type(ckpt_dir: str | Path) -> str | None:
     """The optimizer type in the ds_config DeepSpeed stores in a checkpoint's model states
     (memory-mapped: the tensors are not read); None when unreadable."""
-    files = sorted(Path(ckpt_dir).glob("*model_states.pt"))
+    # mp_rank_* first: a pipeline checkpoint also holds layer_*-model_states.pt (weights only)
+    files = sorted(Path(ckpt_dir).glob("mp_rank_*model_states.pt")) or sorted(Path(ckpt_dir).glob("*model_states.pt"))
     if not files:
         return None
     try:
@@ -338,12 +433,28 @@ def saved_optimizer_type(ckpt_dir: str | Path) -> str | None:
         return None
 
 
-def _loader_for(opt_type: str):
+def saved_pipeline_stages(ckpt_dir: str | Path) -> int:
+    """Pipeline stages of a checkpoint: a PipelineEngine writes ``layer_XX-model_states.pt``
+    and one ``mp_rank_XX_model_states.pt`` per stage; anything else counts as 1."""
+    d = Path(ckpt_dir)
+    if not any(d.glob("layer_*-model_states.pt")):
+        return 1
+    return max(1, len(list(d.glob("mp_rank_*_model_states.pt"))))
+
+
+def _loader_for(opt_type: str, pp: int = 1, world: int | None = None):
     """``checkpoint.load``'s loader: DeepSpeed's load, but a checkpoint written with another
-    optimizer type is refused first, as a checkpoint error (every rank reads the same file,
-    so every rank refuses; nothing is loaded)."""
+    optimizer type, or with another number of pipeline stages (or, under a pipeline, another
+    world size), is refused first, as a checkpoint error (every rank reads the same files, so
+    every rank refuses; nothing is loaded)."""
     def load(engine, load_dir, tag, manifest, **kw):
         path = os.path.join(load_dir, tag)
+        saved_pp = saved_pipeline_stages(path)
+        saved_world = (manifest or {}).get("world_size") if isinstance(manifest, dict) else None
+        if saved_pp != pp or (pp > 1 and world is not None and saved_world not in (None, world)):
+            raise checkpoint.CheckpointError(
+                f"checkpoint {path} was written with pp={saved_pp} on {saved_world} ranks; this run has pp={pp} on "
+                f"{world} ranks. A pipeline checkpoint resumes only at the same pp and world size.", path)
         saved = saved_optimizer_type(path)
         if saved is not None and saved != opt_type:
             raise checkpoint.CheckpointError(
