@@ -86,3 +86,26 @@ def test_megatron_stage0_hook_applies_per_head_muon():
         np.testing.assert_array_equal(got, ref[n], err_msg=n)
     whole = _reference(per_head=False)
     assert max(float(np.abs(ref[n] - whole[n]).max()) for n in SHAPES) > 1e-4  # per-head is another update
+
+
+def test_megatron_hook_accepts_a_pipeline_module_without_mpu():
+    """Megatron-DeepSpeed with pipeline parallelism passes its PipelineModule and no mpu (DeepSpeed
+    takes the module's grid): the wrapped deepspeed.initialize routes it (ZeRO-1 x PP x TP); a plain
+    module without mpu is still refused, naming both ways."""
+    import pytest
+    from deepspeed.pipe import PipelineModule
+
+    from canzona_ds.integration.megatron import patch_megatron_training
+    from canzona_ds.testing import megatron_standin as ms
+
+    calls: list = []
+    fake_ds = types.SimpleNamespace(initialize=lambda **k: calls.append(k) or "engine")
+    training = types.SimpleNamespace(get_megatron_optimizer=lambda model, *a, **k: "orig", deepspeed=fake_ds)
+    ds = {"optimizer": {"type": "CanzonaMuon", "params": {}}, "zero_optimization": {"stage": 1}}
+    patch_megatron_training(training, get_args=lambda: types.SimpleNamespace(deepspeed_config_dict=ds), mpu=ms.mpu)
+    placeholder = training.get_megatron_optimizer([None])
+    pipe = object.__new__(PipelineModule)  # only its type matters to the route
+    assert fake_ds.initialize(model=pipe, optimizer=placeholder, mpu=None, config=ds) == "engine"
+    assert calls[0]["optimizer"] is None and calls[0]["model"] is pipe
+    with pytest.raises(ValueError, match="pass mpu= to deepspeed.initialize .* or a PipelineModule"):
+        fake_ds.initialize(model="a plain module", optimizer=placeholder, mpu=None, config=ds)

@@ -591,7 +591,9 @@ def _stage_file_ranks(engine, ckpt_dir: str, tag: str) -> list[int] | None:
             f"{os.path.join(ckpt_dir, tag)} was saved with {saved_mp} model-parallel ranks (pipeline x tensor); this "
             f"run has PP={groups.pp_size} x TP={groups.tp_size}. Under pipeline parallelism a resume may change the "
             "DP size only.")
-    mine = int(engine.mpu.get_model_parallel_rank())
+    from .groups import model_parallel_file_rank
+
+    mine = model_parallel_file_rank(engine)
     if groups.tp_size == 1:
         return [mine]
     ranks: list = [None] * groups.tp_size

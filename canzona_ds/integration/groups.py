@@ -93,3 +93,11 @@ def require_tp_group(named: list, groups: ParallelGroups, who: str, hint: Callab
             f"{len(tagged)} parameters are marked tensor_model_parallel (e.g. {tagged[0]!r}) but {who} found no TP "
             "group: deepspeed.initialize got no mpu. Pass mpu=<Megatron parallel_state> to deepspeed.initialize (or "
             "use tensor_parallel.autotp_size)." + (hint() if hint else ""))
+
+
+def model_parallel_file_rank(engine) -> int:
+    """The model-parallel rank DeepSpeed numbers this rank's checkpoint files by
+    (``zero_pp_rank_{dp}_mp_rank_{mp}``): the mpu's model-parallel rank, which on a pipeline grid
+    spans the stages and the TP shards; 0 without an mpu."""
+    mpu = getattr(engine, "mpu", None)
+    return int(mpu.get_model_parallel_rank()) if mpu is not None else 0

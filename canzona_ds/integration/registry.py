@@ -102,7 +102,9 @@ def elastic_needed(engine, load_dir, tag) -> bool:
     # stages and the TP shards (a pipeline grid's model-parallel group is pipe x slice)
     differs = sizes != (opt.groups.dp_size, opt.groups.tp_size * opt.groups.pp_size)
     if not differs and layout is not None:  # same sizes: this rank's own file says whether the plan moved
-        mp_rank = engine.mpu.get_model_parallel_rank() if getattr(engine, "mpu", None) is not None else 0
+        from .groups import model_parallel_file_rank
+
+        mp_rank = model_parallel_file_rank(engine)
         own = [f for f in os.listdir(os.path.join(load_dir, tag)) if (m := OPTIM_FILE.search(f))
                and (int(m.group(1)), int(m.group(2))) == (opt.groups.dp_rank, mp_rank)]
         differs = True

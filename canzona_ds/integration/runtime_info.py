@@ -84,14 +84,11 @@ def realised_layout(engine):
 
 
 def data_parallel_rank(engine) -> int:
-    """This rank's index in the data-parallel group DeepSpeed set up (AutoTP included; a
-    PipelineEngine's from its grid)."""
-    from deepspeed.utils import groups
+    """This rank's index in the data-parallel group DeepSpeed set up (plain DP, an mpu, AutoTP,
+    a PipelineEngine's grid): read by integration/groups.py, the one group reader."""
+    from .groups import groups_from_engine
 
-    grid = getattr(engine, "grid", None)
-    if grid is not None:
-        return int(grid.get_data_parallel_rank())
-    return int(groups.get_data_parallel_rank())
+    return groups_from_engine(engine).dp_rank
 
 
 def release_shm_buffer() -> bool:
