@@ -15,9 +15,10 @@ hangs that job.  Once mapped, a buffer stays mapped until its last process exits
 
 * session start: the files already in ``/dev/shm`` are remembered (by name and inode) and
   left alone, whoever owns them;
-* after each test: the DeepSpeed buffers this test's finished children created (new since
-  the test started, unmapped) are removed, waiting for a young one to settle; so are older
-  abandoned buffers of this user;
+* after a test (at most every ``OLD_SWEEP_EVERY_S``): this user's abandoned DeepSpeed buffers
+  that have settled are removed, without waiting for young ones (a wait after each of the
+  hundreds of DeepSpeed tests would add up to an hour), so at most the last few seconds'
+  buffers are alive at any time;
 * session end: every file created during the run that no live process maps is removed
   (DeepSpeed buffers mapped only by this pytest process too: it is exiting); then **the run fails**
   (exit status 1, with a report) if any file created during the run survives that this
@@ -41,7 +42,7 @@ SETTLE_S = float(os.environ.get("CANZONA_SHM_SETTLE_S", "10"))
 SESSION_ENV = "CANZONA_TEST_SESSION"
 
 #: the per-test sweep of older buffers runs at most this often
-OLD_SWEEP_EVERY_S = 30.0
+OLD_SWEEP_EVERY_S = 10.0
 
 _session_baseline: set[tuple[str, int]] | None = None
 _last_old_sweep = 0.0
@@ -203,12 +204,12 @@ def _release_deepspeed_shm_buffers():
     if not SHM.is_dir():
         yield
         return
-    before = snapshot()
     yield
-    # this test's finished children: new DeepSpeed buffers nobody maps (a young one settles first)
-    sweep(created_since(before, prefix=DS_PREFIX), wait=True)
-    # older abandoned buffers (this user's; e.g. of a run killed before the session started),
-    # at most every OLD_SWEEP_EVERY_S (it scans every process's maps)
+    # Abandoned DeepSpeed buffers that have settled: earlier tests' (this user's, also of a run
+    # killed before the session started), at most every OLD_SWEEP_EVERY_S (it scans every
+    # process's maps).  Never waiting for a young one to settle here: hundreds of tests start
+    # DeepSpeed, and a wait after each would add up to an hour; what the last tests leave is
+    # swept at session end, where waiting once is cheap.
     global _last_old_sweep
     if time.time() - _last_old_sweep >= OLD_SWEEP_EVERY_S:
         _last_old_sweep = time.time()
