@@ -43,12 +43,9 @@ OPT1 = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
 
 def flip_middle(path: Path, n: int = 64) -> None:
     """Overwrite ``n`` bytes in the middle of a file with their bitwise complement."""
-    size = os.path.getsize(path)
-    with open(path, "r+b") as f:
-        f.seek(size // 2)
-        old = f.read(n)
-        f.seek(size // 2)
-        f.write(bytes(b ^ 0xFF for b in old))
+    from tests.test_checkpoint_integrity import overwrite_middle
+
+    overwrite_middle(path, n)
 
 
 #: damage applied to the step2 directory
