@@ -35,6 +35,7 @@ DeepSpeed's ZeRO would otherwise run its own Newton-Schulz on them.
 """
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Iterable, Mapping
 
@@ -45,7 +46,7 @@ from torch.optim.adamw import adamw as _adamw_functional
 from ..parallel import ParallelGroups
 from ..placement import HOLDING, FlatView, HostedPlacement, StepContext, describe_matrix
 from ..planning.dp import OwnershipPlan, plan_dp
-from ..planning.params import ParamSpec
+from ..planning.params import ParamSpec, expert_stack
 from .config import CanzonaConfig
 from .rule import MatrixInfo
 
@@ -89,6 +90,15 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         matrices, aux = [], []
         for n, p in named:
             (matrices if config.is_matrix(n, tuple(p.shape), getattr(p, "use_muon", None)) else aux).append((n, p))
+        stacks = [(n, tuple(p.shape)) for n, p in matrices if expert_stack(n, tuple(p.shape))]
+        if stacks:
+            n, shape = stacks[0]
+            raise ValueError(
+                f"{len(stacks)} parameter(s) are stacks of expert matrices, e.g. {n!r} {list(shape)}: {shape[0]} "
+                f"experts of {list(shape[1:])}. {self.rule.name} would update each stack as ONE "
+                f"[{shape[0]}, {math.prod(shape[1:])}] matrix, not per expert, and per-expert updates are not "
+                "implemented yet. Send the experts to AdamW: add \"experts\" to the optimizer params' "
+                f"matrix_exclude (now {list(config.placement.matrix_exclude)}).")
         #: every matrix's description, by name (full shape for TP-split matrices)
         self.infos: dict[str, MatrixInfo] = {}
         #: TP-split matrices (name -> TPMatrix), hosted over the TP group

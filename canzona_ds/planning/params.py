@@ -58,6 +58,14 @@ def is_matrix(name: str, shape: Sequence[int], include: Iterable[str] = (),
     return module not in HEAD_MODULES
 
 
+def expert_stack(name: str, shape: Sequence[int]) -> bool:
+    """A >= 3-D parameter of an ``experts`` module: E expert matrices stacked along dim 0 (how
+    transformers 5 stores MoE experts: ``mlp.experts.gate_up_proj`` [E, 2I, H]).  Flattening its
+    trailing dims (the rule for other >= 3-D parameters, e.g. conv filters) would make it ONE
+    [E, out*in] matrix, which is not E expert updates."""
+    return len(shape) >= 3 and "experts" in name.split(".")
+
+
 def default_is_matrix(name: str, shape: Sequence[int]) -> bool:
     """:func:`is_matrix` with the default include/exclude lists and no tag."""
     return is_matrix(name, shape)
