@@ -56,6 +56,9 @@ SCENARIOS = {  # name -> (world, pp, ZeRO stage, tied embedding)
     "pp2": (2, 2, 1, False),
     "pp2xdp2-tied": (4, 2, 1, True),
     "pp2xdp2-stage0-tied": (4, 2, 0, True),
+    # 7 layers over 4 stages: the last holds the final norm and the head only (no matrices, one
+    # param group where the others have two; DeepSpeed's per-group norm reduction deadlocked here)
+    "pp4-stage-without-matrices": (4, 4, 1, False),
 }
 
 
@@ -69,7 +72,8 @@ def test_pipeline_equals_single_process_reference(opt_type, scenario):
     for r in res:  # every rank read its stage's groups from the PipelineModule's grid
         assert r["groups"] == {"dp": dp, "tp": 1, "pp": pp, "ep": 1}
         assert r["coords"]["pp"] == r["stage"] and r["coords"]["dp"] == r["dp_rank"]
-        assert r["plan_dp"] == (dp if stage else None)
+        no_matrices = scenario == "pp4-stage-without-matrices" and r["stage"] == 3
+        assert r["plan_dp"] == (dp if stage and not no_matrices else None)
     ref = _reference(opt_type, dp, tied, stage)
     got = merge_stages(res)
     assert set(got) == set(ref)
@@ -363,3 +367,34 @@ def test_pipeline_resume_at_another_pipeline_size_is_refused(tmp_path):
     msgs = run_distributed(_refuse_worker, 2, str(tmp_path))
     for m in msgs:
         assert m is not None and "saved with PP=2; this run has PP=1" in m and "may change the DP size only" in m, m
+
+
+def _replan_worker(rank, world, ckpt, params):
+    import deepspeed
+
+    from canzona_ds.testing.pipeline import build_pipe, dataset, rank_micro_batches
+
+    module = build_pipe(4, True, 0)  # 7 layers over 4 stages: the last stage holds norm + tied head only
+    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=list(module.parameters()),
+                                           config=pipe_config("CanzonaMuon", 1, params=params))
+    if params is None:
+        x, y = dataset(GAS * MICRO, 1)
+        engine.train_batch(iter(rank_micro_batches(x, y, 1, 0, MICRO)))
+        engine.save_checkpoint(ckpt, tag="t")
+        return None
+    try:
+        engine.load_checkpoint(ckpt, tag="t")
+    except Exception as err:  # noqa: BLE001 - the message is what the test checks
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+@pytest.mark.dist
+def test_pipeline_resize_with_a_stage_without_matrices_is_refused_on_every_rank(tmp_path):
+    """Another plan (fc2 moved to AdamW) needs the elastic path, which a stage running DeepSpeed's
+    own ZeRO (no matrices) cannot take: every rank refuses, naming the stage; none hangs."""
+    run_distributed(_replan_worker, 4, str(tmp_path), None)
+    params = dict(HP["CanzonaMuon"], matrix_exclude=["embed", "lm_head", "output_layer", "wte", "wpe", "fc2"])
+    msgs = run_distributed(_replan_worker, 4, str(tmp_path), params, timeout=120)
+    for m in msgs:
+        assert m is not None and "pipeline stage(s) [3] hold no matrices" in m, m

@@ -35,6 +35,10 @@ for x, y in batches(3, 2 * dp):
     engine.step()
 if rank == 0:
     json.dump({{k: v.tolist() for k, v in params_of(engine.module).items()}}, open({out!r}, "w"))
+# gloo's worker threads can abort the interpreter's exit ("terminate called without an active
+# exception", exit 250) unless the process group is destroyed first, whatever the optimizer
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
 """
 
 

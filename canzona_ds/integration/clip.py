@@ -139,7 +139,7 @@ class TorchClip:
 
     # ------------------------------------------------------------------ gradients
     @staticmethod
-    def _my_pieces(zero, i: int) -> dict[int, Tensor]:
+    def partition_pieces(zero, i: int) -> dict[int, Tensor]:
         """param_id -> this rank's (1-D) piece of its averaged gradient, in group i."""
         rank = tdist.get_rank(group=zero.real_dp_process_group[i])
         P = int(zero.partition_size[i])
@@ -205,7 +205,7 @@ class TorchClip:
         sentinel for an overflow)."""
         norms = torch.zeros(self.num_params, dtype=torch.float32, device=device)
         for i in range(len(zero.bit16_groups)):
-            pieces = self._my_pieces(zero, i)
+            pieces = self.partition_pieces(zero, i)
             items = [(k, pieces[pid]) for pid, k in self.whole[i]] + self._assemble(zero, i, pieces, device)
             if not items:
                 continue

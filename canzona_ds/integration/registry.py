@@ -218,8 +218,10 @@ def install() -> None:
         from .builder import RunSettings, check_settings
 
         check_settings(RunSettings.from_engine(self), optimizer.config)
-        if optimizer.plan is None:  # no matrices: plain AdamW, stock ZeRO
+        if optimizer.plan is None and optimizer.groups.pp_size == 1:  # no matrices: plain AdamW, stock ZeRO
             return stock_zero(self, optimizer)
+        # (under pipeline parallelism a stage without matrices runs our subclass too: every stage
+        # must issue the same collectives in its step, see zero.py's gradient norm)
         stock_cls = engine_mod.DeepSpeedZeroOptimizer
         engine_mod.DeepSpeedZeroOptimizer = zero_optimizer_class()
         try:

@@ -170,11 +170,16 @@ def _make_zero_class():
 
         # -- gradient clipping ----------------------------------------------------------
         def _canzona_torch_clip(self):
-            """The torch-exact clip, or None where DeepSpeed's own runs (no clipping; tensor
-            parallelism or MoE, whose norms DeepSpeed reduces over other groups)."""
+            """The torch-exact norm and clip (integration/clip.py), or None where DeepSpeed's own
+            runs (no clipping and no pipeline; tensor parallelism or MoE, whose norms DeepSpeed
+            reduces over other groups).  Under pipeline parallelism it runs even without clipping
+            (the norm is computed for every step): DeepSpeed's own all-reduces the norm over the
+            model-parallel group (all stages) once per param group, and a stage without matrices
+            has one group where the others have two, which deadlocks."""
             groups = self._canzona.groups
-            if self.clip_grad <= 0.0 or groups.tp_size > 1 or self.has_moe_layers or \
-                    self.model_parallel_world_size != groups.pp_size:
+            if groups.tp_size > 1 or self.has_moe_layers or self.model_parallel_world_size != groups.pp_size:
+                return None
+            if self.clip_grad <= 0.0 and groups.pp_size == 1:
                 return None
             if self._canzona_clip is None:
                 from .clip import TorchClip
@@ -184,15 +189,42 @@ def _make_zero_class():
 
         def scaled_global_norm(self, norm_type=2):
             clip = self._canzona_torch_clip()
-            if clip is None or norm_type != 2:
-                return super().scaled_global_norm(norm_type)
-            from deepspeed.accelerator import get_accelerator
+            if norm_type == 2 and clip is not None:
+                from deepspeed.accelerator import get_accelerator
 
-            return clip.global_norm(self, get_accelerator().current_device_name())
+                return clip.global_norm(self, get_accelerator().current_device_name())
+            if self._canzona.groups.pp_size > 1:
+                return self._canzona_pipeline_norm()
+            return super().scaled_global_norm(norm_type)
+
+        def _canzona_pipeline_norm(self):
+            """DeepSpeed's norm (squared partition norms, tied copies skipped, TP shards counted
+            once per TP group) with ONE reduction over the DP group and ONE over the model-parallel
+            group for all param groups together, so that every pipeline stage issues the same
+            collectives whatever its number of param groups (pipeline x tensor parallelism)."""
+            from deepspeed.accelerator import get_accelerator
+            from deepspeed.runtime.utils import is_model_parallel_parameter
+
+            from .clip import TorchClip
+
+            device = get_accelerator().current_device_name()
+            total = torch.zeros(1, dtype=torch.float32, device=device)
+            for i in range(len(self.bit16_groups)):
+                pieces = TorchClip.partition_pieces(self, i)
+                for p in self.params_in_partition[i]:
+                    if getattr(p, "ds_pipe_replicated", False):
+                        continue
+                    if is_model_parallel_parameter(p) or self.model_parallel_rank == 0:
+                        g = pieces[self.get_param_id(p)]
+                        total += torch.linalg.vector_norm(g.float(), 2.0).pow(2).to(device)
+            dist.all_reduce(total, group=self.dp_process_group)
+            self._model_parallel_all_reduce(tensor=total, op=dist.ReduceOp.SUM)
+            norm = total.sqrt().squeeze(0)
+            return torch.where(torch.isfinite(norm), norm, torch.full_like(norm, -1.0))
 
         def unscale_and_clip_grads(self, grad_groups_flat, total_norm):
             clip = self._canzona_torch_clip()
-            if clip is None:
+            if clip is None or self.clip_grad <= 0.0:  # without clipping: DeepSpeed's unscale (fp16) only
                 return super().unscale_and_clip_grads(grad_groups_flat, total_norm)
             clip.clip(grad_groups_flat, total_norm, self.clip_grad, self.loss_scale)
 
