@@ -32,6 +32,26 @@ def pipe_config(opt_type: str, dp: int, stage: int = 1, params: dict | None = No
     return cfg
 
 
+def _tied_pipe_engine(pp: int, cfg: dict):
+    """(module, engine): the tied tiny decoder as a PipelineModule of ``pp`` stages under ``cfg``."""
+    import deepspeed
+
+    from canzona_ds.testing.pipeline import build_pipe
+
+    module = build_pipe(pp, True, 0)
+    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=list(module.parameters()), config=cfg)
+    return module, engine
+
+
+def _load_error(engine, ckpt: str) -> str | None:
+    """The error ``engine.load_checkpoint(ckpt, tag="t")`` raises, as text (None if it loads)."""
+    try:
+        engine.load_checkpoint(ckpt, tag="t")
+    except Exception as err:  # noqa: BLE001 - the message is what the test checks
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
 def _reference(opt_type: str, dp: int, tied: bool, stage: int = 1, params: dict | None = None) -> dict:
     from canzona_ds.optim.config import CanzonaConfig
     from canzona_ds.optim.reference import ReferenceOptimizer
@@ -109,15 +129,12 @@ def test_pipeline_clipping_equals_torch_clip_grad_norm(stage, tied):
 
 def _resume_worker(rank, world, pp, ckpt, new_dp_ranks):
     """Train STEPS; a second engine loads the checkpoint written after CUT steps and trains the rest."""
-    import deepspeed
-
     from canzona_ds.testing.models import params_of
-    from canzona_ds.testing.pipeline import build_pipe, canonical_name, dataset, rank_micro_batches
+    from canzona_ds.testing.pipeline import canonical_name, dataset, rank_micro_batches
 
     dp = world // pp
     cfg = pipe_config("CanzonaMuon", dp)
-    module = build_pipe(pp, True, 0)
-    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=list(module.parameters()), config=cfg)
+    module, engine = _tied_pipe_engine(pp, cfg)
     grid = module.mpu()
     x, y = dataset(STEPS * GAS * MICRO * dp, 1)
     batches = rank_micro_batches(x, y, dp, grid.get_data_parallel_rank(), MICRO)
@@ -127,8 +144,7 @@ def _resume_worker(rank, world, pp, ckpt, new_dp_ranks):
     for _ in range(STEPS - 1):
         engine.train_batch(data)
     straight = {canonical_name(n): v for n, v in params_of(module).items()}
-    module2 = build_pipe(pp, True, 0)
-    engine2, _, _, _ = deepspeed.initialize(model=module2, model_parameters=list(module2.parameters()), config=cfg)
+    module2, engine2 = _tied_pipe_engine(pp, cfg)
     engine2.load_checkpoint(ckpt, tag="cut")
     data2 = iter(batches[GAS:])
     for _ in range(STEPS - 1):
@@ -292,14 +308,10 @@ def test_pipeline_with_tensor_parallel_hosts_whole_matrices(opt_type):
 def _elastic_worker(rank, world, pp, ckpt_in, ckpt_out):
     """ckpt_in None: one step at this size, then save.  Else: load ckpt_in (written at another DP
     size, same PP), save it again at once, then train one more step."""
-    import deepspeed
-
-    from canzona_ds.testing.pipeline import build_pipe, dataset, rank_micro_batches
+    from canzona_ds.testing.pipeline import dataset, rank_micro_batches
 
     dp = world // pp
-    module = build_pipe(pp, True, 0)
-    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=list(module.parameters()),
-                                           config=pipe_config("CanzonaSOAP", dp))
+    module, engine = _tied_pipe_engine(pp, pipe_config("CanzonaSOAP", dp))
     x, y = dataset(2 * GAS * MICRO * dp, 1)
     data = iter(rank_micro_batches(x, y, dp, module.mpu().get_data_parallel_rank(), MICRO))
     if ckpt_in is None:
@@ -346,18 +358,8 @@ def test_pipeline_resume_at_another_dp_size_moves_every_state(tmp_path, sizes):
 
 
 def _refuse_worker(rank, world, ckpt):
-    import deepspeed
-
-    from canzona_ds.testing.pipeline import build_pipe
-
-    module = build_pipe(1, True, 0)
-    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=list(module.parameters()),
-                                           config=pipe_config("CanzonaSOAP", world))
-    try:
-        engine.load_checkpoint(ckpt, tag="t")
-    except Exception as err:  # noqa: BLE001 - the message is what the test checks
-        return f"{type(err).__name__}: {err}"
-    return None
+    _, engine = _tied_pipe_engine(1, pipe_config("CanzonaSOAP", world))
+    return _load_error(engine, ckpt)
 
 
 @pytest.mark.dist
@@ -370,22 +372,15 @@ def test_pipeline_resume_at_another_pipeline_size_is_refused(tmp_path):
 
 
 def _replan_worker(rank, world, ckpt, params):
-    import deepspeed
+    from canzona_ds.testing.pipeline import dataset, rank_micro_batches
 
-    from canzona_ds.testing.pipeline import build_pipe, dataset, rank_micro_batches
-
-    module = build_pipe(4, True, 0)  # 7 layers over 4 stages: the last stage holds norm + tied head only
-    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=list(module.parameters()),
-                                           config=pipe_config("CanzonaMuon", 1, params=params))
-    if params is None:
-        x, y = dataset(GAS * MICRO, 1)
-        engine.train_batch(iter(rank_micro_batches(x, y, 1, 0, MICRO)))
-        engine.save_checkpoint(ckpt, tag="t")
-        return None
-    try:
-        engine.load_checkpoint(ckpt, tag="t")
-    except Exception as err:  # noqa: BLE001 - the message is what the test checks
-        return f"{type(err).__name__}: {err}"
+    # 7 layers over 4 stages: the last stage holds the final norm and the tied head only
+    _, engine = _tied_pipe_engine(4, pipe_config("CanzonaMuon", 1, params=params))
+    if params is not None:
+        return _load_error(engine, ckpt)
+    x, y = dataset(GAS * MICRO, 1)
+    engine.train_batch(iter(rank_micro_batches(x, y, 1, 0, MICRO)))
+    engine.save_checkpoint(ckpt, tag="t")
     return None
 
 

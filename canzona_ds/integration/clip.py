@@ -102,6 +102,7 @@ class TorchClip:
         index = {name: k for k, name in enumerate(model_order)}
         self.num_params = len(model_order)
         self.pipeline = PipelineNorm(pp_group, pp_size)
+        self._indices: dict = {}
         #: model-order slots counted in the norm (a tied weight's replicated copy is not)
         replicated = {zero.param_names[p] for g in zero.bit16_groups for p in g
                       if getattr(p, "ds_pipe_replicated", False)}
@@ -210,14 +211,20 @@ class TorchClip:
             if not items:
                 continue
             values = per_tensor_norms([t if t.dtype == torch.float32 else t.float() for _, t in items])
-            at = torch.tensor([k for k, _ in items], dtype=torch.long, device=device)
+            at = self._index(("group", i), [k for k, _ in items], device)
             norms.index_copy_(0, at, torch.stack([v.to(device) for v in values]))
         # one rank holds each norm, zeros elsewhere: the sum is exact in any order
         tdist.all_reduce(norms, group=zero.dp_process_group)
         counted = norms if len(self.counted) == self.num_params else \
-            norms[torch.tensor(self.counted, dtype=torch.long, device=device)]
+            norms[self._index("counted", self.counted, device)]
         total = self.pipeline.total(counted)
         return torch.where(torch.isfinite(total), total, torch.full_like(total, -1.0))
+
+    def _index(self, key, positions: list[int], device) -> Tensor:
+        """The (fixed) slot positions as a device tensor, made once: no host-to-device copy per step."""
+        if key not in self._indices:
+            self._indices[key] = torch.tensor(positions, dtype=torch.long, device=device)
+        return self._indices[key]
 
     @staticmethod
     def clip(grads: list, norm: Tensor, clip_grad: float, loss_scale: float) -> None:
