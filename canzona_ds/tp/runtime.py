@@ -96,6 +96,19 @@ class TPMatrix:
     def local_numel(self, tp_rank: int) -> int:
         return math.prod(self.local_shape(tp_rank))
 
+    # -- the split protocol the runtime uses (shared with FlatSplit) ---------------------
+    def assemble(self, pieces: Sequence[Tensor]) -> Tensor:
+        """The whole matrix from every rank's flat piece (group-rank order)."""
+        return torch.cat([x.view(self.local_shape(r)) for r, x in enumerate(pieces)], dim=self.partition_dim)
+
+    def piece(self, whole: Tensor, rank: int) -> Tensor:
+        """Rank ``rank``'s piece of a whole-matrix tensor, flat."""
+        off = sum(self.shard_sizes[:rank])
+        return whole.narrow(self.partition_dim, off, self.shard_sizes[rank]).reshape(-1)
+
+    def describe(self) -> list:
+        return [self.name, list(self.full_shape), "tp", self.partition_dim, list(self.shard_sizes), self.num_heads]
+
     @staticmethod
     def is_split(param: Tensor, tp_size: int) -> bool:
         return bool(getattr(param, "tensor_model_parallel", False)) and tp_size > 1 and (
@@ -125,6 +138,78 @@ class TPMatrix:
         return cls(name, tuple(full), dim, sizes, heads)
 
 
+@dataclass(frozen=True)
+class FlatSplit:
+    """One matrix whose row-major flat elements are cut into contiguous pieces over a group:
+    rank r holds elements ``[starts[r], starts[r] + lengths[r])`` (possibly none).  ZeRO-3's
+    per-parameter partitions and ZeRO-1/2's equal chunks cut matrices this way::
+
+        matrix (2 x 5), flat:  a a a a a b b b b b
+        ZeRO-3 over 3 ranks:   | a a a a | a b b b | b b . . |   (the last rank's tail is padding)
+        starts (0, 4, 8), lengths (4, 4, 2)
+
+    The host rebuilds the whole matrix by concatenating the pieces in rank order, and sends
+    every rank back its piece of the direction, so an element-wise update of a piece equals the
+    same elements of the whole matrix's update: bit-exact.
+    """
+
+    name: str
+    #: shape of the whole matrix (>= 2-D; trailing dims are flattened by the rule's shape2d)
+    full_shape: tuple[int, ...]
+    #: first flat element of every rank's piece
+    starts: tuple[int, ...]
+    #: element count of every rank's piece (0: the rank holds none of it)
+    lengths: tuple[int, ...]
+    num_heads: int | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.full_shape) < 2:
+            raise ValueError(f"{self.name!r}: a matrix rule needs a matrix, got full_shape={self.full_shape}")
+        if len(self.starts) != len(self.lengths) or not self.starts:
+            raise ValueError(f"{self.name!r}: starts={self.starts} and lengths={self.lengths} must have one entry "
+                             "per rank of the group")
+        if any(n < 0 for n in self.lengths):
+            raise ValueError(f"{self.name!r}: negative piece length in lengths={self.lengths}")
+        cover = sorted((s, n) for s, n in zip(self.starts, self.lengths) if n)
+        pos = 0
+        for s, n in cover:
+            if s != pos:
+                break
+            pos += n
+        if pos != math.prod(self.full_shape) or [s for s, _ in cover] != \
+                [s for s, n in zip(self.starts, self.lengths) if n]:
+            raise ValueError(f"{self.name!r}: pieces starts={self.starts} lengths={self.lengths} must cover the "
+                             f"{math.prod(self.full_shape)} elements of {self.full_shape} once, in rank order")
+
+    @classmethod
+    def even(cls, name: str, full_shape: Sequence[int], world: int, num_heads: int | None = None) -> "FlatSplit":
+        """ZeRO-3's cut: rank r holds ``[r*P, (r+1)*P)`` clipped to the matrix, P = ceil(numel/world)."""
+        n = math.prod(full_shape)
+        per = -(-n // world)
+        starts = tuple(min(r * per, n) for r in range(world))
+        lengths = tuple(max(0, min(n, (r + 1) * per) - r * per) for r in range(world))
+        return cls(name, tuple(full_shape), starts, lengths, num_heads)
+
+    @property
+    def info(self) -> MatrixInfo:
+        return MatrixInfo(self.name, self.full_shape, self.num_heads)
+
+    def local_shape(self, rank: int) -> tuple[int, ...]:
+        return (self.lengths[rank],)
+
+    def local_numel(self, rank: int) -> int:
+        return self.lengths[rank]
+
+    def assemble(self, pieces: Sequence[Tensor]) -> Tensor:
+        return torch.cat([x.reshape(-1) for x in pieces]).view(self.full_shape)
+
+    def piece(self, whole: Tensor, rank: int) -> Tensor:
+        return whole.reshape(-1).narrow(0, self.starts[rank], self.lengths[rank])
+
+    def describe(self) -> list:
+        return [self.name, list(self.full_shape), "flat", list(self.starts), list(self.lengths), self.num_heads]
+
+
 @dataclass
 class StepStats:
     """What one ``step`` did on this rank (reset every step)."""
@@ -140,7 +225,7 @@ class StepStats:
         self.bytes_sent += nbytes
 
 
-def plan_groups(matrices: Sequence[TPMatrix], rule: MatrixRule, tp_size: int, config: TPConfig) -> MicroGroupPlan:
+def plan_groups(matrices: Sequence["SplitMatrix"], rule: MatrixRule, tp_size: int, config: TPConfig) -> MicroGroupPlan:
     """Micro-group plan; specs carry the FULL shape (a task is the full-matrix update on its
     host), so AutoTP's uneven shards give the same plan on every TP rank."""
     specs = [ParamSpec(name=m.name, shape=tuple(m.full_shape), role="matrix", num_heads=m.num_heads)
@@ -148,10 +233,15 @@ def plan_groups(matrices: Sequence[TPMatrix], rule: MatrixRule, tp_size: int, co
     return plan_tp(specs, tp_size, scheduler=config.scheduler, c_max=config.c_max, cost=config.cost, model=rule)
 
 
-class MicroGroupRuntime:
-    """Runs one TP group's matrix-rule step for a fixed list of TP-split matrices."""
+#: a matrix cut over a group: Megatron TP shards along a dim, or contiguous flat pieces (ZeRO)
+SplitMatrix = "TPMatrix | FlatSplit"
 
-    def __init__(self, matrices: Sequence[TPMatrix], rule: MatrixRule, tp_group=None, config: TPConfig | None = None,
+
+class MicroGroupRuntime:
+    """Runs one group's matrix-rule step for a fixed list of split matrices (TP shards along a
+    dim, :class:`TPMatrix`, or flat pieces over a DP group, :class:`FlatSplit`; mixed is fine)."""
+
+    def __init__(self, matrices: Sequence["SplitMatrix"], rule: MatrixRule, tp_group=None, config: TPConfig | None = None,
                  state: dict | None = None, *, verify: bool = True) -> None:
         self.rule = rule
         self.config = config or TPConfig()
@@ -159,11 +249,10 @@ class MicroGroupRuntime:
         self.group = tp_group
         self.tp_size = dist.get_world_size(tp_group) if dist.is_initialized() else 1
         self.tp_rank = dist.get_rank(tp_group) if dist.is_initialized() else 0
-        if self.tp_size < 2:
-            raise ValueError(f"MicroGroupRuntime needs a TP group of >= 2 ranks, got {self.tp_size}")
         for m in self.matrices:
-            if len(m.shard_sizes) != self.tp_size:
-                raise ValueError(f"{m.name!r} has {len(m.shard_sizes)} shards but the TP group has {self.tp_size} ranks")
+            pieces = len(m.shard_sizes) if isinstance(m, TPMatrix) else len(m.lengths)
+            if pieces != self.tp_size:
+                raise ValueError(f"{m.name!r} is cut into {pieces} pieces but the group has {self.tp_size} ranks")
         names = [m.name for m in self.matrices]
         if len(set(names)) != len(names):
             raise ValueError("TPMatrix names must be unique within one runtime")
@@ -182,8 +271,7 @@ class MicroGroupRuntime:
         import json
 
         payload = {
-            "matrices": [(m.name, list(m.full_shape), m.partition_dim, list(m.shard_sizes), m.num_heads)
-                         for m in self.matrices],
+            "matrices": [m.describe() for m in self.matrices],
             "rule": self.rule.describe(),
             "plan": self.plan.fingerprint() if self.plan is not None else None,
         }
@@ -249,18 +337,16 @@ class MicroGroupRuntime:
             shards = []
             for r in range(tp):
                 n = m.local_numel(r)
-                shards.append(pieces[r][cursors[r]:cursors[r] + n].view(m.local_shape(r)))
+                shards.append(pieces[r][cursors[r]:cursors[r] + n])
                 cursors[r] += n
-            G = torch.cat(shards, dim=m.partition_dim).to(grads[i].dtype)
+            G = m.assemble(shards).to(grads[i].dtype)
             D = self.rule.direction(G, rule_state(self.state, m.name, self.rule, m.info, like=G), m.info, step)
             if D.dtype != ddtype:
                 raise RuntimeError(f"rule {self.rule.name!r} returned a {D.dtype} direction for {m.name!r}; its "
                                    f"direction_dtype({gdtype}) says {ddtype}")
             self.stats.flops += self.rule.flops(m.info.shape2d, m.num_heads).amortised
-            off = 0
             for r in range(tp):
-                send2_parts[r].append(D.narrow(m.partition_dim, off, m.shard_sizes[r]).reshape(-1))
-                off += m.shard_sizes[r]
+                send2_parts[r].append(m.piece(D, r))
         flat = [t for r in range(tp) for t in send2_parts[r]]
         send2 = torch.cat(flat) if flat else torch.empty(0, dtype=ddtype, device=device)
         in2 = [sum(self.matrices[i].local_numel(r) for i in mine) for r in range(tp)]
