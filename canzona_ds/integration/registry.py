@@ -83,6 +83,9 @@ def elastic_needed(engine, load_dir, tag) -> bool:
     from .zero import LAYOUT_KEY
 
     opt = canzona_optimizer(engine)
+    if opt is not None and engine.zero_optimization_stage() == 3:
+        _refuse_zero3_resize(engine, opt, load_dir, tag)
+        return False
     if opt is None or engine.zero_optimization_stage() not in (1, 2):
         return False
     if tag is None:
@@ -136,6 +139,32 @@ def micro_group_section(ds: dict, zero_stage: int):
     if zero_stage != 3 or (section is not None and not isinstance(section, dict)):
         return section
     return {"cost": "flops", **(section or {})}
+
+
+def _refuse_zero3_resize(engine, opt, load_dir, tag) -> None:
+    """A ZeRO-3 checkpoint resumes only at the DP size it was written at (resizing is not
+    implemented): refused naming both sizes, before DeepSpeed reads any file."""
+    import os
+
+    from .elastic import ElasticError, checkpoint_size
+
+    if tag is None:
+        latest = os.path.join(load_dir, "latest")
+        if not os.path.isfile(latest):
+            return
+        with open(latest) as f:
+            tag = f.read().strip()
+    if not os.path.isdir(os.path.join(load_dir, tag)):
+        return
+    try:
+        dp, _ = checkpoint_size(load_dir, tag)
+    except ElasticError:
+        return
+    if dp != opt.groups.dp_size:
+        raise ValueError(f"{os.path.join(load_dir, tag)} was written by {opt.rule.name} at ZeRO stage 3 with DP={dp}; "
+                         f"this run has DP={opt.groups.dp_size}. Resuming a ZeRO-3 run at another DP size is not "
+                         f"implemented yet: resume at DP={dp}, or load the weights only (load_optimizer_states=False, "
+                         "load_module_only=True) and start the optimizer afresh.")
 
 
 def _named_parameters(engine, model_parameters) -> list:

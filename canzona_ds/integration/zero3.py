@@ -21,8 +21,14 @@ fp32 partition and its gradient partition; the AdamW sub-groups run torch's Adam
 on theirs.  The fp32 partitions, their layout, ``zero_to_fp32``, the bit16 all-gather,
 offload and the loss scaler are DeepSpeed's.  Further overrides, each small:
 
-* ``unscale_and_clip_grads`` - torch ``clip_grad_norm_``'s coefficient arithmetic
-  (``max_norm / (norm + 1e-6)``, clamped at 1, one multiply) on DeepSpeed's global norm;
+* ``_get_norm_groups`` / ``unscale_and_clip_grads`` (gradient clipping on) - torch
+  ``clip_grad_norm_``'s arithmetic bit for bit (:class:`TorchNorm3`): every parameter's gradient
+  pieces go to one rank (a matrix's host, the others balanced by size; one all_to_all_single),
+  which takes the norm of the WHOLE gradient as torch does; the norms meet in one all_reduce
+  (each is non-zero on one rank: exact), ``total = vector_norm(norms in model order)``,
+  ``coef = clamp(max_norm / (total + 1e-6), max=1)``, one multiply.  DeepSpeed's own norm sums
+  squared partition norms over the ranks: the same math, other roundings, which a matrix rule
+  amplifies (optim/clip.py says why);
 * ``state_dict`` / ``load_state_dict`` - record the DP size and the hosting plan, and refuse
   a checkpoint written with another (the rule state lives on the host the plan names).
 """
@@ -137,6 +143,13 @@ def _make_zero3_class():
                     "hosted": sorted(opt.handled_names()), "dp_rank": dist.get_rank(group=self.dp_process_group)}
 
         # -- gradient clipping ----------------------------------------------------------
+        def _get_norm_groups(self):
+            if self.clip_grad <= 0.0:
+                return super()._get_norm_groups()
+            if getattr(self, "_canzona_norm", None) is None:
+                self._canzona_norm = TorchNorm3(self)
+            return [self._canzona_norm.total()]
+
         def unscale_and_clip_grads(self, sub_group_id, total_norm):
             if self.clip_grad <= 0.0:
                 return super().unscale_and_clip_grads(sub_group_id, total_norm)
@@ -180,6 +193,91 @@ def _make_zero3_class():
                                            checkpoint_folder, load_serial, param_shapes)
 
     return CanzonaZero3Optimizer
+
+
+class TorchNorm3:
+    """``torch.nn.utils.get_total_norm`` of the whole gradients, from ZeRO-3's pieces::
+
+        rank r: piece_r(g_k) for every parameter k (real elements, padding excluded)
+        all_to_all_single: the pieces of g_k -> norm host h(k)   (a matrix's rule host; the
+                           others by size, largest first, onto the least loaded rank)
+        host: norms[k] = ||cat(pieces of g_k)|| (torch's per-tensor norm);  0 elsewhere
+        all_reduce(SUM) over the DP group (one non-zero term per entry: exact)
+        total = vector_norm(norms in the model's parameter order)
+    """
+
+    def __init__(self, zopt) -> None:
+        from deepspeed import comm as dist
+
+        from ..optim.clip import stack_order
+        from ..planning.tp import min_heap_solver
+
+        opt = zopt._canzona
+        self.zopt = zopt
+        self.group = zopt.dp_process_group
+        self.world, self.rank = dist.get_world_size(group=self.group), dist.get_rank(group=self.group)
+        by_id = {}
+        for i, sub in enumerate(zopt.fp16_groups):
+            for p in sub:
+                by_id[id(p)] = (i, p)
+        ids = {n: id(p) for n, p in zopt.module.named_parameters()}
+        #: (name, sub-group, parameter) in the model's parameter order (clip_grad_norm_'s)
+        self.params = []
+        for name in opt.param_order:
+            hit = by_id.get(ids.get(name))
+            if hit is None:
+                raise RuntimeError(f"ZeRO-3 holds no partition of parameter {name!r}.")
+            self.params.append((name, *hit))
+        runtime = opt.tp_runtime
+        host = {} if runtime is None else {m.name: h for m, h in zip(runtime.matrices, runtime.plan.host)}
+        others = [(float(p.ds_numel), k) for k, (n, _, p) in enumerate(self.params) if n not in host]
+        assign, _ = min_heap_solver(others, self.world)
+        extra = {k: r for r, ks in enumerate(assign) for k in ks}
+        self.host = [host[n] if n in host else extra[k] for k, (n, _, _) in enumerate(self.params)]
+        self.order = stack_order([("g", "fp32")] * len(self.params))
+        self.lengths = [[max(0, min(p.partition_numel(), p.ds_numel - r * p.partition_numel()))
+                         for r in range(self.world)] for _, _, p in self.params]
+
+    def _piece(self, i: int, p):
+        """This rank's real gradient piece of ``p`` (sub-group ``i``), fp32, flat."""
+        zopt = self.zopt
+        n = max(0, min(p.partition_numel(), p.ds_numel - self.rank * p.partition_numel()))
+        if zopt.offload_optimizer:
+            _, off, _ = zopt.grad_position[zopt.get_param_id(p)]
+            return zopt.fp32_partitioned_groups_flat[i].grad.narrow(0, off, n)
+        j = [id(q) for q in zopt.fp16_groups[i]].index(id(p))
+        return zopt.averaged_gradients[i][j].reshape(-1).narrow(0, 0, n)
+
+    def total(self) -> torch.Tensor:
+        import torch.distributed as tdist
+
+        from ..optim.clip import per_tensor_norms, total_norm
+
+        world, me = self.world, self.rank
+        pieces = [self._piece(i, p).float() for _, i, p in self.params]
+        device = pieces[0].device
+        send = torch.cat([pieces[k] for h in range(world) for k in range(len(pieces)) if self.host[k] == h])
+        in_splits = [sum(self.lengths[k][me] for k in range(len(pieces)) if self.host[k] == h) for h in range(world)]
+        mine = [k for k in range(len(pieces)) if self.host[k] == me]
+        out_splits = [sum(self.lengths[k][r] for k in mine) for r in range(world)]
+        recv = torch.empty(sum(out_splits), dtype=torch.float32, device=device)
+        tdist.all_to_all_single(recv, send, out_splits, in_splits, group=self.group)
+        chunks = list(recv.split(out_splits))
+        cursors = [0] * world
+        whole = []
+        for k in mine:
+            parts = []
+            for r in range(world):
+                n = self.lengths[k][r]
+                parts.append(chunks[r][cursors[r]:cursors[r] + n])
+                cursors[r] += n
+            whole.append(torch.cat(parts))
+        norms = torch.zeros(len(pieces), dtype=torch.float32, device=device)
+        for k, n in zip(mine, per_tensor_norms(whole)):
+            norms[k] = n
+        tdist.all_reduce(norms, group=self.group)
+        total = total_norm(norms[self.order])
+        return torch.where(torch.isfinite(total), total, torch.full_like(total, -1.0))
 
 
 _ZERO3_CLASS = None
