@@ -100,6 +100,44 @@ def _gas(rank, dp):
                 step=opt.param_groups[0]["step"])
 
 
+def _per_head(rank, dp):
+    """per_head_muon at stage 3 (DeepSpeed's head resolution on the whole shapes), with zero.Init."""
+    import canzona_ds  # noqa: F401
+    import deepspeed
+
+    from canzona_ds.testing.models import make_attention_model
+    from canzona_ds.testing.zero3 import gathered_params, train
+
+    cfg = zero3_config(dp, params=dict(HP["CanzonaMuon"], per_head_muon=True))
+    with deepspeed.zero.Init(config_dict_or_path=cfg):
+        model = make_attention_model()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    train(engine, rank, batches(STEPS, 2 * dp))
+    opt = engine.optimizer.optimizer
+    out = dict(params=gathered_params(engine.module), heads={n: i.num_heads for n, i in opt.infos.items()})
+    if rank == 0:
+        out["ref"] = _per_head_reference(dp)
+    return out
+
+
+def _per_head_reference(dp):
+    from canzona_ds.integration.heads import tag_heads
+    from canzona_ds.optim.config import CanzonaConfig
+    from canzona_ds.optim.reference import ReferenceOptimizer
+    from canzona_ds.testing.models import make_attention_model, params_of, reference_grads
+
+    model = make_attention_model()
+    cfg = CanzonaConfig.from_ds("CanzonaMuon", dict(HP["CanzonaMuon"], per_head_muon=True))
+    tag_heads(model, list(model.named_parameters()))
+    opt = ReferenceOptimizer(model.named_parameters(), cfg)
+    for x, y in batches(STEPS, 2 * dp):
+        grads = reference_grads(model, [x], [y], dp, 2)
+        for n, p in model.named_parameters():
+            p.grad = grads[n]
+        opt.step()
+    return params_of(model)
+
+
 def _zero_init(rank, dp):
     import torch
 
@@ -241,6 +279,7 @@ def _scenarios(dp: int, ckpt_dir: str) -> dict:
                                 dict(cfg=dict(canzona_tp={"pipelined": False, "c_max": 1e9})))
         out["gas"] = (_gas, (), {})
         out["zero_init"] = (_zero_init, (), {})
+        out["per_head"] = (_per_head, (), {})
         out.update({f"clip-{t}": (_clip, (t,), {}) for t in TYPES})
         out["bf16"] = (_bf16, (), {})
         out["fp16"] = (_fp16, (), {})
@@ -365,6 +404,14 @@ def test_zero_init_bit_exact():
         assert r["partitioned"] and r["ds_shape"] == (48, 16) and r["local"] == 48 * 16 // 2
         _assert_equal(r["params"], _ref(2, "CanzonaMuon"), what="zero.Init")
         assert r["replay"] in (None, 0.0)
+
+
+def test_per_head_muon_with_zero_init_bit_exact():
+    res = _get(2, "per_head")
+    ref = res[0]["ref"]
+    for r in res:
+        assert r["heads"] == {"q_proj.weight": 4, "k_proj.weight": 2, "v_proj.weight": 2, "o_proj.weight": None}
+        _assert_equal(r["params"], ref, what="per_head_muon")
 
 
 @pytest.mark.parametrize("opt_type", TYPES)
