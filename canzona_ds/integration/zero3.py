@@ -130,6 +130,9 @@ def _make_zero3_class():
                                    f"elements, the pieces span {offset}.")
             self._canzona_sub_group = i
             opt.bind_sharded(numel, pieces, splits, group=pg)
+            self._canzona_comm_device = _comm_device(self)
+            if opt.tp_runtime is not None:
+                opt.tp_runtime.comm_device = self._canzona_comm_device
 
         def canzona_layout_meta(self) -> dict:
             """What the rule state's placement depends on (recorded in checkpoints)."""
@@ -195,6 +198,18 @@ def _make_zero3_class():
     return CanzonaZero3Optimizer
 
 
+def _comm_device(zopt):
+    """The device the DP group's collectives need: the accelerator where the fp32 partitions are
+    offloaded to host memory on a GPU run (NCCL carries device tensors only), else None (the
+    partitions' own device)."""
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    if zopt.offload_optimizer and accel.device_name() != "cpu":
+        return torch.device(accel.current_device_name())
+    return None
+
+
 class TorchNorm3:
     """``torch.nn.utils.get_total_norm`` of the whole gradients, from ZeRO-3's pieces::
 
@@ -254,8 +269,10 @@ class TorchNorm3:
         from ..optim.clip import per_tensor_norms, total_norm
 
         world, me = self.world, self.rank
+        comm = getattr(self.zopt, "_canzona_comm_device", None)
         pieces = [self._piece(i, p).float() for _, i, p in self.params]
-        device = pieces[0].device
+        device = pieces[0].device if comm is None else comm
+        pieces = [x.to(device) for x in pieces]
         send = torch.cat([pieces[k] for h in range(world) for k in range(len(pieces)) if self.host[k] == h])
         in_splits = [sum(self.lengths[k][me] for k in range(len(pieces)) if self.host[k] == h) for h in range(world)]
         mine = [k for k in range(len(pieces)) if self.host[k] == me]
