@@ -247,6 +247,10 @@ def _refusals(rank, dp):
         "ratio": (zero3_config(dp, zero_optimization={"offload_optimizer": {"device": "cpu", "ratio": 0.5}}),
                   "offload_optimizer.ratio=0.5"),
         "hpz": (zero3_config(dp, zero_optimization={"zero_hpz_partition_size": 2}), "zero_hpz_partition_size=2"),
+        "elastic": (zero3_config(dp, zero_optimization={"elastic_checkpoint": True}), "elastic_checkpoint=true"),
+        "super_offload": (zero3_config(dp, zero_optimization={"offload_optimizer": {"device": "cpu",
+                                                                                   "super_offload": True}}),
+                          "super_offload"),
     }
     out = {}
     for name, (cfg, want) in cases.items():
