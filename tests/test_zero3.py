@@ -147,8 +147,10 @@ def _zero_init(rank, dp):
                 ds_shape=tuple(p.ds_shape), local=int(p.ds_tensor.numel()), dtype=str(torch.float32))
 
 
-def _clip(rank, dp, opt_type):
-    engine, params, rec, info = _run(rank, dp, zero3_config(dp, optimizer=opt_type, gradient_clipping=CLIP))
+def _clip(rank, dp, opt_type, offload=False):
+    zero = {"offload_optimizer": {"device": "cpu"}} if offload else {}
+    engine, params, rec, info = _run(rank, dp, zero3_config(dp, optimizer=opt_type, gradient_clipping=CLIP,
+                                                            zero_optimization=zero))
     return dict(params=params, replay=rec.replay(), norm=float(engine.get_global_grad_norm()))
 
 
@@ -285,6 +287,7 @@ def _scenarios(dp: int, ckpt_dir: str) -> dict:
         out["zero_init"] = (_zero_init, (), {})
         out["per_head"] = (_per_head, (), {})
         out.update({f"clip-{t}": (_clip, (t,), {}) for t in TYPES})
+        out["clip-offload-CanzonaSOAP"] = (_clip, ("CanzonaSOAP", True), {})
         out["bf16"] = (_bf16, (), {})
         out["fp16"] = (_fp16, (), {})
         out["scheduler"] = (_scheduler, (), {})
@@ -418,10 +421,12 @@ def test_per_head_muon_with_zero_init_bit_exact():
         _assert_equal(r["params"], ref, what="per_head_muon")
 
 
-@pytest.mark.parametrize("opt_type", TYPES)
+@pytest.mark.parametrize("opt_type", [*TYPES, "offload-CanzonaSOAP"])
 def test_clipping(opt_type):
-    """Clipping active on every step (norm > CLIP): bit-exact against torch's clip_grad_norm_."""
+    """Clipping active on every step (norm > CLIP): bit-exact against torch's clip_grad_norm_ (with
+    CPU offload the gradient pieces come from the offloaded fp32 gradient buffer)."""
     res = _get(2, f"clip-{opt_type}")
+    opt_type = opt_type.split("-")[-1]
     ref = _ref(2, f"clip-{opt_type}")
     for r in res:
         _assert_equal(r["params"], ref, what=f"{opt_type} clipped")

@@ -52,7 +52,7 @@ LAYOUT_KEY = "canzona_layout"
 ZERO3_INSTANCE_ATTRS: tuple[str, ...] = (
     "fp16_groups", "fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat_numel", "sub_group_to_group_id",
     "grad_position", "clip_grad", "loss_scale", "dp_process_group", "offload_optimizer", "swap_optimizer",
-    "use_muon", "partition_count",
+    "use_muon", "partition_count", "averaged_gradients", "module",
 )
 
 
