@@ -86,7 +86,9 @@ def _exact(rank, dp, opt_type, **kw):
     engine, params, rec, info = _run(rank, dp, zero3_config(dp, optimizer=opt_type, **cfg_kw), **kw)
     opt = engine.optimizer.optimizer
     return dict(params=params, hosted=sorted(opt.handled_names()), state=sorted(opt.matrix_state),
-                zero_class=type(engine.optimizer).__name__, replay=rec.replay(), **info)
+                zero_class=type(engine.optimizer).__name__, replay=rec.replay(),
+                sub_groups=[engine.optimizer.sub_group_to_group_id[i] for i in range(len(engine.optimizer.fp16_groups))],
+                **info)
 
 
 def _gas(rank, dp):
@@ -312,6 +314,11 @@ def _scenarios(dp: int, ckpt_dir: str) -> dict:
                                       dict(cfg=dict(zero_optimization={"offload_optimizer": {"device": "cpu"}})))
         out["offload-CanzonaSOAP"] = (_exact, ("CanzonaSOAP",),
                                       dict(cfg=dict(zero_optimization={"offload_optimizer": {"device": "cpu"}})))
+        # the knobs ZeRO-3 users turn: overlapped, bucketed reduce-scatter; the AdamW group cut into
+        # sub-groups (the matrix group stays one); bit-exact all the same
+        out["knobs"] = (_exact, ("CanzonaMuon",), dict(cfg=dict(zero_optimization={
+            "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": 300,
+            "sub_group_size": 200, "stage3_prefetch_bucket_size": 100})))
         out["pipelined-off"] = (_exact, ("CanzonaShampoo",),
                                 dict(cfg=dict(canzona_tp={"pipelined": False, "c_max": 1e9})))
         out["gas"] = (_gas, (), {})
@@ -440,6 +447,13 @@ def test_offload_cpu_bit_exact(scenario):
     for r in _get(2, scenario):
         _assert_equal(r["params"], _ref(2, opt_type), what=scenario)
         assert r["replay"] in (None, 0.0)
+
+
+def test_zero3_knobs_bit_exact():
+    """overlap_comm, bucketed reduce-scatter, sub_group_size cutting the AdamW group."""
+    for r in _get(2, "knobs"):
+        _assert_equal(r["params"], _ref(2, "CanzonaMuon"), what="knobs")
+        assert r["sub_groups"].count(0) == 1 and r["sub_groups"].count(1) > 1, r["sub_groups"]
 
 
 def test_blocking_runtime_one_micro_group_bit_exact():

@@ -8,7 +8,7 @@ param group holding that one flat partition, fp32 -> bit16 copy.  We keep all of
 change two things:
 
 * ``_create_fp16_sub_groups`` - the matrix group is ONE sub-group whatever
-  ``stage3_sub_group_size`` says: the micro-group runtime exchanges the pieces of all matrices
+  ``sub_group_size`` says: the micro-group runtime exchanges the pieces of all matrices
   in one step (every rank has the same sub-groups: partition sizes are equal on every rank);
   the AdamW group keeps stock sub-groups;
 * after construction, this rank's piece of every matrix in that partition
