@@ -246,10 +246,10 @@ class TorchNorm3:
         self.world, self.rank = dist.get_world_size(group=self.group), dist.get_rank(group=self.group)
         by_id = {}
         for i, sub in enumerate(zopt.fp16_groups):
-            for p in sub:
-                by_id[id(p)] = (i, p)
+            for j, p in enumerate(sub):
+                by_id[id(p)] = (i, j, p)
         ids = {n: id(p) for n, p in zopt.module.named_parameters()}
-        #: (name, sub-group, parameter) in the model's parameter order (clip_grad_norm_'s)
+        #: (name, sub-group, index in it, parameter) in the model's parameter order (clip_grad_norm_'s)
         self.params = []
         for name in opt.param_order:
             hit = by_id.get(ids.get(name))
@@ -258,22 +258,21 @@ class TorchNorm3:
             self.params.append((name, *hit))
         runtime = opt.tp_runtime
         host = {} if runtime is None else {m.name: h for m, h in zip(runtime.matrices, runtime.plan.host)}
-        others = [(float(p.ds_numel), k) for k, (n, _, p) in enumerate(self.params) if n not in host]
+        others = [(float(p.ds_numel), k) for k, (n, _, _, p) in enumerate(self.params) if n not in host]
         assign, _ = min_heap_solver(others, self.world)
         extra = {k: r for r, ks in enumerate(assign) for k in ks}
-        self.host = [host[n] if n in host else extra[k] for k, (n, _, _) in enumerate(self.params)]
+        self.host = [host[n] if n in host else extra[k] for k, (n, _, _, _) in enumerate(self.params)]
         self.order = stack_order([("g", "fp32")] * len(self.params))
         self.lengths = [[max(0, min(p.partition_numel(), p.ds_numel - r * p.partition_numel()))
-                         for r in range(self.world)] for _, _, p in self.params]
+                         for r in range(self.world)] for _, _, _, p in self.params]
 
-    def _piece(self, i: int, p):
-        """This rank's real gradient piece of ``p`` (sub-group ``i``), fp32, flat."""
+    def _piece(self, i: int, j: int, p):
+        """This rank's real gradient piece of ``p`` (parameter ``j`` of sub-group ``i``), flat."""
         zopt = self.zopt
         n = max(0, min(p.partition_numel(), p.ds_numel - self.rank * p.partition_numel()))
         if zopt.offload_optimizer:
             _, off, _ = zopt.grad_position[zopt.get_param_id(p)]
             return zopt.fp32_partitioned_groups_flat[i].grad.narrow(0, off, n)
-        j = [id(q) for q in zopt.fp16_groups[i]].index(id(p))
         return zopt.averaged_gradients[i][j].reshape(-1).narrow(0, 0, n)
 
     def total(self) -> torch.Tensor:
@@ -283,7 +282,7 @@ class TorchNorm3:
 
         world, me = self.world, self.rank
         comm = getattr(self.zopt, "_canzona_comm_device", None)
-        pieces = [self._piece(i, p).float() for _, i, p in self.params]
+        pieces = [self._piece(i, j, p).float() for _, i, j, p in self.params]
         device = pieces[0].device if comm is None else comm
         pieces = [x.to(device) for x in pieces]
         send = torch.cat([pieces[k] for h in range(world) for k in range(len(pieces)) if self.host[k] == h])
