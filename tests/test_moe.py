@@ -40,6 +40,7 @@ EP = 2
 SCENARIOS_2 = {f"z{stage}_{t}": (stage, t, {}) for stage in (1, 2) for t in TYPES}
 SCENARIOS_2.update({
     "z1_muon_ds_groups": (1, "CanzonaMuon", {"groups": True}),   # the user's own MoE param groups
+    "z2_shampoo_mpu": (2, "CanzonaShampoo", {"mpu": True}),       # Megatron-DeepSpeed: an mpu at TP=1
     "z2_soap_clip": (2, "CanzonaSOAP", {"clip": CLIP}),
     "z1_muon_clip": (1, "CanzonaMuon", {"clip": CLIP}),
     "z0_muon_clip": (0, "CanzonaMuon", {"clip": CLIP}),
@@ -74,17 +75,24 @@ def _train(rank, world, stage, opt_type, options):
         if step == 1:
             first.update(params)
 
+    mpu = None
+    if options.get("mpu"):
+        from canzona_ds.testing import megatron_standin
+
+        megatron_standin.initialize_model_parallel(1)
+        mpu = megatron_standin.mpu
     cfg = moe_ds_config(world, optimizer=opt_type, stage=stage, gradient_clipping=options.get("clip", 0.0))
     params, losses, engine = run_moe_engine(rank, world, EP, cfg, STEPS, groups=options.get("groups", False),
-                                            after_init=attach, after_step=after_step)
+                                            after_init=attach, after_step=after_step, mpu=mpu)
     inner = engine.optimizer.optimizer if stage else engine.optimizer
+    source = inner.groups.source
     parts = {name: [g.get("canzona_role"), g.get("moe", False)] for name, g in
              zip(["g%d" % i for i in range(len(inner.param_groups))], inner.param_groups)}
     return dict(params=params, first=first, losses=losses, inner_calls=inner_calls, groups=parts,
                 owned=sorted(inner.handled_names()) if stage else [],
                 replay=recorder[0].summary() if recorder else None,
                 plans={str(k): v.world_size for k, v in inner.plans.items()},
-                zero_class=type(engine.optimizer).__name__)
+                zero_class=type(engine.optimizer).__name__, source=source)
 
 
 def _world_worker(rank, world, scenarios):
@@ -154,6 +162,7 @@ def test_world2_ep2_bit_exact(name):
     ref = res[0]["ref"]
     for r in res:
         _assert_equal(r["params"], ref, name)
+        assert r["source"] == ("mpu" if SCENARIOS_2[name][2].get("mpu") else "dp")
     _check_structure(res, 2, stage)
 
 
@@ -247,6 +256,8 @@ REFUSALS = {
     "offload": ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, "offload_optimizer"),
     "group_settings": ({"zero_optimization": {"stage": 1}, "_groups": "weight_decay"}, "'weight_decay'"),
     "moe_group_with_dense": ({"zero_optimization": {"stage": 1}, "_groups": "bad_moe"}, "non-expert parameters"),
+    # Megatron-DeepSpeed's stage-0 client optimizer is built before DeepSpeed creates the expert groups
+    "megatron_stage0_client": ({"zero_optimization": {"stage": 0}, "_groups": "client"}, "stage-0 client"),
 }
 
 
@@ -267,6 +278,10 @@ def _refusal_worker(rank, world):
         elif groups == "bad_moe":
             params = [{"params": params, "name": "ep_size_2", "moe": True}]
         try:
+            if groups == "client":
+                from canzona_ds.integration.megatron import build_tp_optimizer
+
+                build_tp_optimizer(model, moe_ds_config(world, **extra))
             deepspeed.initialize(model=model, model_parameters=params, config=moe_ds_config(world, **extra))
             out[name] = None
         except Exception as e:  # noqa: BLE001

@@ -22,7 +22,7 @@ Param groups (``canzona_role``)::
 Expert parallelism (DeepSpeed MoE, ``partitions``): each expert group (``groups.experts``)
 gets its own pair, after the dense one, marked as DeepSpeed's ZeRO expects (``"moe": True``,
 ``"name"``: the expert group), and its own ownership plan over its expert-data-parallel group
-(``canzona_partition``: None for dense, else the expert group's name)::
+(``canzona_partition``: the expert group's name; absent on the dense groups)::
 
     [matrix (dense, plan over DP)] [aux (dense)] [matrix (ep_size_2, plan over its EDP)] [aux (ep_size_2)] ...
 
@@ -86,7 +86,8 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             raise TypeError(f"groups must be a canzona_ds.parallel.ParallelGroups, got {type(groups).__name__}")
         if placement not in HOLDING:
             raise ValueError(f"Invalid placement={placement!r}. Allowed: {sorted(HOLDING)}.")
-        named = [(n, p) for n, p in named_parameters if p.requires_grad]
+        given = list(named_parameters)
+        named = [(n, p) for n, p in given if p.requires_grad]
         if not named:
             raise ValueError("CanzonaOptimizer got no trainable parameters.")
         if len({id(p) for _, p in named}) != len(named):
@@ -127,10 +128,11 @@ class CanzonaOptimizer(torch.optim.Optimizer):
                 f"CanzonaOptimizer({self.rule.name}): no parameter qualifies as a matrix (ndim >= 2, name without "
                 f"{list(config.placement.matrix_exclude)}); every parameter uses AdamW. Set matrix_include to "
                 "change this.", stacklevel=2)
-        partitions = dict(partitions or {})
-        unknown = sorted(set(partitions) - {n for n, _ in named})
+        unknown = sorted(set(partitions or {}) - {n for n, _ in given})
         if unknown:
-            raise ValueError(f"partitions names {unknown[:3]}, which are not trainable parameters.")
+            raise ValueError(f"partitions names {unknown[:3]}, which are not among named_parameters.")
+        trainable = {n for n, _ in named}
+        partitions = {n: key for n, key in (partitions or {}).items() if n in trainable}
         keys = [None] + sorted(set(partitions.values()))
         for key in keys[1:]:
             groups.expert(key)  # a ValueError naming the known expert groups
@@ -150,15 +152,15 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             if mats and placement == "owned":
                 self.plans[key] = _plan([spec_of[n] for n, _ in mats], groups.partition_size(key), config, self.rule)
                 mats = [mats[i] for i in self.plans[key].buffer_order()]
-            moe = {} if key is None else {"moe": True, "name": key}
+            moe = {} if key is None else {"moe": True, "name": key, "canzona_partition": key}
             if mats:
                 self.partition_matrices[key] = [n for n, _ in mats]
                 param_groups.append(dict(params=[p for _, p in mats], canzona_role=MATRIX, lr=config.lr,
-                                         weight_decay=config.weight_decay, step=0, canzona_partition=key, **moe))
+                                         weight_decay=config.weight_decay, step=0, **moe))
             if rest:
                 param_groups.append(dict(params=[p for _, p in rest], canzona_role=AUX, lr=config.adam_lr,
                                          betas=tuple(config.adam_betas), eps=config.adam_eps,
-                                         weight_decay=config.weight_decay, canzona_partition=key, **moe))
+                                         weight_decay=config.weight_decay, **moe))
             ordered_matrices += mats
             ordered_aux += rest
         #: the DP ownership plan of the dense matrices (None: none, or every matrix is updated here)

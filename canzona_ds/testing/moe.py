@@ -197,11 +197,12 @@ def _shapes(num_experts: int) -> dict:
 
 
 def run_moe_engine(rank: int, world: int, ep_size: int, cfg: dict, steps: int, micro: int = 2, seed: int = 0,
-                   groups: bool = False, after_init=None, data: list | None = None, after_step=None):
+                   groups: bool = False, after_init=None, data: list | None = None, after_step=None, mpu=None):
     """Train the tiny MoE model on a DeepSpeed engine; return (whole-model-named parameters of
     this rank, losses, engine).  ``groups``: pass DeepSpeed's own MoE param groups
     (split_params_into_different_moe_groups_for_optimizer) instead of the parameters (which
-    deepspeed.initialize splits the same way itself); ``after_step(step, parameters)``."""
+    deepspeed.initialize splits the same way itself); ``after_step(step, parameters)``; ``mpu``: a
+    Megatron mpu passed to deepspeed.initialize (Megatron-DeepSpeed's configuration)."""
     import canzona_ds  # noqa: F401 - registers the Canzona types
     import deepspeed
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
@@ -210,7 +211,7 @@ def run_moe_engine(rank: int, world: int, ep_size: int, cfg: dict, steps: int, m
     model = TinyMoE(ep_size, ep_rank, seed=seed)
     params = split_params_into_different_moe_groups_for_optimizer(
         {"params": list(model.parameters()), "name": "dense"}) if groups else list(model.parameters())
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=cfg)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=cfg, mpu=mpu)
     if after_init is not None:
         after_init(engine)
     losses = []
