@@ -7,8 +7,9 @@ dense over DP, experts over their expert-DP group, both divided by the DP size).
 Tolerances (fp32):
   * world 2, ep_size 2 (expert-DP groups of one rank, dense sums of two terms): bit-exact
     (rtol=atol=0) for every type at ZeRO 1 and 2, through DeepSpeed's own MoE grouping and the
-    model.parameters() path, and with gradient clipping active (torch's clip_grad_norm_ over
-    the whole model); ZeRO 0 likewise.
+    model.parameters() path, with a Megatron-style mpu (TP=1), and with gradient clipping
+    active (torch's clip_grad_norm_ over the whole model); ZeRO 0 likewise.  bf16: each
+    owner's updates replayed bit for bit, losses within 0.02 of the fp32 run's.
   * world 4, ep_size 2: the expert-DP sums have two terms, the dense sums four (gloo's order,
     ~1 ulp): after the first step every expert matrix is bit-exact; over 3 steps each owner's
     updates replay bit for bit in one process (MatrixStepRecorder), Muon stays within 1e-6 of
@@ -41,6 +42,7 @@ SCENARIOS_2 = {f"z{stage}_{t}": (stage, t, {}) for stage in (1, 2) for t in TYPE
 SCENARIOS_2.update({
     "z1_muon_ds_groups": (1, "CanzonaMuon", {"groups": True}),   # the user's own MoE param groups
     "z2_shampoo_mpu": (2, "CanzonaShampoo", {"mpu": True}),       # Megatron-DeepSpeed: an mpu at TP=1
+    "z1_muon_bf16": (1, "CanzonaMuon", {"bf16": True}),           # replayed bit for bit, losses near fp32's
     "z2_soap_clip": (2, "CanzonaSOAP", {"clip": CLIP}),
     "z1_muon_clip": (1, "CanzonaMuon", {"clip": CLIP}),
     "z0_muon_clip": (0, "CanzonaMuon", {"clip": CLIP}),
@@ -81,7 +83,8 @@ def _train(rank, world, stage, opt_type, options):
 
         megatron_standin.initialize_model_parallel(1)
         mpu = megatron_standin.mpu
-    cfg = moe_ds_config(world, optimizer=opt_type, stage=stage, gradient_clipping=options.get("clip", 0.0))
+    extra = {"bf16": {"enabled": True}} if options.get("bf16") else {}
+    cfg = moe_ds_config(world, optimizer=opt_type, stage=stage, gradient_clipping=options.get("clip", 0.0), **extra)
     params, losses, engine = run_moe_engine(rank, world, EP, cfg, STEPS, groups=options.get("groups", False),
                                             after_init=attach, after_step=after_step, mpu=mpu)
     inner = engine.optimizer.optimizer if stage else engine.optimizer
@@ -161,9 +164,17 @@ def test_world2_ep2_bit_exact(name):
     res = _results(2, name)
     ref = res[0]["ref"]
     for r in res:
+        if SCENARIOS_2[name][2].get("bf16"):  # bf16 weights: the machinery exact, the losses near fp32's
+            assert r["replay"]["replay_max_diff"] == 0.0 and r["replay"]["steps"] == STEPS, r["replay"]
+            continue
         _assert_equal(r["params"], ref, name)
         assert r["source"] == ("mpu" if SCENARIOS_2[name][2].get("mpu") else "dp")
     _check_structure(res, 2, stage)
+    if SCENARIOS_2[name][2].get("bf16"):
+        fp32 = _results(2, "z1_CanzonaMuon")
+        dev = max(abs(a - b) for r, f in zip(res, fp32) for a, b in zip(r["losses"], f["losses"]))
+        print(f"{name}: max |loss - fp32 loss| = {dev:.3g}")
+        assert dev < 0.02
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS_4))

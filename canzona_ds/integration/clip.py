@@ -22,8 +22,13 @@ parameters that DeepSpeed's equal chunks cut cost traffic: at most ``dp - 1`` pi
 Pipeline parallelism: each stage holds other parameters; a stage's norms (without the
 ``ds_pipe_replicated`` copy of a tied weight, which the first holder counts) are gathered over
 the pipeline group and stacked in stage order, which is the model's parameter order
-(:class:`PipelineNorm`).  With tensor parallelism or MoE, DeepSpeed's own clip runs (its
+(:class:`PipelineNorm`).  With tensor parallelism, DeepSpeed's own clip runs (its
 model-parallel reduction of squared norms: equal to rounding, not bit for bit).
+
+DeepSpeed MoE: the slots are the whole model's parameters (every expert of every
+expert-parallel rank, ``MoEInfo.global_order``); an expert group's partitions span its
+expert-data-parallel group, whose owner fills the slot of each expert it holds, so the sum over
+the DP group still has one non-zero term per slot (:func:`clip_moe_module_gradients` at stage 0).
 """
 from __future__ import annotations
 

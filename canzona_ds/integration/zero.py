@@ -11,6 +11,9 @@ uses for ``parameter_alignment``)::
     planned padding          | W0  W3  pad | W1  W2  W4 |    every rank range is P elements,
                                ^ rank 0 (P)  ^ rank 1 (P)   each matrix lies in one range
 
+Under DeepSpeed MoE there is one matrix group per partition (dense; each expert group, which
+ZeRO partitions over its expert-data-parallel group), each laid out by its own plan.
+
 The stock equal-range code then works unchanged: stage 1 reduces each gradient slice to
 its owner, stage 2 keeps only the owner's gradient partition (the partition boundaries are
 parameter boundaries, so no parameter's gradient is split), the partitioned step, the
@@ -191,7 +194,7 @@ def _make_zero_class():
                                              list(tp_blocks(p, m.full_shape[m.partition_dim]))]
             tp_rank = dist.get_rank(group=opt.tp_group) if opt.tp_size > 1 else 0
             return {"fingerprint": hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16],
-                    "world_size": layout.world_size, "planner": opt.plan.planner,
+                    "world_size": layout.world_size, "planner": self._canzona_plan(first).planner,
                     "shard_numel": layout.shard_numel,
                     "matrix_names": list(opt.partition_matrices[self._canzona_partition(first)]),
                     "rank_counts": list(layout.rank_counts), "offsets": list(layout.offsets),
@@ -203,8 +206,9 @@ def _make_zero_class():
         # -- gradient clipping ----------------------------------------------------------
         def _canzona_torch_clip(self):
             """The torch-exact norm and clip (integration/clip.py), or None where DeepSpeed's own
-            runs (no clipping and no pipeline; tensor parallelism or MoE, whose norms DeepSpeed
-            reduces over other groups).  Under pipeline parallelism it runs even without clipping
+            runs (no clipping and no pipeline; tensor parallelism, whose norms DeepSpeed reduces
+            over the model-parallel group).  Under MoE the slots are the whole model's (every
+            expert once, integration/moe.py).  Under pipeline parallelism it runs even without clipping
             (the norm is computed for every step): DeepSpeed's own all-reduces the norm over the
             model-parallel group (all stages) once per param group, and a stage without matrices
             has one group where the others have two, which deadlocks."""
