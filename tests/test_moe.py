@@ -193,7 +193,7 @@ def test_world4_ep2(name):
 
 
 # ---------------------------------------------------------------------------- checkpoints
-def _checkpoint_worker(rank, world, ckpt, opt_type):
+def _checkpoint_worker(rank, world, ckpt, opt_type, stage=2):
     """Train 2 steps, save, train 1 more; a fresh engine loads and trains the same step."""
     import torch
 
@@ -201,7 +201,7 @@ def _checkpoint_worker(rank, world, ckpt, opt_type):
     from canzona_ds.testing.models import batches
 
     data = batches(3, 2 * world)
-    cfg = moe_ds_config(world, optimizer=opt_type, stage=2)
+    cfg = moe_ds_config(world, optimizer=opt_type, stage=stage)
     saved = {}
 
     def after_step(step, params):
@@ -212,14 +212,15 @@ def _checkpoint_worker(rank, world, ckpt, opt_type):
         saved["engine"] = engine
 
     straight, _, engine = run_moe_engine(rank, world, EP, cfg, 3, after_init=keep, after_step=after_step, data=data)
-    state = {n: {k: v.clone() for k, v in st.items()} for n, st in engine.optimizer.optimizer.matrix_state.items()}
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    state = {n: {k: v.clone() for k, v in st.items()} for n, st in inner.matrix_state.items()}
     files = sorted(os.listdir(os.path.join(ckpt, "two")))
 
     def load(engine):
         engine.load_checkpoint(ckpt, tag="two")
 
     resumed, _, engine2 = run_moe_engine(rank, world, EP, cfg, 1, after_init=load, data=data[2:])
-    state2 = engine2.optimizer.optimizer.matrix_state
+    state2 = getattr(engine2.optimizer, "optimizer", engine2.optimizer).matrix_state
     same_state = state.keys() == state2.keys() and all(torch.equal(state[n][k], state2[n][k])
                                                         for n in state for k in state[n])
     return dict(straight=straight, resumed=resumed, same_state=same_state, files=files,
@@ -256,6 +257,17 @@ def test_checkpoint_round_trip_and_resize_refused():
         errors = run_distributed(_resize_worker, 4, ckpt)
     for e in errors:
         assert e is not None and "MoE expert groups" in e and "another DP or expert-parallel size" in e, e
+
+
+def test_checkpoint_round_trip_stage0():
+    """ZeRO stage 0: DeepSpeed writes each expert-parallel rank's whole optimizer state (dense and
+    its experts' rule state) to expp_rank_<k> files; a resumed run continues bit for bit."""
+    with tempfile.TemporaryDirectory() as ckpt:
+        res = run_distributed(_checkpoint_worker, 2, ckpt, "CanzonaShampoo", 0)
+    for r in res:
+        _assert_equal(r["resumed"], r["straight"], "resumed")
+        assert r["same_state"] and len(r["experts"]) == 4
+    assert "expp_rank_1_mp_rank_00_optim_states.pt" in res[0]["files"], res[0]["files"]
 
 
 # ---------------------------------------------------------------------------- refusals
