@@ -272,7 +272,8 @@ def clip_moe_module_gradients(module, opt, max_norm: float) -> Tensor:
     norms = torch.zeros(len(moe.global_order), dtype=torch.float32, device=device)
     if mine:
         values = per_tensor_norms([g if g.dtype == torch.float32 else g.float() for g in mine])
-        norms.index_copy_(0, torch.tensor(at, dtype=torch.long, device=device), torch.stack([v.to(device) for v in values]))
+        at_slots = torch.tensor(at, dtype=torch.long, device=device)
+        norms.index_copy_(0, at_slots, torch.stack([v.to(device) for v in values]))
     if groups.dp_size > 1:
         tdist.all_reduce(norms, group=groups.dp_group)
     norm = total_norm(norms)

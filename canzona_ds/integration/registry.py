@@ -275,7 +275,7 @@ def install() -> None:
         # Under pipeline parallelism DeepSpeed's stage-0 clip counts only the gradients of the ranks
         # whose model-parallel rank is 0, i.e. the first stage's; ours gathers every stage's.
         opt = getattr(self, "basic_optimizer", None)
-        if isinstance(opt, CanzonaOptimizer) and getattr(opt, "moe", None) is not None and opt.moe.active:
+        if isinstance(opt, CanzonaOptimizer) and opt.moe is not None and opt.moe.active:
             # DeepSpeed's stage-0 clip under MoE averages each rank's norm of the experts it holds
             from .clip import clip_moe_module_gradients
 

@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .models import HP, T, VOCAB, batches
+from .models import HP, VOCAB, batches
 
 D, H, NUM_EXPERTS = 16, 24, 4
 AUX_COEF = 0.01
