@@ -192,6 +192,81 @@ def test_world4_ep2(name):
     _check_structure(res, 4, stage)
 
 
+def _two_groups_worker(rank, world):
+    """Two MoE layers of different ep_size (1 and 2): three partitions, three plans."""
+    import deepspeed
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from deepspeed.moe.layer import MoE
+
+    import canzona_ds  # noqa: F401
+    from canzona_ds.testing.comm import CommCounter
+    from canzona_ds.testing.models import VOCAB, MatrixStepRecorder, batches
+    from canzona_ds.testing.moe import moe_ds_config
+
+    torch.manual_seed(0)
+
+    class TwoMoE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, 16)
+            expert = nn.Sequential(nn.Linear(16, 24), nn.GELU(), nn.Linear(24, 16))
+            self.m1 = MoE(16, expert, num_experts=2, ep_size=1, k=1, capacity_factor=2.0, min_capacity=0,
+                          use_rts=False)
+            self.m2 = MoE(16, expert, num_experts=4, ep_size=EP, k=1, capacity_factor=4.0, min_capacity=0,
+                          use_rts=False)
+            self.head = nn.Linear(16, VOCAB, bias=False)
+
+        def forward(self, x, y):
+            h = self.embed(x)
+            out1, aux1, _ = self.m1(h)
+            h = h + out1
+            out2, aux2, _ = self.m2(h)
+            h = h + out2
+            return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten()) + 0.01 * (aux1 + aux2)
+
+    model = TwoMoE()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=moe_ds_config(world, stage=2, gradient_clipping=CLIP))
+    inner = engine.optimizer.optimizer
+    recorder = MatrixStepRecorder(inner)
+    calls = []
+    for x, y in batches(STEPS, 2 * world):
+        loss = engine(x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2])
+        engine.backward(loss)
+        stock = inner.step
+
+        def counted(*a, **k):
+            with CommCounter() as c:
+                out = stock(*a, **k)
+            calls.append(c.count("torch") + c.count("deepspeed"))
+            return out
+
+        inner.step = counted
+        engine.step()
+        inner.step = stock
+    return dict(groups=[(g["canzona_role"], g.get("name")) for g in inner.param_groups],
+                plans={str(k): v.world_size for k, v in inner.plans.items()}, owned=sorted(inner.handled_names()),
+                replay=recorder.summary(), calls=calls, ep=(inner.groups.ep_size, inner.groups.ep_rank))
+
+
+def test_two_expert_groups():
+    """ep_size 1 and 2 in one model at world 4: the ep_size_1 experts are planned over all 4 ranks,
+    the ep_size_2 ones over their expert-DP pairs; the machinery replays bit for bit, with clipping."""
+    res = run_distributed(_two_groups_worker, 4)
+    for rank, r in enumerate(res):
+        assert [n for _, n in r["groups"]] == [None, None, "ep_size_1", "ep_size_1", "ep_size_2", "ep_size_2"]
+        assert r["plans"] == {"None": 4, "ep_size_1": 4, "ep_size_2": 2}
+        assert r["replay"]["replay_max_diff"] == 0.0 and r["replay"]["steps"] == STEPS
+        assert r["calls"] and set(r["calls"]) == {0} and r["ep"] == (EP, rank % EP)  # no collective in the step
+    m1 = [n for r in res for n in r["owned"] if n.startswith("m1.deepspeed_moe.experts.")]
+    assert sorted(m1) == sorted(set(m1)) and len(m1) == 4  # 2 experts x 2 matrices over the 4 ranks
+    for k in range(EP):
+        m2 = [n for r in res[k::EP] for n in r["owned"] if n.startswith("m2.deepspeed_moe.experts.")]
+        assert sorted(m2) == sorted(set(m2)) and len(m2) == 4
+
+
 # ---------------------------------------------------------------------------- checkpoints
 def _checkpoint_worker(rank, world, ckpt, opt_type, stage=2):
     """Train 2 steps, save, train 1 more; a fresh engine loads and trains the same step."""
