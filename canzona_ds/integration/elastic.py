@@ -73,6 +73,13 @@ class ElasticError(ValueError):
     """A checkpoint cannot be resumed at this size (the message says why)."""
 
 
+#: DeepSpeed MoE (expert groups planned over their expert-DP groups): not resumable at a new size
+MOE_REFUSAL = ("{where}: a checkpoint with DeepSpeed MoE expert groups (expert parallelism) cannot be resumed at "
+               "another DP or expert-parallel size, or with another plan, yet. Resume it at the size and "
+               "optimizer params it was saved with (engine.load_checkpoint does), or load the module weights "
+               "only (load_optimizer_states=False, load_module_only=True).")
+
+
 #: the key of a parameter's fp32 master weight in ``flat_range``; the others are AdamW's moments
 MASTER = "param"
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
@@ -202,6 +209,8 @@ class SavedCheckpoint:
             if any(m is None or m.get("matrix_names") is None for m in metas):
                 raise ElasticError(f"{folder} was not written by a Canzona optimizer with a planned layout (no "
                                    f"'{LAYOUT_KEY}'); only Canzona checkpoints can change size here.")
+            if any(m.get("moe") for m in metas):
+                raise ElasticError(MOE_REFUSAL.format(where=folder))
             meta = metas[0]
             meta0 = meta0 or meta
             where: dict[str, tuple] = {}
@@ -558,6 +567,7 @@ def load(engine, ckpt_dir: str, tag: str | None = None, whole: bool = False) -> 
     if tag is None:
         with open(os.path.join(ckpt_dir, "latest")) as f:
             tag = f.read().strip()
+    _refuse_moe(engine, os.path.join(ckpt_dir, tag))
     mp_ranks = _stage_file_ranks(engine, ckpt_dir, tag)
     if whole:
         if mp_ranks is not None:
@@ -609,8 +619,17 @@ def save_universal_file(uni: Universal, path: str) -> None:
     torch.save({"format": UNIVERSAL_FORMAT, **{f.name: getattr(uni, f.name) for f in fields(Universal)}}, path)
 
 
+def _refuse_moe(engine, where: str) -> None:
+    from .runtime_info import canzona_optimizer
+
+    opt = canzona_optimizer(engine)
+    if opt is not None and opt.moe is not None and opt.moe.active:
+        raise ElasticError(MOE_REFUSAL.format(where=where))
+
+
 def load_universal_file(engine, path: str) -> dict:
     """Resume ``engine`` from a file written by ``convert``."""
+    _refuse_moe(engine, path)
     data = _load(path, mmap=True)  # each rank copies out its share (a TP-resharded parameter whole)
     if not isinstance(data, dict) or data.pop("format", None) != UNIVERSAL_FORMAT:
         raise ElasticError(f"{path} is not a canzona universal checkpoint (written by `python -m "

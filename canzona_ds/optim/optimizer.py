@@ -23,6 +23,13 @@ Param groups (``canzona_role``)::
     "matrix"  the matrix rule; params in the DP plan's buffer order (rank 0's first)
     "aux"     AdamW (torch's functional AdamW, bit-exact vs torch.optim.AdamW)
 
+Expert parallelism (DeepSpeed MoE, ``partitions``): each expert group (``groups.experts``)
+gets its own pair, after the dense one, marked as DeepSpeed's ZeRO expects (``"moe": True``,
+``"name"``: the expert group), and its own ownership plan over its expert-data-parallel group
+(``canzona_partition``: the expert group's name; absent on the dense groups)::
+
+    [matrix (dense, plan over DP)] [aux (dense)] [matrix (ep_size_2, plan over its EDP)] [aux (ep_size_2)] ...
+
 Both groups carry ``lr`` and ``weight_decay`` read at every step, so any lr scheduler
 drives them.  The optimizer's step count (``param_groups[matrix]["step"]``) is the
 ``step`` the rules see.  A parameter without a gradient is stepped with a zero gradient
@@ -71,11 +78,14 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         placement: "local", "owned" or "sharded" (module docstring).
         shapes: the whole shape of parameters whose tensor does not show it (ZeRO-3 partitions
             parameters built under ``deepspeed.zero.Init``), by name.
+        partitions: parameter name -> expert group name for expert parameters (DeepSpeed MoE;
+            each name one of ``groups.experts``); the others are dense.
     """
 
     def __init__(self, named_parameters: Iterable[tuple[str, Tensor]], config: CanzonaConfig,
                  groups: ParallelGroups | None = None, placement: str = "local",
-                 shapes: Mapping[str, tuple[int, ...]] | None = None) -> None:
+                 shapes: Mapping[str, tuple[int, ...]] | None = None,
+                 partitions: Mapping[str, str] | None = None) -> None:
         if not isinstance(config, CanzonaConfig):
             raise TypeError(f"config must be a CanzonaConfig, got {type(config).__name__}")
         groups = ParallelGroups.single() if groups is None else groups
@@ -83,7 +93,8 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             raise TypeError(f"groups must be a canzona_ds.parallel.ParallelGroups, got {type(groups).__name__}")
         if placement not in HOLDING:
             raise ValueError(f"Invalid placement={placement!r}. Allowed: {sorted(HOLDING)}.")
-        named = [(n, p) for n, p in named_parameters if p.requires_grad]
+        given = list(named_parameters)
+        named = [(n, p) for n, p in given if p.requires_grad]
         shapes = dict(shapes or {})
         shape_of = {n: tuple(shapes.get(n, tuple(p.shape))) for n, p in named}
         if not named:
@@ -133,28 +144,55 @@ class CanzonaOptimizer(torch.optim.Optimizer):
                 f"CanzonaOptimizer({self.rule.name}): no parameter qualifies as a matrix (ndim >= 2, name without "
                 f"{list(config.placement.matrix_exclude)}); every parameter uses AdamW. Set matrix_include to "
                 "change this.", stacklevel=2)
-        #: the DP ownership plan ("owned" placement; None: every matrix is updated on this rank)
-        self.plan: OwnershipPlan | None = None
-        if matrices and placement == "owned":
-            self.plan = _plan(specs, groups.dp_size, config, self.rule)
-            matrices = [matrices[i] for i in self.plan.buffer_order()]
-        self.matrix_names = [n for n, _ in matrices]
-        self.aux_names = [n for n, _ in aux]
+        unknown = sorted(set(partitions or {}) - {n for n, _ in given})
+        if unknown:
+            raise ValueError(f"partitions names {unknown[:3]}, which are not among named_parameters.")
+        trainable = {n for n, _ in named}
+        partitions = {n: key for n, key in (partitions or {}).items() if n in trainable}
+        keys = [None] + sorted(set(partitions.values()))
+        for key in keys[1:]:
+            groups.expert(key)  # a ValueError naming the known expert groups
+        if len(keys) > 1 and self.tp_matrices:
+            raise ValueError("Expert parallelism (MoE) with tensor-parallel matrices is not supported.")
+        spec_of = dict(zip([n for n, _ in matrices], specs))
+        #: the ownership plan of each partition's matrices over its DP group ("owned" placement;
+        #: None: dense, else the expert group's name); ``plan`` is the dense one
+        self.plans: dict[str | None, OwnershipPlan] = {}
+        #: matrix names per partition, in param-group (buffer) order
+        self.partition_matrices: dict[str | None, list[str]] = {}
         param_groups = []
-        if matrices:
-            param_groups.append(dict(params=[p for _, p in matrices], canzona_role=MATRIX, lr=config.lr,
-                                     weight_decay=config.weight_decay, step=0))
-        if aux:
-            param_groups.append(dict(params=[p for _, p in aux], canzona_role=AUX, lr=config.adam_lr,
-                                     betas=tuple(config.adam_betas), eps=config.adam_eps,
-                                     weight_decay=config.weight_decay))
+        ordered_matrices, ordered_aux = [], []
+        for key in keys:
+            mats = [(n, p) for n, p in matrices if partitions.get(n) == key]
+            rest = [(n, p) for n, p in aux if partitions.get(n) == key]
+            if mats and placement == "owned":
+                self.plans[key] = _plan([spec_of[n] for n, _ in mats], groups.partition_size(key), config, self.rule)
+                mats = [mats[i] for i in self.plans[key].buffer_order()]
+            moe = {} if key is None else {"moe": True, "name": key, "canzona_partition": key}
+            if mats:
+                self.partition_matrices[key] = [n for n, _ in mats]
+                param_groups.append(dict(params=[p for _, p in mats], canzona_role=MATRIX, lr=config.lr,
+                                         weight_decay=config.weight_decay, step=0, **moe))
+            if rest:
+                param_groups.append(dict(params=[p for _, p in rest], canzona_role=AUX, lr=config.adam_lr,
+                                         betas=tuple(config.adam_betas), eps=config.adam_eps,
+                                         weight_decay=config.weight_decay, **moe))
+            ordered_matrices += mats
+            ordered_aux += rest
+        #: the DP ownership plan of the dense matrices (None: none, or every matrix is updated here)
+        self.plan: OwnershipPlan | None = self.plans.get(None)
+        self.matrix_names = [n for n, _ in ordered_matrices]
+        self.aux_names = [n for n, _ in ordered_aux]
         super().__init__(param_groups, {})
         #: rule state by matrix name (this rank's owned/local matrices and hosted TP matrices)
         self.matrix_state: dict[str, dict[str, Tensor]] = {}
         #: whole shape of every trainable parameter, by name
         self.shapes = shape_of
+        #: DeepSpeed MoE's expert groups and whole-model names (integration/moe.MoEInfo; None: no MoE)
+        self.moe = None
         self.placement = HOLDING[placement](self.matrix_names)
         if placement == "local":
+            self.placement.track(ordered_matrices)
             self.placement.hosted = self._hosted(self.matrix_names)
 
     # ------------------------------------------------------------------ placement
