@@ -28,6 +28,8 @@ def rank_costs(plan: OwnershipPlan, cost: str, model=None) -> list[float]:
     (:func:`canzona_ds.planning.cost.slice_cost`)."""
     loads = cost_vector(plan.specs, cost=cost, model=model)
     out = [0.0] * plan.world_size
+    if plan.mixed:
+        return _mixed_costs(plan, cost, loads)
     slices = plan.extra.get("slices", {})
     for r, idxs in enumerate(plan.rank_params):
         for i in idxs:
@@ -36,6 +38,23 @@ def rank_costs(plan: OwnershipPlan, cost: str, model=None) -> list[float]:
     for i, parts in slices.items():
         for r, n in parts:
             out[r] += slice_cost(plan.specs[i], cost, loads[i], n)
+    return out
+
+
+def _mixed_costs(plan: OwnershipPlan, cost: str, loads: Sequence[float]) -> list[float]:
+    """Mixed layout (planning/mixed.py): a rank computes its owned matrices and the hosted ones
+    it hosts (FLOPs and rule state in full there); it holds the fp32 master weight and gradient
+    of its range, whatever matrices that range cuts (``memory``), and ``numel`` = its range's
+    elements."""
+    from .cost import MASTER_GRAD_BYTES
+
+    out = [0.0] * plan.world_size
+    if cost == "numel":
+        return [float(n) for n in plan.rank_numel]
+    for i, h in enumerate(plan.host):
+        out[h] += loads[i] - (plan.specs[i].numel * MASTER_GRAD_BYTES if cost == "memory" else 0.0)
+    if cost == "memory":
+        out = [x + n * MASTER_GRAD_BYTES for x, n in zip(out, plan.rank_numel)]
     return out
 
 
