@@ -73,6 +73,8 @@ class ElasticError(ValueError):
     """A checkpoint cannot be resumed at this size (the message says why)."""
 
 
+#: the owner recorded for a hosted matrix of the mixed layout (ZeRO's partitions hold its pieces)
+HOSTED = -1
 #: the key of a parameter's fp32 master weight in ``flat_range``; the others are AdamW's moments
 MASTER = "param"
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
@@ -210,9 +212,13 @@ class SavedCheckpoint:
                 shapes = dict(model["param_shapes"][g])
                 if role == "matrix":
                     P = meta["shard_numel"]
-                    owners = [r for r, c in enumerate(meta["rank_counts"]) for _ in range(c)]
+                    owners = meta.get("owner_at") or [r for r, c in enumerate(meta["rank_counts"]) for _ in range(c)]
                     for name, off, owner in zip(meta["matrix_names"], meta["offsets"], owners):
-                        where[name] = (g, owner, off - owner * P, tuple(shapes[name]))
+                        if owner < 0:  # hosted (mixed layout): its pieces lie in consecutive partitions
+                            where[name] = (g, HOSTED, off, tuple(shapes[name]))
+                            parts[g] = [(r * P, P) for r in range(len(shards))]
+                        else:
+                            where[name] = (g, owner, off - owner * P, tuple(shapes[name]))
                     for r, s in enumerate(shards):
                         base = s["base_optimizer_state"]
                         rule_description = base["canzona"]["config"]["rule"]
@@ -273,7 +279,13 @@ class SavedCheckpoint:
         """Elements [start, stop) of ``name`` flattened as saved TP rank ``t`` held it: a view into
         the one file holding them, or the few pieces of an AdamW range that crosses partitions."""
         g, owner, off, _ = self._where[t][name]
-        if owner is not None:
+        if owner == HOSTED:  # a hosted matrix of the mixed layout: its master weight across partitions
+            if key != MASTER:
+                raise ElasticError(f"{name!r} is a matrix in the checkpoint and has no AdamW state.")
+            a, b = off + start, off + stop
+            pieces = [self._partition(t, r, g, MASTER)[max(a, lo) - lo:min(b, lo + n) - lo]
+                      for r, (lo, n) in enumerate(self._parts[t][g]) if max(a, lo) < min(b, lo + n)]
+        elif owner is not None:
             if key != MASTER:
                 raise ElasticError(f"{name!r} is a matrix in the checkpoint and has no AdamW state.")
             pieces = [self._partition(t, owner, g, MASTER)[off + start:off + stop]]
@@ -482,8 +494,12 @@ def write(engine, src: Universal | SavedCheckpoint, gather: bool = True) -> dict
         for i, role in enumerate(roles):
             flat = zopt.single_partition_of_fp32_groups[i]
             if role == MATRIX:
+                split = opt.placement.hosted.split if opt.placement.hosted is not None else {}
+                rank = dist.get_rank(group=zopt.real_dp_process_group[i])
                 for v in opt.placement.views[id(flat)]:
-                    flat[v.offset:v.offset + v.numel].copy_(mine(v.name, MASTER, 0, v.numel))
+                    m = split.get(v.name)
+                    lo = m.starts[rank] if m is not None and hasattr(m, "starts") else 0  # a mixed layout's piece
+                    flat[v.offset:v.offset + v.numel].copy_(mine(v.name, MASTER, lo, lo + v.numel).view(-1))
                 opt.param_groups[i]["step"] = src.matrix_step
                 continue
             P = zopt.partition_size[i]

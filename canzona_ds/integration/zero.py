@@ -106,11 +106,16 @@ def _make_zero_class():
             P = layout.shard_numel
             owners = layout.owners()
             for p, off, owner, name in zip(group, layout.offsets, owners, opt.matrix_names):
-                if not (owner * P <= off and off + p.numel() <= (owner + 1) * P):
+                if owner >= 0 and not (owner * P <= off and off + p.numel() <= (owner + 1) * P):
                     raise RuntimeError(f"Matrix {name} [{off}, {off + p.numel()}) straddles the ZeRO partition "
                                        f"boundary of its owner rank {owner} (P={P}).")
-            mine = [p for p, o in zip(group, owners) if o == rank]
-            if [id(p) for p in self.params_in_partition[i]] != [id(p) for p in mine] or self.first_offset[i] != 0:
+            if layout.mixed:  # owned matrices and the pieces of hosted ones that cross this range
+                lo, hi = rank * P, (rank + 1) * P
+                mine = [p for p, off in zip(group, layout.offsets) if p.numel() and off < hi and off + p.numel() > lo]
+                first = next((lo - off for p, off in zip(group, layout.offsets) if p.numel() and off < lo < off + p.numel()), 0)
+            else:
+                mine, first = [p for p, o in zip(group, owners) if o == rank], 0
+            if [id(p) for p in self.params_in_partition[i]] != [id(p) for p in mine] or self.first_offset[i] != first:
                 raise RuntimeError("ZeRO's partition bookkeeping disagrees with the ownership plan.")
             # Checkpoints strip groups_padding[i] trailing elements of each rank's partition and
             # zero_to_fp32 walks round_robin_bit16_padding: with our explicit per-parameter
@@ -128,7 +133,19 @@ def _make_zero_class():
             views = [FlatView(opt.matrix_names[j], off, tuple(group[j].shape)) for j, off in layout.rank_views(rank)]
             if opt.tp_matrices:
                 self._canzona_check_tp(rank)
-            opt.bind_partition(self.single_partition_of_fp32_groups[i], views)
+            splits = []
+            if layout.mixed:  # this rank's piece (maybe empty) of every hosted matrix, and the cuts
+                from ..planning.mixed import hosted_pieces
+                from ..tp.runtime import FlatSplit
+
+                for k in layout.hosted_indices():
+                    name = opt.matrix_names[k]
+                    starts, lengths = hosted_pieces(layout, k)
+                    splits.append(FlatSplit(name, tuple(group[k].shape), starts, lengths, opt.infos[name].num_heads))
+                    local = max(layout.offsets[k] + starts[rank] - rank * P, 0) if lengths[rank] else 0
+                    views.append(FlatView(name, local, (lengths[rank],)))
+            opt.bind_partition(self.single_partition_of_fp32_groups[i], views, dp_hosted=splits,
+                               dp_group=self.real_dp_process_group[i])
 
         def _canzona_check_tp(self, dp_rank: int) -> None:
             """DP x TP: every TP rank must hold the same DP plan, at the same DP index, so
@@ -163,6 +180,7 @@ def _make_zero_class():
                     "world_size": layout.world_size, "planner": opt.plan.planner,
                     "shard_numel": layout.shard_numel, "matrix_names": list(opt.matrix_names),
                     "rank_counts": list(layout.rank_counts), "offsets": list(layout.offsets),
+                    "layout": "mixed" if layout.mixed else "owned", "owner_at": list(layout.owners()),
                     "rule": opt.rule.name, "roles": [g["canzona_role"] for g in opt.param_groups],
                     "tp_size": opt.tp_size, "tp_rank": tp_rank, "tp_params": tp_params,
                     "pp_size": opt.groups.pp_size, "pp_rank": opt.groups.pp_rank,

@@ -45,7 +45,7 @@ from torch.optim.adamw import adamw as _adamw_functional
 
 from ..parallel import ParallelGroups
 from ..placement import HOLDING, FlatView, HostedPlacement, StepContext, describe_matrix
-from ..planning.dp import OwnershipPlan, plan_dp
+from ..planning.dp import OwnershipPlan, choose_layout
 from ..planning.params import ParamSpec, expert_stack
 from .config import CanzonaConfig
 from .rule import MatrixInfo
@@ -166,12 +166,25 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             return None
         return HostedPlacement(split, self.rule, self.groups.tp_group, self.config.tp, self.matrix_state)
 
-    def bind_partition(self, flat_param: Tensor, views: Iterable[FlatView]) -> None:
-        """ZeRO: ``flat_param`` (this rank's partition of the matrix group) holds ``views``."""
+    def bind_partition(self, flat_param: Tensor, views: Iterable[FlatView], dp_hosted: list | None = None,
+                       dp_group=None) -> None:
+        """ZeRO: ``flat_param`` (this rank's partition of the matrix group) holds ``views``.  The
+        mixed layout: ``views`` also holds this rank's piece (1-D, maybe empty) of every hosted
+        matrix, and ``dp_hosted`` their :class:`~canzona_ds.tp.runtime.FlatSplit` cuts over
+        ``dp_group``, hosted where the plan says."""
         if self.placement.kind != "owned":
             raise RuntimeError(f"bind_partition on a CanzonaOptimizer with placement={self.placement.kind!r}; ZeRO "
                                "stage 1/2 needs placement='owned'.")
-        self.placement.bind(flat_param, views, make_hosted=self._hosted)
+        make = self._hosted
+        if dp_hosted:
+            if self.tp_matrices:
+                raise RuntimeError("The mixed layout hosts no tensor-parallel matrices (optim._plan refuses it).")
+            index = {s.name: i for i, s in enumerate(self.plan.specs)}
+            hosts = [self.plan.host[index[m.name]] for m in dp_hosted]
+
+            def make(names: list[str]) -> HostedPlacement:
+                return HostedPlacement(dp_hosted, self.rule, dp_group, self.config.tp, self.matrix_state, hosts=hosts)
+        self.placement.bind(flat_param, views, make_hosted=make)
 
     def handled_names(self) -> list[str]:
         """Matrices whose rule state this rank keeps: owned/local ones that are not TP-split,
@@ -236,13 +249,24 @@ class CanzonaOptimizer(torch.optim.Optimizer):
 
 def _plan(specs: list[ParamSpec], dp: int, config: CanzonaConfig, rule) -> OwnershipPlan:
     placement = config.placement
-    plan = plan_dp(specs, dp, planner=placement.planner, alpha=placement.alpha, cost=placement.cost_model,
-                   model=rule, bucket_numel=placement.bucket_numel)
+    tp_split = [s.name for s in specs if s.is_tp_split]
+    if placement.layout == "mixed" and tp_split:
+        raise ValueError(f"layout='mixed' hosts matrices over the DP group, which is not implemented for "
+                         f"tensor-parallel matrices ({len(tp_split)} here, e.g. {tp_split[0]!r}). Use layout 'owned' "
+                         "or 'auto' (which keeps the owned layout for them).")
+    plan, _, why = choose_layout(specs, dp, layout=placement.layout, max_padding=placement.max_padding,
+                                 planner=placement.planner, alpha=placement.alpha, cost=placement.cost_model,
+                                 model=rule, bucket_numel=placement.bucket_numel, allow_mixed=not tp_split)
+    if "cannot host" in why:
+        warnings.warn(f"CanzonaOptimizer: {why} (DP={dp}); the replicated ZeRO buffer carries that padding.",
+                      stacklevel=3)
     if plan.split_params:
         raise ValueError(f"planner={placement.planner!r} cut {len(plan.split_params)} matrices across ranks; "
                          "a matrix optimizer needs every matrix whole on one rank.")
     if sorted(plan.buffer_order()) != list(range(len(specs))):
         raise RuntimeError(f"Planner {placement.planner!r} did not assign every matrix exactly once.")
+    if plan.mixed:
+        return plan
     return plan.nonempty_first()  # rank 0 must own a matrix (planning/layout.py): relabel ranks
 
 

@@ -935,12 +935,11 @@ def plan_mixed_dp(specs: Sequence[ParamSpec], world_size: int, loads: Sequence[f
 
 
 def owned_step_bytes(plan: OwnershipPlan) -> dict:
-    """Per-step communication of an atomic plan's planned-padding layout (no hosted step)."""
-    from .mixed import BIT16_BYTES
+    """Per-step communication of an atomic plan's planned-padding layout (no hosted step):
+    :func:`canzona_ds.planning.mixed.step_bytes`."""
+    from .mixed import step_bytes
 
-    layout = plan.nonempty_first().layout()
-    return {"all_gather": layout.buffer_numel * BIT16_BYTES, "hosted_sent": [0] * plan.world_size,
-            "hosted_sent_max": 0, "hosted_sent_total": 0}
+    return step_bytes(plan.nonempty_first().layout())
 
 
 def choose_layout(specs: Sequence[ParamSpec], world_size: int, layout: str = "auto",
@@ -948,8 +947,10 @@ def choose_layout(specs: Sequence[ParamSpec], world_size: int, layout: str = "au
                   cost: str = "numel", model=None, bucket_numel: int | None = DEFAULT_BUCKET_NUMEL,
                   allow_mixed: bool = True) -> tuple[OwnershipPlan, OwnershipPlan | None, str]:
     """The documented rule: ``layout="owned"`` is the atomic plan of ``planner``; ``"mixed"``
-    the mixed layout; ``"auto"`` the atomic plan unless its planned padding (DeepSpeed's
-    default alignment) exceeds ``max_padding``, then the mixed layout.  ``allow_mixed=False``
+    the mixed layout; ``"auto"`` the atomic plan unless BOTH its planned padding (DeepSpeed's
+    default alignment) exceeds ``max_padding`` AND the mixed layout moves fewer bytes per step
+    (``step_bytes(...)["total"]``: ZeRO's gradient reduction and all-gather of the padded
+    buffer, against those of the unpadded one plus the hosted all-to-alls); then the mixed one.  ``allow_mixed=False``
     (the matrices cannot be hosted over DP, e.g. tensor-parallel ones) keeps the atomic plan
     under "auto".  Returns (chosen plan, the atomic plan or None, why)."""
     if layout not in LAYOUTS:
@@ -971,4 +972,9 @@ def choose_layout(specs: Sequence[ParamSpec], world_size: int, layout: str = "au
         return atomic, atomic, f"owned padding {pad:.2%} > max_padding {max_padding:.2%}, but the mixed layout " \
                                "cannot host these matrices (tensor-parallel): owned kept"
     mixed = plan_mixed_dp(specs, world_size, cost_vector(specs, cost, model), cost, model)
-    return mixed, atomic, f"owned padding {pad:.2%} > max_padding {max_padding:.2%}: mixed"
+    owned_bytes, mixed_bytes = owned_step_bytes(atomic)["total"], mixed.extra["step_bytes"]["total"]
+    if mixed_bytes >= owned_bytes:
+        return atomic, atomic, f"owned padding {pad:.2%} > max_padding {max_padding:.2%}, but mixed moves more " \
+                               f"bytes per step ({mixed_bytes:,} >= {owned_bytes:,}): owned kept"
+    return mixed, atomic, f"owned padding {pad:.2%} > max_padding {max_padding:.2%} and mixed moves fewer bytes " \
+                          f"per step ({mixed_bytes:,} < {owned_bytes:,}): mixed"

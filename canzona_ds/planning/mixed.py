@@ -256,19 +256,22 @@ def _refine_hosts(hosted, host, flops, state, f_load, m_load, f_mean, m_mean, dp
             host[i], host[x] = r, w
 
 
-def step_bytes(layout: Layout, host_of_k: Sequence[int], grad_bytes: int = FP32_BYTES,
+def step_bytes(layout: Layout, host_of_k: Sequence[int] | None = None, grad_bytes: int = FP32_BYTES,
                direction_bytes: int = FP32_BYTES, bit16_bytes: int = BIT16_BYTES) -> dict:
-    """Per-step communication of a layout, per rank, from the plan alone.
+    """Per-step communication of a layout, from the plan alone (bytes).
 
-    ``all_gather``: bytes of the replicated bit16 buffer (``dp * P``: ZeRO's post-step
-    all-gather delivers it to every rank, the padding included); ``hosted_sent``: bytes each
-    rank sends in the hosted step's all-to-alls (its gradient pieces of matrices hosted
+    ``all_gather``: the replicated bit16 buffer (``dp * P`` elements, the padding included),
+    which ZeRO's post-step all-gather delivers to every rank; ``zero_total``: the wire bytes of
+    ZeRO's gradient reduction and all-gather together over all ranks, ``(dp - 1) * dp * P *
+    2 * bit16`` (ring algorithms; gradients reduced in the bit16 dtype); ``hosted_sent``: what
+    each rank sends in the hosted step's all-to-alls (its gradient pieces of matrices hosted
     elsewhere, and as a host every other rank's direction piece), as
-    :class:`~canzona_ds.tp.runtime.StepStats` counts them.  ``host_of_k``: per buffer
-    parameter, its host rank (-1: owned)."""
+    :class:`~canzona_ds.tp.runtime.StepStats` counts them; ``total`` = ``zero_total`` + the
+    hosted bytes of all ranks.  ``host_of_k``: per buffer parameter, its host rank (-1: owned;
+    None: no hosted matrix, the atomic layout)."""
     dp = layout.world_size
     sent = [0] * dp
-    for k, h in enumerate(host_of_k):
+    for k, h in enumerate(host_of_k or ()):
         if h < 0:
             continue
         _, lengths = hosted_pieces(layout, k)
@@ -276,5 +279,6 @@ def step_bytes(layout: Layout, host_of_k: Sequence[int], grad_bytes: int = FP32_
             if r != h:
                 sent[r] += lengths[r] * grad_bytes
                 sent[h] += lengths[r] * direction_bytes
-    return {"all_gather": layout.buffer_numel * bit16_bytes, "hosted_sent": sent,
-            "hosted_sent_max": max(sent), "hosted_sent_total": sum(sent)}
+    zero_total = (dp - 1) * layout.buffer_numel * 2 * bit16_bytes
+    return {"all_gather": layout.buffer_numel * bit16_bytes, "zero_total": zero_total, "hosted_sent": sent,
+            "hosted_sent_max": max(sent), "hosted_sent_total": sum(sent), "total": zero_total + sum(sent)}

@@ -242,7 +242,9 @@ class MicroGroupRuntime:
     dim, :class:`TPMatrix`, or flat pieces over a DP group, :class:`FlatSplit`; mixed is fine)."""
 
     def __init__(self, matrices: Sequence["SplitMatrix"], rule: MatrixRule, tp_group=None, config: TPConfig | None = None,
-                 state: dict | None = None, *, verify: bool = True) -> None:
+                 state: dict | None = None, *, verify: bool = True, hosts: Sequence[int] | None = None) -> None:
+        """``hosts``: the host (group rank) of every matrix, planned elsewhere (the mixed DP
+        layout); default: the micro-group scheduler of ``config`` chooses."""
         self.rule = rule
         self.config = config or TPConfig()
         self.matrices = tuple(matrices)
@@ -256,7 +258,14 @@ class MicroGroupRuntime:
         names = [m.name for m in self.matrices]
         if len(set(names)) != len(names):
             raise ValueError("TPMatrix names must be unique within one runtime")
-        self.plan = plan_groups(self.matrices, rule, self.tp_size, self.config) if self.matrices else None
+        if hosts is not None and self.matrices:
+            from ..planning.tp import plan_fixed_hosts
+
+            specs = [ParamSpec(name=m.name, shape=tuple(m.full_shape), role="matrix", num_heads=m.num_heads)
+                     for m in self.matrices]
+            self.plan = plan_fixed_hosts(specs, list(hosts), self.tp_size)
+        else:
+            self.plan = plan_groups(self.matrices, rule, self.tp_size, self.config) if self.matrices else None
         #: rule state of the matrices this rank hosts, by name (shared with the optimizer)
         self.state: dict = {} if state is None else state
         self.stats = StepStats()
