@@ -927,7 +927,12 @@ def plan_mixed_dp(specs: Sequence[ParamSpec], world_size: int, loads: Sequence[f
         for r in range(off // P, min(world_size - 1, (off + max(n, 1) - 1) // P) + 1):
             rank_numel[r] += max(0, min(off + n, (r + 1) * P) - max(off, r * P))
     host_at = [host[i] if owner[i] < 0 else -1 for i in order]
-    extra = {"step_bytes": step_bytes(layout, host_at), "hosted_numel": sum(specs[i].numel for i in order
+    direction_bytes = 4  # fp32 gradients travel to the host; directions come back in the rule's dtype
+    if model is not None and hasattr(model, "direction_dtype"):
+        import torch  # only with a rule object, which is torch code itself
+
+        direction_bytes = model.direction_dtype(torch.float32).itemsize
+    extra = {"step_bytes": step_bytes(layout, host_at, direction_bytes=direction_bytes), "hosted_numel": sum(specs[i].numel for i in order
                                                                                if owner[i] < 0)}
     plan = _finish(MIXED, specs, world_size, rank_params, loads, t0, cost_model, owner=list(owner),
                    rank_numel=rank_numel, rank_load=rank_load, extra=extra)
@@ -948,9 +953,10 @@ def choose_layout(specs: Sequence[ParamSpec], world_size: int, layout: str = "au
                   allow_mixed: bool = True) -> tuple[OwnershipPlan, OwnershipPlan | None, str]:
     """The documented rule: ``layout="owned"`` is the atomic plan of ``planner``; ``"mixed"``
     the mixed layout; ``"auto"`` the atomic plan unless BOTH its planned padding (DeepSpeed's
-    default alignment) exceeds ``max_padding`` AND the mixed layout moves fewer bytes per step
-    (``step_bytes(...)["total"]``: ZeRO's gradient reduction and all-gather of the padded
-    buffer, against those of the unpadded one plus the hosted all-to-alls); then the mixed one.  ``allow_mixed=False``
+    default alignment) exceeds ``max_padding`` AND the mixed layout's step is cheaper for the
+    busiest rank (``step_bytes(...)["rank_cost"]``: its share of ZeRO's gradient reduction and
+    all-gather of the buffer, padded or not, plus the hosted all-to-alls' bytes and latency,
+    planning/mixed.py); then the mixed one.  ``allow_mixed=False``
     (the matrices cannot be hosted over DP, e.g. tensor-parallel ones) keeps the atomic plan
     under "auto".  Returns (chosen plan, the atomic plan or None, why)."""
     if layout not in LAYOUTS:
@@ -972,9 +978,9 @@ def choose_layout(specs: Sequence[ParamSpec], world_size: int, layout: str = "au
         return atomic, atomic, f"owned padding {pad:.2%} > max_padding {max_padding:.2%}, but the mixed layout " \
                                "cannot host these matrices (tensor-parallel): owned kept"
     mixed = plan_mixed_dp(specs, world_size, cost_vector(specs, cost, model), cost, model)
-    owned_bytes, mixed_bytes = owned_step_bytes(atomic)["total"], mixed.extra["step_bytes"]["total"]
-    if mixed_bytes >= owned_bytes:
-        return atomic, atomic, f"owned padding {pad:.2%} > max_padding {max_padding:.2%}, but mixed moves more " \
-                               f"bytes per step ({mixed_bytes:,} >= {owned_bytes:,}): owned kept"
-    return mixed, atomic, f"owned padding {pad:.2%} > max_padding {max_padding:.2%} and mixed moves fewer bytes " \
-                          f"per step ({mixed_bytes:,} < {owned_bytes:,}): mixed"
+    owned_cost, mixed_cost = owned_step_bytes(atomic)["rank_cost"], mixed.extra["step_bytes"]["rank_cost"]
+    if mixed_cost >= owned_cost:
+        return atomic, atomic, f"owned padding {pad:.2%} > max_padding {max_padding:.2%}, but the mixed step costs " \
+                               f"more ({mixed_cost:,} >= {owned_cost:,} byte-equivalents per rank): owned kept"
+    return mixed, atomic, f"owned padding {pad:.2%} > max_padding {max_padding:.2%} and the mixed step costs less " \
+                          f"({mixed_cost:,} < {owned_cost:,} byte-equivalents per rank): mixed"

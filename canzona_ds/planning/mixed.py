@@ -44,6 +44,11 @@ from typing import Sequence
 from .layout import DS_START_ALIGNMENT, Layout
 from .params import ParamSpec
 
+#: what one collective's latency is worth in bytes when the auto rule compares layouts (the
+#: alpha-beta model: ~20 us of launch and synchronisation at ~25 GB/s per rank); a hosted step
+#: pays it twice per micro-group, so a model whose padding is a few kilobytes keeps the owned
+#: layout (dp.choose_layout)
+LATENCY_BYTES = 1 << 19
 #: element size of the replicated bit16 buffer (bf16/fp16) and of the fp32 pieces the hosted
 #: step sends (gradients there, directions back)
 BIT16_BYTES, FP32_BYTES = 2, 4
@@ -267,7 +272,10 @@ def step_bytes(layout: Layout, host_of_k: Sequence[int] | None = None, grad_byte
     each rank sends in the hosted step's all-to-alls (its gradient pieces of matrices hosted
     elsewhere, and as a host every other rank's direction piece), as
     :class:`~canzona_ds.tp.runtime.StepStats` counts them; ``total`` = ``zero_total`` + the
-    hosted bytes of all ranks.  ``host_of_k``: per buffer parameter, its host rank (-1: owned;
+    hosted bytes of all ranks; ``hosted_collectives``: the hosted step's all-to-alls (two per
+    micro-group, a micro-group per matrix of the busiest host); ``rank_cost``: the busiest
+    rank's step in bytes, ``zero_total / dp + hosted_sent_max + hosted_collectives *
+    LATENCY_BYTES`` (what the auto rule compares).  ``host_of_k``: per buffer parameter, its host rank (-1: owned;
     None: no hosted matrix, the atomic layout)."""
     dp = layout.world_size
     sent = [0] * dp
@@ -280,5 +288,9 @@ def step_bytes(layout: Layout, host_of_k: Sequence[int] | None = None, grad_byte
                 sent[r] += lengths[r] * grad_bytes
                 sent[h] += lengths[r] * direction_bytes
     zero_total = (dp - 1) * layout.buffer_numel * 2 * bit16_bytes
+    hosts = [h for h in (host_of_k or ()) if h >= 0]
+    collectives = 2 * max((hosts.count(r) for r in set(hosts)), default=0)
     return {"all_gather": layout.buffer_numel * bit16_bytes, "zero_total": zero_total, "hosted_sent": sent,
-            "hosted_sent_max": max(sent), "hosted_sent_total": sum(sent), "total": zero_total + sum(sent)}
+            "hosted_sent_max": max(sent), "hosted_sent_total": sum(sent), "total": zero_total + sum(sent),
+            "hosted_collectives": collectives,
+            "rank_cost": zero_total // dp + max(sent) + collectives * LATENCY_BYTES}
