@@ -317,11 +317,17 @@ def _resume(rank, dp, ckpt, opt_type, layout):
     _, _, engine = run_engine(rank, dp, _ckpt_cfg(dp, opt_type, layout), 0)
     engine.load_checkpoint(ckpt, tag="before")
     engine.save_checkpoint(ckpt, tag="reloaded")
+    recorder = None
+    if layout == "owned":  # every update from the loaded state, replayed in one process
+        from canzona_ds.testing.models import MatrixStepRecorder
+
+        recorder = MatrixStepRecorder(engine.optimizer.optimizer)
     for x, y in batches(AFTER, MICRO * dp, 2):
         x, y = x[rank * MICRO:(rank + 1) * MICRO], y[rank * MICRO:(rank + 1) * MICRO]
         engine.backward(engine(x, y))
         engine.step()
-    out = dict(params=params_of(engine.module), hosted=engine.optimizer.canzona_layout.hosted_indices())
+    out = dict(params=params_of(engine.module), hosted=engine.optimizer.canzona_layout.hosted_indices(),
+               replay=None if recorder is None else recorder.replay())
     if rank == 0:
         out["reference"] = _reference(dp, opt_type, ckpt)
     return out
@@ -369,5 +375,7 @@ def test_resume_across_a_change_of_layout(tmp_path, n, before, m, after, opt_typ
     dev = max(float(np.abs(res[0]["params"][k] - ref[k]).max()) for k in ref)
     print(f"{opt_type} DP {n} {before} -> {m} {after}: max |param - reference| = {dev:.3g}")
     assert np.isfinite(dev)
+    if after == "owned":
+        assert all(r["replay"] == 0.0 for r in res)
     if opt_type == "CanzonaMuon":  # SOAP amplifies gloo's 4-rank summation order: lossless checked above
         assert dev <= 1e-6
