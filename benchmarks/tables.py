@@ -557,12 +557,14 @@ def layout_measured(d: Data) -> str:
         rows.append([names[kind], f"{r['bit16_buffer']:,} / {r['params']:,} = {r['ratio']:.3f}",
                      "-" if "matrix_padding" not in r else _pct(r["matrix_padding"], 2),
                      "-" if "hosted" not in r else str(len(r["hosted"])),
-                     f"{r['bytes_max_rank'] / 2**20:,.2f}", f"{r['bytes_total'] / 2**20:,.2f}",
+                     f"{r['bytes_max_rank'] / 2**20:,.3f}", f"{r['bytes_total'] / 2**20:,.3f}",
                      f"{r['bytes_total'] / k['owned']['bytes_total']:.3f}",
-                     "-" if "max_abs_diff" not in r else f"{r['max_abs_diff']:.2g}"])
+                     ", ".join(f"{op} {b / 2**20:,.3f}" for op, b in sorted(r["bytes_by_op_total"].items()) if b),
+                     "-" if "max_abs_diff_matrices" not in r else
+                     f"{r['max_abs_diff_matrices']:.2g} / {r['max_abs_diff_aux']:.2g}"])
     return _table(["optimizer (ZeRO-1, DP=8)", "bit16 buffer / parameters", "matrix padding", "hosted matrices",
                    "MiB sent per step, busiest rank", "MiB sent per step, all ranks", "all ranks vs owned",
-                   "max |weight - reference|"], rows)
+                   "MiB by collective, all ranks", "max |weight - reference|, matrices / AdamW"], rows)
 
 TABLES: dict[str, tuple[str, Callable[[Data], str]]] = {
     "fig3_dp": ("paper_experiments", fig3_dp),

@@ -92,7 +92,7 @@ def test_step_bytes_counts_pieces_sent_to_and_from_the_host():
     # H1 (host 0): rank 1 sends 2 gradient elements, rank 0 sends 2 direction elements back;
     # H2 (host 2): rank 1 sends 2, rank 2 sends 2 back
     assert b["hosted_sent"] == [2 * 2, 2 * 4 + 2 * 4, 2 * 2]
-    assert b["all_gather"] == 24 * 2 and b["zero_total"] == 2 * 24 * 2 * 2
+    assert b["all_gather"] == 24 * 2 and b["zero_total"] == 2 * (23 + 24) * 2
     assert b["total"] == b["zero_total"] + sum(b["hosted_sent"])
 
 
@@ -313,7 +313,7 @@ def _save(rank, dp, ckpt, opt_type, layout):
     return engine.optimizer.canzona_layout.hosted_indices()
 
 
-def _resume(rank, dp, ckpt, opt_type, layout):
+def _resume(rank, dp, ckpt, opt_type, layout, saved_dp):
     _, _, engine = run_engine(rank, dp, _ckpt_cfg(dp, opt_type, layout), 0)
     engine.load_checkpoint(ckpt, tag="before")
     engine.save_checkpoint(ckpt, tag="reloaded")
@@ -329,16 +329,15 @@ def _resume(rank, dp, ckpt, opt_type, layout):
     out = dict(params=params_of(engine.module), hosted=engine.optimizer.canzona_layout.hosted_indices(),
                replay=None if recorder is None else recorder.replay())
     if rank == 0:
-        out["reference"] = _reference(dp, opt_type, ckpt)
+        out["reference"] = _reference(saved_dp, dp, opt_type)
     return out
 
 
-def _reference(m: int, opt_type: str, ckpt: str) -> dict:
+def _reference(n: int, m: int, opt_type: str) -> dict:
     from canzona_ds.optim.config import CanzonaConfig
     from canzona_ds.optim.reference import ReferenceOptimizer
     from canzona_ds.testing.models import reference_grads
 
-    n = 4 if m == 2 else 2
     torch.set_num_threads(1)
     model = make_model(0)
     opt = ReferenceOptimizer(model.named_parameters(), CanzonaConfig.from_ds(opt_type, HP[opt_type]))
@@ -351,20 +350,23 @@ def _reference(m: int, opt_type: str, ckpt: str) -> dict:
     return params_of(model)
 
 
-CKPT = [(4, "mixed", 2, "owned", "CanzonaSOAP"), (2, "owned", 4, "mixed", "CanzonaMuon")]
+CKPT = [(4, "mixed", 2, "owned", "CanzonaSOAP"), (2, "owned", 4, "mixed", "CanzonaMuon"),
+        (4, "owned", 4, "mixed", "CanzonaMuon")]
 
 
 @pytest.mark.parametrize("n,before,m,after,opt_type", CKPT, ids=[f"{t}-dp{n}{b}-to-dp{m}{a}" for n, b, m, a, t in CKPT])
 def test_resume_across_a_change_of_layout(tmp_path, n, before, m, after, opt_type):
-    """A matrix hosted at DP=4 (mixed) is owned at DP=2 (owned) and back: its weight is read
-    across the partitions that held its pieces, its state follows it by name."""
+    """A matrix hosted at DP=4 (mixed) is owned at DP=2 (owned) and back, and at the same DP=4 a
+    change of layout alone takes the elastic path too: a hosted matrix's weight is read across
+    the partitions that held its pieces, its state follows it by name."""
     from canzona_ds.integration.elastic import read
 
     ckpt = str(tmp_path / "ckpt")
     saved_hosted = run_distributed(_save, n, ckpt, opt_type, before)[0]
-    res = run_distributed(_resume, m, ckpt, opt_type, after)
+    res = run_distributed(_resume, m, ckpt, opt_type, after, n)
     assert bool(saved_hosted) == (before == "mixed") and bool(res[0]["hosted"]) == (after == "mixed")
     a, b = read(ckpt, "before"), read(ckpt, "reloaded")
+    assert (a.source["dp"], b.source["dp"]) == (n, m)
     for name in a.params:
         assert torch.equal(a.params[name], b.params[name]), name
     assert a.rule_state.keys() == b.rule_state.keys()

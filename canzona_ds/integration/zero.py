@@ -111,8 +111,9 @@ def _make_zero_class():
                                        f"boundary of its owner rank {owner} (P={P}).")
             if layout.mixed:  # owned matrices and the pieces of hosted ones that cross this range
                 lo, hi = rank * P, (rank + 1) * P
-                mine = [p for p, off in zip(group, layout.offsets) if p.numel() and off < hi and off + p.numel() > lo]
-                first = next((lo - off for p, off in zip(group, layout.offsets) if p.numel() and off < lo < off + p.numel()), 0)
+                spans = [(p, off, off + p.numel()) for p, off in zip(group, layout.offsets) if p.numel()]
+                mine = [p for p, a, b in spans if a < hi and b > lo]
+                first = next((lo - a for _, a, b in spans if a < lo < b), 0)
             else:
                 mine, first = [p for p, o in zip(group, owners) if o == rank], 0
             if [id(p) for p in self.params_in_partition[i]] != [id(p) for p in mine] or self.first_offset[i] != first:
@@ -146,6 +147,20 @@ def _make_zero_class():
                     views.append(FlatView(name, local, (lengths[rank],)))
             opt.bind_partition(self.single_partition_of_fp32_groups[i], views, dp_hosted=splits,
                                dp_group=self.real_dp_process_group[i])
+
+        def _canzona_hosted_meta(self) -> dict:
+            """The mixed layout's hosted matrices: name -> host DP rank and every rank's piece
+            (start in the matrix, length), as the step and elastic resume use them."""
+            from ..planning.mixed import hosted_pieces
+
+            layout, opt = self.canzona_layout, self._canzona
+            out = {}
+            for k in layout.hosted_indices():
+                name = opt.matrix_names[k]
+                starts, lengths = hosted_pieces(layout, k)
+                out[name] = {"host": opt.plan.host[opt.plan.buffer_order()[k]], "starts": list(starts),
+                             "lengths": list(lengths)}
+            return out
 
         def _canzona_check_tp(self, dp_rank: int) -> None:
             """DP x TP: every TP rank must hold the same DP plan, at the same DP index, so
@@ -181,6 +196,7 @@ def _make_zero_class():
                     "shard_numel": layout.shard_numel, "matrix_names": list(opt.matrix_names),
                     "rank_counts": list(layout.rank_counts), "offsets": list(layout.offsets),
                     "layout": "mixed" if layout.mixed else "owned", "owner_at": list(layout.owners()),
+                    "hosted": self._canzona_hosted_meta(), "layout_choice": opt.plan.extra.get("layout_choice"),
                     "rule": opt.rule.name, "roles": [g["canzona_role"] for g in opt.param_groups],
                     "tp_size": opt.tp_size, "tp_rank": tp_rank, "tp_params": tp_params,
                     "pp_size": opt.groups.pp_size, "pp_rank": opt.groups.pp_rank,

@@ -257,6 +257,7 @@ def _plan(specs: list[ParamSpec], dp: int, config: CanzonaConfig, rule) -> Owner
     plan, _, why = choose_layout(specs, dp, layout=placement.layout, max_padding=placement.max_padding,
                                  planner=placement.planner, alpha=placement.alpha, cost=placement.cost_model,
                                  model=rule, bucket_numel=placement.bucket_numel, allow_mixed=not tp_split)
+    plan.extra["layout_choice"] = why  # reported in checkpoints (canzona_layout.layout_choice)
     if "cannot host" in why:
         warnings.warn(f"CanzonaOptimizer: {why} (DP={dp}); the replicated ZeRO buffer carries that padding.",
                       stacklevel=3)

@@ -912,7 +912,13 @@ def plan_mixed_dp(specs: Sequence[ParamSpec], world_size: int, loads: Sequence[f
         state = [m - s.numel * 8 for m, s in zip(memory, specs)]  # planning.cost.MASTER_GRAD_BYTES
     else:
         flops, state = [float(s.numel) for s in specs], [0.0] * len(specs)
-    got = plan_mixed(specs, world_size, flops, state, param_alignment=param_alignment)
+    direction_bytes = 4  # fp32 gradients travel to the host; directions come back in the rule's dtype
+    if model is not None and hasattr(model, "direction_dtype"):
+        import torch  # only with a rule object, which is torch code itself
+
+        direction_bytes = model.direction_dtype(torch.float32).itemsize
+    got = plan_mixed(specs, world_size, flops, state, param_alignment=param_alignment,
+                     direction_bytes=direction_bytes)
     order, owner, host, layout = got["order"], got["owner"], got["host"], got["layout"]
     rank_params: list[list[int]] = [[] for _ in range(world_size)]
     for i in order:
@@ -927,11 +933,6 @@ def plan_mixed_dp(specs: Sequence[ParamSpec], world_size: int, loads: Sequence[f
         for r in range(off // P, min(world_size - 1, (off + max(n, 1) - 1) // P) + 1):
             rank_numel[r] += max(0, min(off + n, (r + 1) * P) - max(off, r * P))
     host_at = [host[i] if owner[i] < 0 else -1 for i in order]
-    direction_bytes = 4  # fp32 gradients travel to the host; directions come back in the rule's dtype
-    if model is not None and hasattr(model, "direction_dtype"):
-        import torch  # only with a rule object, which is torch code itself
-
-        direction_bytes = model.direction_dtype(torch.float32).itemsize
     extra = {"step_bytes": step_bytes(layout, host_at, direction_bytes=direction_bytes), "hosted_numel": sum(specs[i].numel for i in order
                                                                                if owner[i] < 0)}
     plan = _finish(MIXED, specs, world_size, rank_params, loads, t0, cost_model, owner=list(owner),

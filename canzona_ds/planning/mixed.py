@@ -122,21 +122,25 @@ def hosted_pieces(layout: Layout, k: int) -> tuple[tuple[int, ...], tuple[int, .
 
 def plan_mixed(specs: Sequence[ParamSpec], world_size: int, flops: Sequence[float], state: Sequence[float],
                param_alignment: int = 1, start_alignment: int = DS_START_ALIGNMENT,
-               master_grad_bytes: int = 8, refine_iters: int | None = None) -> dict:
+               master_grad_bytes: int = 8, refine_iters: int | None = None, direction_bytes: int = FP32_BYTES) -> dict:
     """Choose owned vs hosted per matrix, the buffer order and the hosts (module doc).
 
     ``flops``/``state``: per spec, the rule's FLOPs (amortised) and state bytes of the whole
     matrix (its host's or owner's).  The owned FLOPs cap of step 1 is tried at
-    ``OWNED_CAPS`` x the mean; the candidate with the lowest (worst rank's max(FLOPs, memory)
-    over their means, rounded to 0.1%; hosted elements) wins, so hosting (communication) is
-    only added where it buys balance.  Returns a dict: ``order`` (buffer order, spec
-    indices), ``owner`` (per spec: owner rank, -1 hosted), ``host`` (per spec: the rank
-    computing its update), ``layout`` (:class:`Layout` at the given alignments)."""
+    ``OWNED_CAPS`` x the mean; the candidate with the lowest (worst rank's FLOPs over the
+    mean, rounded to 0.1%; the busiest rank's step cost, :func:`step_bytes`; worst rank's
+    memory over the mean) wins, so hosting (communication) is only added where it buys FLOPs
+    balance.  Returns a dict: ``order`` (buffer order, spec indices), ``owner`` (per spec:
+    owner rank, -1 hosted), ``host`` (per spec: the rank computing its update), ``layout``
+    (:class:`Layout` at the given alignments)."""
     best = None
     for k, factor in enumerate(OWNED_CAPS):
         got = _plan_with_cap(specs, world_size, flops, state, param_alignment, start_alignment, master_grad_bytes,
                              refine_iters, factor)
-        key = (round(got.pop("score"), 3), got["hosted_numel"], k)
+        order, owner, host = got["order"], got["owner"], got["host"]
+        cost = step_bytes(got["layout"], [host[i] if owner[i] < 0 else -1 for i in order],
+                          direction_bytes=direction_bytes)["rank_cost"]
+        key = (round(got.pop("flops_score"), 3), cost, round(got.pop("score"), 3), k)
         if best is None or key < best[0]:
             best = (key, got)
     return best[1]
@@ -215,6 +219,7 @@ def _plan_with_cap(specs, world_size, flops, state, param_alignment, start_align
                   refine_iters if refine_iters is not None else 4 * (n_specs + world_size))
     worst = max(max(f / f_mean, m / m_mean) for f, m in zip(f_load, m_load))
     return {"order": order, "owner": owner, "host": host, "layout": layout, "score": worst,
+            "flops_score": max(f_load) / f_mean,
             "hosted_numel": sum(specs[i].numel for i in hosted)}
 
 
@@ -267,8 +272,10 @@ def step_bytes(layout: Layout, host_of_k: Sequence[int] | None = None, grad_byte
 
     ``all_gather``: the replicated bit16 buffer (``dp * P`` elements, the padding included),
     which ZeRO's post-step all-gather delivers to every rank; ``zero_total``: the wire bytes of
-    ZeRO's gradient reduction and all-gather together over all ranks, ``(dp - 1) * dp * P *
-    2 * bit16`` (ring algorithms; gradients reduced in the bit16 dtype); ``hosted_sent``: what
+    ZeRO's gradient reduction and all-gather together over all ranks, ``(dp - 1) * (S + dp *
+    P) * bit16`` (ring algorithms; gradients reduced in the bit16 dtype, slice by slice to
+    their owners, so the padding is not reduced, only gathered: measured in
+    benchmarks/results/layout_measured.md); ``hosted_sent``: what
     each rank sends in the hosted step's all-to-alls (its gradient pieces of matrices hosted
     elsewhere, and as a host every other rank's direction piece), as
     :class:`~canzona_ds.tp.runtime.StepStats` counts them; ``total`` = ``zero_total`` + the
@@ -287,7 +294,7 @@ def step_bytes(layout: Layout, host_of_k: Sequence[int] | None = None, grad_byte
             if r != h:
                 sent[r] += lengths[r] * grad_bytes
                 sent[h] += lengths[r] * direction_bytes
-    zero_total = (dp - 1) * layout.buffer_numel * 2 * bit16_bytes
+    zero_total = (dp - 1) * (layout.total_numel + layout.buffer_numel) * bit16_bytes
     hosts = [h for h in (host_of_k or ()) if h >= 0]
     collectives = 2 * max((hosts.count(r) for r in set(hosts)), default=0)
     return {"all_gather": layout.buffer_numel * bit16_bytes, "zero_total": zero_total, "hosted_sent": sent,
