@@ -564,7 +564,7 @@ def layout_measured(d: Data) -> str:
                      f"{r['max_abs_diff_matrices']:.2g} / {r['max_abs_diff_aux']:.2g}"])
     return _table(["optimizer (ZeRO-1, DP=8)", "bit16 buffer / parameters", "matrix padding", "hosted matrices",
                    "MiB sent per step, busiest rank", "MiB sent per step, all ranks", "all ranks vs owned",
-                   "MiB by collective, all ranks", "max |weight - reference|, matrices / AdamW"], rows)
+                   "MiB by collective, all ranks", "max abs(weight - reference), matrices / AdamW"], rows)
 
 TABLES: dict[str, tuple[str, Callable[[Data], str]]] = {
     "fig3_dp": ("paper_experiments", fig3_dp),
