@@ -385,3 +385,45 @@ def test_resume_across_a_change_of_layout(tmp_path, n, before, m, after, opt_typ
         assert all(r["replay"] == 0.0 for r in res)
     if opt_type == "CanzonaMuon":  # SOAP amplifies gloo's 4-rank summation order: lossless checked above
         assert dev <= 1e-6
+
+
+def test_canzona_plan_shows_both_layouts(capsys):
+    import json
+
+    from canzona_ds.cli.plan import main
+
+    assert main(["--model", "qwen3-8b", "--dp", "256", "--tp", "8", "--json"]) == 0
+    lay = json.loads(capsys.readouterr().out)["layout"]
+    assert lay["auto"] == "mixed" and "runtime_note" in lay  # TP-split: the runtime keeps owned
+    assert lay["owned"]["padding_fraction"] > 2.0 and lay["mixed"]["padding_fraction"] <= 0.02
+    assert lay["mixed"]["hosted_matrices"] > 0 and lay["mixed"]["rank_cost"] < lay["owned"]["rank_cost"]
+    assert lay["mixed"]["flops_ratio"] <= lay["owned"]["flops_ratio"] + 1e-9
+    assert main(["--model", "qwen3-32b", "--dp", "64", "--tp", "8"]) == 0
+    text = capsys.readouterr().out
+    assert 'layout "auto" picks owned' in text and "a2a MiB max" in text
+
+
+def test_main_job_summary_of_a_mixed_plan():
+    from canzona_ds.optim.config import CanzonaConfig
+    from canzona_ds.optim.optimizer import CanzonaOptimizer
+    from canzona_ds.parallel import ParallelGroups
+    from canzona_ds.planning.cost import MASTER_GRAD_BYTES, task_cost
+    from canzona_ds.train.plan_summary import summarize
+
+    model = make_model(0)
+    cfg = CanzonaConfig.from_ds("CanzonaMuon", dict(HP["CanzonaMuon"], layout="mixed"))
+    opt = CanzonaOptimizer(model.named_parameters(), cfg, ParallelGroups(dp_size=4, source="test"), placement="owned")
+    assert opt.plan.mixed and opt.plan.hosted
+    mine = summarize(model, 4, opt).layouts[-1]
+    assert mine.padding_fraction == 0.0 and f"{len(opt.plan.hosted)} matrices hosted over DP" == mine.note
+    # every matrix's rule state counted once, on the rank that computes its update
+    plain = CanzonaOptimizer(model.named_parameters(), CanzonaConfig.from_ds("CanzonaMuon", HP["CanzonaMuon"]),
+                             ParallelGroups(dp_size=4, source="test"), placement="owned")
+    owned = summarize(model, 4, plain).layouts[-1]
+    state = sum(task_cost(s, "memory", opt.rule) - s.numel * MASTER_GRAD_BYTES for s in opt.plan.specs)
+    assert state > 0
+    P_mixed, P_owned = opt.plan.layout().shard_numel, plain.plan.nonempty_first().layout().shard_numel
+    # memory = chunk's master + gradient + rule state + AdamW share: the same state and AdamW in both
+    assert sum(mine.rank_memory_bytes) - 4 * P_mixed * MASTER_GRAD_BYTES == pytest.approx(
+        sum(owned.rank_memory_bytes) - 4 * P_owned * MASTER_GRAD_BYTES)
+    assert sum(mine.rank_flops) == pytest.approx(sum(owned.rank_flops))
