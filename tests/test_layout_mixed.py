@@ -155,13 +155,19 @@ def test_mixed_with_tensor_parallel_matrices_is_refused():
     from canzona_ds.optim.optimizer import _plan
 
     specs = [ParamSpec(f"w{i}", (8 + 4 * i, 16), tp_partition_dim=0, tp_size=2) for i in range(4)]
+    big = [ParamSpec(f"w{i}", (512 * (2 + i), 1024), tp_partition_dim=0, tp_size=2) for i in range(4)]
     cfg = CanzonaConfig.from_ds("CanzonaMuon", {"layout": "mixed"})
     with pytest.raises(ValueError, match="tensor-parallel"):
         _plan(specs, 4, cfg, cfg.rule)
     auto = CanzonaConfig.from_ds("CanzonaMuon", {})
-    with pytest.warns(UserWarning, match="cannot host"):
-        plan = _plan(specs, 4, auto, auto.rule)
-    assert not plan.mixed
+    with pytest.warns(UserWarning, match="cannot host"):  # "auto" would host: owned kept, said so
+        plan = _plan(big, 8, auto, auto.rule)
+    assert not plan.mixed and plan.padding_fraction > DEFAULT_MAX_PADDING
+    import warnings
+
+    with warnings.catch_warnings():  # tiny matrices: "auto" would not host anyway, nothing to say
+        warnings.simplefilter("error")
+        assert not _plan(specs, 4, auto, auto.rule).mixed
 
 
 # ------------------------------------------------------------------------------ real processes

@@ -975,13 +975,13 @@ def choose_layout(specs: Sequence[ParamSpec], world_size: int, layout: str = "au
     pad = atomic.padding_fraction
     if pad <= max_padding:
         return atomic, atomic, f"owned padding {pad:.2%} <= max_padding {max_padding:.2%}"
-    if not allow_mixed:
-        return atomic, atomic, f"owned padding {pad:.2%} > max_padding {max_padding:.2%}, but the mixed layout " \
-                               "cannot host these matrices (tensor-parallel): owned kept"
     mixed = plan_mixed_dp(specs, world_size, cost_vector(specs, cost, model), cost, model)
     owned_cost, mixed_cost = owned_step_bytes(atomic)["rank_cost"], mixed.extra["step_bytes"]["rank_cost"]
     if mixed_cost >= owned_cost:
         return atomic, atomic, f"owned padding {pad:.2%} > max_padding {max_padding:.2%}, but the mixed step costs " \
                                f"more ({mixed_cost:,} >= {owned_cost:,} byte-equivalents per rank): owned kept"
-    return mixed, atomic, f"owned padding {pad:.2%} > max_padding {max_padding:.2%} and the mixed step costs less " \
-                          f"({mixed_cost:,} < {owned_cost:,} byte-equivalents per rank): mixed"
+    why = f"owned padding {pad:.2%} > max_padding {max_padding:.2%} and the mixed step costs less " \
+          f"({mixed_cost:,} < {owned_cost:,} byte-equivalents per rank)"
+    if not allow_mixed:
+        return atomic, atomic, f"{why}, but the mixed layout cannot host these matrices (tensor-parallel): owned kept"
+    return mixed, atomic, f"{why}: mixed"
