@@ -112,7 +112,7 @@ def test_choice_at_the_issue_table(model, dp):
     assert chosen.mixed and chosen.hosted and "costs less" in why
     assert c.padding_fraction <= 0.02 < a.padding_fraction
     assert c.flops_ratio <= max(a.flops_ratio, a.flops_lower_bound) + 1e-9
-    assert c.memory_ratio < a.memory_ratio
+    assert c.memory_ratio < a.memory_ratio and c.memory_ratio <= 1.10  # Muon's momentum stays with the pieces
     assert chosen.extra["step_bytes"]["rank_cost"] < owned_step_bytes(atomic)["rank_cost"]
 
 
@@ -239,7 +239,11 @@ def _one(rank, dp, opt_type, stage, clip, bf16=False):
     host_at = [opt.plan.host[opt.plan.buffer_order()[k]] if o < 0 else -1 for k, o in enumerate(layout.owners())]
     per_host = [sum(1 for h in host_at if h == r) for r in range(dp)]
     planned = step_bytes(layout, host_at, direction_bytes=opt.rule.direction_dtype(torch.float32).itemsize)
-    out = dict(params=got, mixed=layout.mixed, hosted=[opt.matrix_names[k] for k in layout.hosted_indices()],
+    hosted_names = [opt.matrix_names[k] for k in layout.hosted_indices()]
+    # Muon: every rank keeps its piece of a hosted matrix's momentum, the host none of it
+    pieces_ok = all(set(opt.piece_state.get(n, {})) == set(opt.rule.elementwise_state) and
+                    not set(opt.matrix_state.get(n, {})) & set(opt.rule.elementwise_state) for n in hosted_names)
+    out = dict(params=got, mixed=layout.mixed, hosted=hosted_names, pieces_ok=pieces_ok,
                counted=counted, expected=2 * max(per_host), runtime_expected=opt.tp_runtime.expected_collectives(),
                sent=sent, planned_sent=planned["hosted_sent"][rank], padding=layout.padding_fraction)
     if rank == 0:  # the references run in a worker (BLAS thread count)
@@ -274,6 +278,7 @@ def _check(dp, sc):
         assert "error" not in r, r.get("error")
     r0 = res[0]
     assert r0["mixed"] and r0["hosted"], "the scenario must host something"
+    assert all(r["pieces_ok"] for r in res)
     assert r0["padding"] < 0.05
     for r in res:  # the plan's collectives and bytes, counted (ZeRO steps the inner optimizer per group)
         matrix_steps = [k for k, c in enumerate(r["counted"]) if c]
@@ -361,7 +366,7 @@ def _reference(n: int, m: int, opt_type: str) -> dict:
 
 
 CKPT = [(4, "mixed", 2, "owned", "CanzonaSOAP"), (2, "owned", 4, "mixed", "CanzonaMuon"),
-        (4, "owned", 4, "mixed", "CanzonaMuon")]
+        (4, "owned", 4, "mixed", "CanzonaMuon"), (4, "mixed", 2, "owned", "CanzonaMuon")]
 
 
 @pytest.mark.parametrize("n,before,m,after,opt_type", CKPT, ids=[f"{t}-dp{n}{b}-to-dp{m}{a}" for n, b, m, a, t in CKPT])

@@ -135,6 +135,10 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         super().__init__(param_groups, {})
         #: rule state by matrix name (this rank's owned/local matrices and hosted TP matrices)
         self.matrix_state: dict[str, dict[str, Tensor]] = {}
+        #: the mixed ZeRO layout: this rank's piece of the element-wise rule state of every matrix
+        #: hosted over DP (MatrixRule.elementwise_state, e.g. Muon's momentum), by name; the host's
+        #: matrix_state entry holds the other keys
+        self.piece_state: dict[str, dict[str, Tensor]] = {}
         self.placement = HOLDING[placement](self.matrix_names)
         if placement == "local":
             self.placement.hosted = self._hosted(self.matrix_names)
@@ -183,7 +187,8 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             hosts = [self.plan.host[index[m.name]] for m in dp_hosted]
 
             def make(names: list[str]) -> HostedPlacement:
-                return HostedPlacement(dp_hosted, self.rule, dp_group, self.config.tp, self.matrix_state, hosts=hosts)
+                return HostedPlacement(dp_hosted, self.rule, dp_group, self.config.tp, self.matrix_state, hosts=hosts,
+                                       piece_states=self.piece_state)
         self.placement.bind(flat_param, views, make_hosted=make)
 
     def handled_names(self) -> list[str]:
@@ -216,6 +221,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         sd[STATE_KEY] = {
             "rule": self.rule.name,
             "matrix_state": {n: dict(st) for n, st in self.matrix_state.items()},
+            "piece_state": {n: dict(st) for n, st in self.piece_state.items()},
             "config": self.config.describe(),
         }
         return sd
@@ -230,6 +236,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             raise ValueError(f"This optimizer state was written by rule {canzona.get('rule')!r}; this optimizer runs "
                              f"{self.rule.name!r}. Load it with the same optimizer type.")
         self.load_matrix_state(canzona["matrix_state"])
+        self.load_piece_state(canzona.get("piece_state", {}))
 
     def load_matrix_state(self, matrix_state: Mapping[str, Mapping[str, Tensor]]) -> None:
         """Replace the rule state of the matrices named in ``matrix_state``, each tensor moved
@@ -239,6 +246,15 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             if name not in self.infos:
                 raise ValueError(f"Saved optimizer state has matrix {name!r}, which this model does not have.")
             self.matrix_state[name] = {k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in st.items()}
+
+    def load_piece_state(self, piece_state: Mapping[str, Mapping[str, Tensor]]) -> None:
+        """Replace this rank's pieces of hosted matrices' element-wise state (mixed layout)."""
+        device = self._device()
+        self.piece_state.clear()
+        for name, st in piece_state.items():
+            if name not in self.infos:
+                raise ValueError(f"Saved optimizer state has matrix {name!r}, which this model does not have.")
+            self.piece_state[name] = {k: v.to(device) for k, v in st.items()}
 
     def _device(self) -> torch.device:
         for g in self.param_groups:

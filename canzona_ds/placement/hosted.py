@@ -48,11 +48,14 @@ class HostedPlacement:
     kind = "hosted"
 
     def __init__(self, matrices: Sequence[TPMatrix | FlatSplit], rule: MatrixRule, group, config: TPConfig,
-                 states: dict[str, dict[str, Tensor]], hosts: Sequence[int] | None = None) -> None:
+                 states: dict[str, dict[str, Tensor]], hosts: Sequence[int] | None = None,
+                 piece_states: dict[str, dict[str, Tensor]] | None = None) -> None:
         """``hosts``: the planned host of every matrix (the mixed DP layout); default: the
-        micro-group scheduler of ``config`` chooses."""
+        micro-group scheduler of ``config`` chooses.  ``piece_states``: this rank's pieces of the
+        rule's element-wise state of flat-split matrices (None: the host keeps all state)."""
         self.split: dict[str, TPMatrix | FlatSplit] = {m.name: m for m in matrices}
-        self.runtime = MicroGroupRuntime(list(matrices), rule, group, config, state=states, hosts=hosts)
+        self.runtime = MicroGroupRuntime(list(matrices), rule, group, config, state=states, hosts=hosts,
+                                         piece_state=piece_states)
 
     def hosted_names(self) -> list[str]:
         return self.runtime.hosted_names()

@@ -917,8 +917,10 @@ def plan_mixed_dp(specs: Sequence[ParamSpec], world_size: int, loads: Sequence[f
         import torch  # only with a rule object, which is torch code itself
 
         direction_bytes = model.direction_dtype(torch.float32).itemsize
+    # the rule's element-wise state (Muon's momentum, fp32) stays with a hosted matrix's pieces
+    elementwise_bytes = 4.0 * len(getattr(model, "elementwise_state", ()))
     got = plan_mixed(specs, world_size, flops, state, param_alignment=param_alignment,
-                     direction_bytes=direction_bytes)
+                     direction_bytes=direction_bytes, elementwise_bytes=elementwise_bytes)
     order, owner, host, layout = got["order"], got["owner"], got["host"], got["layout"]
     rank_params: list[list[int]] = [[] for _ in range(world_size)]
     for i in order:
@@ -933,7 +935,12 @@ def plan_mixed_dp(specs: Sequence[ParamSpec], world_size: int, loads: Sequence[f
         for r in range(off // P, min(world_size - 1, (off + max(n, 1) - 1) // P) + 1):
             rank_numel[r] += max(0, min(off + n, (r + 1) * P) - max(off, r * P))
     host_at = [host[i] if owner[i] < 0 else -1 for i in order]
-    extra = {"step_bytes": step_bytes(layout, host_at, direction_bytes=direction_bytes), "hosted_numel": sum(specs[i].numel for i in order
+    rank_hosted = [0] * world_size  # hosted elements in each rank's range (their element-wise state)
+    for off, n, o in zip(layout.offsets, layout.numels, layout.owner_at):
+        if o < 0:
+            for r in range(off // P, min(world_size - 1, (off + max(n, 1) - 1) // P) + 1):
+                rank_hosted[r] += max(0, min(off + n, (r + 1) * P) - max(off, r * P))
+    extra = {"elementwise_bytes": elementwise_bytes, "rank_hosted_numel": rank_hosted, "step_bytes": step_bytes(layout, host_at, direction_bytes=direction_bytes), "hosted_numel": sum(specs[i].numel for i in order
                                                                                if owner[i] < 0)}
     plan = _finish(MIXED, specs, world_size, rank_params, loads, t0, cost_model, owner=list(owner),
                    rank_numel=rank_numel, rank_load=rank_load, extra=extra)

@@ -122,11 +122,14 @@ def hosted_pieces(layout: Layout, k: int) -> tuple[tuple[int, ...], tuple[int, .
 
 def plan_mixed(specs: Sequence[ParamSpec], world_size: int, flops: Sequence[float], state: Sequence[float],
                param_alignment: int = 1, start_alignment: int = DS_START_ALIGNMENT,
-               master_grad_bytes: int = 8, refine_iters: int | None = None, direction_bytes: int = FP32_BYTES) -> dict:
+               master_grad_bytes: int = 8, refine_iters: int | None = None, direction_bytes: int = FP32_BYTES,
+               elementwise_bytes: float = 0.0) -> dict:
     """Choose owned vs hosted per matrix, the buffer order and the hosts (module doc).
 
     ``flops``/``state``: per spec, the rule's FLOPs (amortised) and state bytes of the whole
-    matrix (its host's or owner's).  The owned FLOPs cap of step 1 is tried at
+    matrix (its host's or owner's); ``elementwise_bytes``: bytes per element of the rule's
+    element-wise state (``MatrixRule.elementwise_state``), which a hosted matrix keeps with its
+    pieces (its host holds ``state - elementwise_bytes * numel``).  The owned FLOPs cap of step 1 is tried at
     ``OWNED_CAPS`` x the mean; the candidate with the lowest (worst rank's FLOPs over the
     mean, rounded to 0.1%; the busiest rank's step cost, :func:`step_bytes`; worst rank's
     memory over the mean) wins, so hosting (communication) is only added where it buys FLOPs
@@ -136,7 +139,7 @@ def plan_mixed(specs: Sequence[ParamSpec], world_size: int, flops: Sequence[floa
     best = None
     for k, factor in enumerate(OWNED_CAPS):
         got = _plan_with_cap(specs, world_size, flops, state, param_alignment, start_alignment, master_grad_bytes,
-                             refine_iters, factor)
+                             refine_iters, factor, elementwise_bytes)
         order, owner, host = got["order"], got["owner"], got["host"]
         cost = step_bytes(got["layout"], [host[i] if owner[i] < 0 else -1 for i in order],
                           direction_bytes=direction_bytes)["rank_cost"]
@@ -152,7 +155,7 @@ OWNED_CAPS = (1.0, 0.9, 0.75, 0.5, 0.25, 0.0)
 
 
 def _plan_with_cap(specs, world_size, flops, state, param_alignment, start_alignment, master_grad_bytes,
-                   refine_iters, factor) -> dict:
+                   refine_iters, factor, elementwise_bytes=0.0) -> dict:
     n_specs = len(specs)
     a = param_alignment
     lcm = math.lcm(param_alignment, start_alignment)
@@ -195,9 +198,12 @@ def _plan_with_cap(specs, world_size, flops, state, param_alignment, start_align
     P = layout.shard_numel
     f_load = [0.0] * world_size
     m_load = [0.0] * world_size
-    for off, n in zip(layout.offsets, layout.numels):  # the fp32 master + gradient of each range
+    # the fp32 master + gradient of each range, and the element-wise state of the hosted pieces in it
+    for off, n, o in zip(layout.offsets, layout.numels, layout.owner_at):
+        per = master_grad_bytes + (elementwise_bytes if o < 0 else 0.0)
         for r in range(off // P, min(world_size - 1, (off + max(n, 1) - 1) // P) + 1):
-            m_load[r] += max(0, min(off + n, (r + 1) * P) - max(off, r * P)) * master_grad_bytes
+            m_load[r] += max(0, min(off + n, (r + 1) * P) - max(off, r * P)) * per
+    state = [st - (elementwise_bytes * specs[i].numel if owner[i] < 0 else 0.0) for i, st in enumerate(state)]
     for i in range(n_specs):
         if owner[i] >= 0:
             f_load[owner[i]] += flops[i]
