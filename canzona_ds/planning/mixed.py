@@ -17,7 +17,9 @@ each step its gradient pieces go to a planned host (one fused all-to-all per mic
 rule runs on the whole matrix there, and every rank gets back its piece of the direction and
 applies it to its fp32 partition (tp/runtime.py; bit-exact).  That costs ~2x the hosted
 matrices' bytes over DP per step, which the plan reports next to the all-gather bytes the
-padding would have cost.
+padding would have cost.  A rule's element-wise state (``MatrixRule.elementwise_state``, Muon's
+momentum) stays with the pieces: every rank updates its piece and sends ``pre_direction``'s
+result, so the host keeps only the rest, and the planner counts that state per piece.
 
 The planner (:func:`plan_mixed`) walks the buffer rank by rank:
 
