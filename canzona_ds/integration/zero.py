@@ -123,11 +123,17 @@ def _make_zero_class():
             P = layout.shard_numel
             owners = layout.owners()
             for p, off, owner, name in zip(group, layout.offsets, owners, names):
-                if not (owner * P <= off and off + p.numel() <= (owner + 1) * P):
+                if owner >= 0 and not (owner * P <= off and off + p.numel() <= (owner + 1) * P):
                     raise RuntimeError(f"Matrix {name} [{off}, {off + p.numel()}) straddles the ZeRO partition "
                                        f"boundary of its owner rank {owner} (P={P}).")
-            mine = [p for p, o in zip(group, owners) if o == rank]
-            if [id(p) for p in self.params_in_partition[i]] != [id(p) for p in mine] or self.first_offset[i] != 0:
+            if layout.mixed:  # owned matrices and the pieces of hosted ones that cross this range
+                lo, hi = rank * P, (rank + 1) * P
+                spans = [(p, off, off + p.numel()) for p, off in zip(group, layout.offsets) if p.numel()]
+                mine = [p for p, a, b in spans if a < hi and b > lo]
+                first = next((lo - a for _, a, b in spans if a < lo < b), 0)
+            else:
+                mine, first = [p for p, o in zip(group, owners) if o == rank], 0
+            if [id(p) for p in self.params_in_partition[i]] != [id(p) for p in mine] or self.first_offset[i] != first:
                 raise RuntimeError("ZeRO's partition bookkeeping disagrees with the ownership plan.")
             # Checkpoints strip groups_padding[i] trailing elements of each rank's partition and
             # zero_to_fp32 walks round_robin_bit16_padding: with our explicit per-parameter
@@ -145,7 +151,33 @@ def _make_zero_class():
             views = [FlatView(names[j], off, tuple(group[j].shape)) for j, off in layout.rank_views(rank)]
             if opt.tp_matrices:
                 self._canzona_check_tp(rank)
-            opt.bind_partition(self.single_partition_of_fp32_groups[i], views)
+            splits = []
+            if layout.mixed:  # this rank's piece (maybe empty) of every hosted matrix, and the cuts
+                from ..planning.mixed import hosted_pieces
+                from ..tp.runtime import FlatSplit
+
+                for k in layout.hosted_indices():
+                    name = names[k]
+                    starts, lengths = hosted_pieces(layout, k)
+                    splits.append(FlatSplit(name, tuple(group[k].shape), starts, lengths, opt.infos[name].num_heads))
+                    local = max(layout.offsets[k] + starts[rank] - rank * P, 0) if lengths[rank] else 0
+                    views.append(FlatView(name, local, (lengths[rank],)))
+            opt.bind_partition(self.single_partition_of_fp32_groups[i], views, dp_hosted=splits,
+                               dp_group=self.real_dp_process_group[i])
+
+        def _canzona_hosted_meta(self) -> dict:
+            """The mixed layout's hosted matrices: name -> host DP rank and every rank's piece
+            (start in the matrix, length), as the step and elastic resume use them."""
+            from ..planning.mixed import hosted_pieces
+
+            layout, opt = self.canzona_layout, self._canzona
+            out = {}
+            for k in layout.hosted_indices():  # (the dense group: MoE keeps the owned layout, optim._plan)
+                name = opt.partition_matrices[None][k]
+                starts, lengths = hosted_pieces(layout, k)
+                out[name] = {"host": opt.plan.host[opt.plan.buffer_order()[k]], "starts": list(starts),
+                             "lengths": list(lengths)}
+            return out
 
         def _canzona_group_fingerprint(self, i: int) -> str:
             """Group i's plan and layout (what every rank of its DP group must agree on)."""
@@ -198,6 +230,8 @@ def _make_zero_class():
                     "shard_numel": layout.shard_numel,
                     "matrix_names": list(opt.partition_matrices[self._canzona_partition(first)]),
                     "rank_counts": list(layout.rank_counts), "offsets": list(layout.offsets),
+                    "layout": "mixed" if layout.mixed else "owned", "owner_at": list(layout.owners()),
+                    "hosted": self._canzona_hosted_meta(), "layout_choice": opt.plan.extra.get("layout_choice"),
                     "rule": opt.rule.name, "roles": [g["canzona_role"] for g in opt.param_groups], "moe": experts,
                     "tp_size": opt.tp_size, "tp_rank": tp_rank, "tp_params": tp_params,
                     "pp_size": opt.groups.pp_size, "pp_rank": opt.groups.pp_rank,

@@ -56,7 +56,7 @@ from torch.optim.adamw import adamw as _adamw_functional
 
 from ..parallel import ParallelGroups
 from ..placement import HOLDING, FlatView, HostedPlacement, StepContext, describe_matrix
-from ..planning.dp import OwnershipPlan, plan_dp
+from ..planning.dp import OwnershipPlan, choose_layout
 from ..planning.params import ParamSpec, expert_stack
 from .config import CanzonaConfig
 from .rule import MatrixInfo
@@ -166,7 +166,8 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             mats = [(n, p) for n, p in matrices if partitions.get(n) == key]
             rest = [(n, p) for n, p in aux if partitions.get(n) == key]
             if mats and placement == "owned":
-                self.plans[key] = _plan([spec_of[n] for n, _ in mats], groups.partition_size(key), config, self.rule)
+                self.plans[key] = _plan([spec_of[n] for n, _ in mats], groups.partition_size(key), config, self.rule,
+                                       moe=len(keys) > 1)
                 mats = [mats[i] for i in self.plans[key].buffer_order()]
             moe = {} if key is None else {"moe": True, "name": key, "canzona_partition": key}
             if mats:
@@ -190,6 +191,10 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         self.shapes = shape_of
         #: DeepSpeed MoE's expert groups and whole-model names (integration/moe.MoEInfo; None: no MoE)
         self.moe = None
+        #: the mixed ZeRO layout: this rank's piece of the element-wise rule state of every matrix
+        #: hosted over DP (MatrixRule.elementwise_state, e.g. Muon's momentum), by name; the host's
+        #: matrix_state entry holds the other keys
+        self.piece_state: dict[str, dict[str, Tensor]] = {}
         self.placement = HOLDING[placement](self.matrix_names)
         if placement == "local":
             self.placement.track(ordered_matrices)
@@ -222,12 +227,26 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             return None
         return HostedPlacement(split, self.rule, self.groups.tp_group, self.config.tp, self.matrix_state)
 
-    def bind_partition(self, flat_param: Tensor, views: Iterable[FlatView]) -> None:
-        """ZeRO: ``flat_param`` (this rank's partition of the matrix group) holds ``views``."""
+    def bind_partition(self, flat_param: Tensor, views: Iterable[FlatView], dp_hosted: list | None = None,
+                       dp_group=None) -> None:
+        """ZeRO: ``flat_param`` (this rank's partition of the matrix group) holds ``views``.  The
+        mixed layout: ``views`` also holds this rank's piece (1-D, maybe empty) of every hosted
+        matrix, and ``dp_hosted`` their :class:`~canzona_ds.tp.runtime.FlatSplit` cuts over
+        ``dp_group``, hosted where the plan says."""
         if self.placement.kind != "owned":
             raise RuntimeError(f"bind_partition on a CanzonaOptimizer with placement={self.placement.kind!r}; ZeRO "
                                "stage 1/2 needs placement='owned'.")
-        self.placement.bind(flat_param, views, make_hosted=self._hosted)
+        make = self._hosted
+        if dp_hosted:
+            if self.tp_matrices:
+                raise RuntimeError("The mixed layout hosts no tensor-parallel matrices (optim._plan refuses it).")
+            index = {s.name: i for i, s in enumerate(self.plan.specs)}
+            hosts = [self.plan.host[index[m.name]] for m in dp_hosted]
+
+            def make(names: list[str]) -> HostedPlacement:
+                return HostedPlacement(dp_hosted, self.rule, dp_group, self.config.tp, self.matrix_state, hosts=hosts,
+                                       piece_states=self.piece_state)
+        self.placement.bind(flat_param, views, make_hosted=make)
 
     def bind_sharded(self, partition_numel: int, pieces: Iterable, splits: Iterable, group=None) -> None:
         """ZeRO-3: the matrix group's flat fp32 partition (``partition_numel`` elements) holds
@@ -284,6 +303,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         sd[STATE_KEY] = {
             "rule": self.rule.name,
             "matrix_state": {n: dict(st) for n, st in self.matrix_state.items()},
+            "piece_state": {n: dict(st) for n, st in self.piece_state.items()},
             "config": self.config.describe(),
         }
         return sd
@@ -298,6 +318,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             raise ValueError(f"This optimizer state was written by rule {canzona.get('rule')!r}; this optimizer runs "
                              f"{self.rule.name!r}. Load it with the same optimizer type.")
         self.load_matrix_state(canzona["matrix_state"])
+        self.load_piece_state(canzona.get("piece_state", {}))
 
     def load_matrix_state(self, matrix_state: Mapping[str, Mapping[str, Tensor]]) -> None:
         """Replace the rule state of the matrices named in ``matrix_state``, each tensor moved
@@ -308,6 +329,15 @@ class CanzonaOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"Saved optimizer state has matrix {name!r}, which this model does not have.")
             self.matrix_state[name] = {k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in st.items()}
 
+    def load_piece_state(self, piece_state: Mapping[str, Mapping[str, Tensor]]) -> None:
+        """Replace this rank's pieces of hosted matrices' element-wise state (mixed layout)."""
+        device = self._device()
+        self.piece_state.clear()
+        for name, st in piece_state.items():
+            if name not in self.infos:
+                raise ValueError(f"Saved optimizer state has matrix {name!r}, which this model does not have.")
+            self.piece_state[name] = {k: v.to(device) for k, v in st.items()}
+
     def _device(self) -> torch.device:
         for g in self.param_groups:
             for p in g["params"]:
@@ -315,15 +345,32 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         return torch.device("cpu")
 
 
-def _plan(specs: list[ParamSpec], dp: int, config: CanzonaConfig, rule) -> OwnershipPlan:
+def _plan(specs: list[ParamSpec], dp: int, config: CanzonaConfig, rule, moe: bool = False) -> OwnershipPlan:
     placement = config.placement
-    plan = plan_dp(specs, dp, planner=placement.planner, alpha=placement.alpha, cost=placement.cost_model,
-                   model=rule, bucket_numel=placement.bucket_numel)
+    tp_split = [s.name for s in specs if s.is_tp_split]
+    if placement.layout == "mixed" and tp_split:
+        raise ValueError(f"layout='mixed' hosts matrices over the DP group, which is not implemented for "
+                         f"tensor-parallel matrices ({len(tp_split)} here, e.g. {tp_split[0]!r}). Use layout 'owned' "
+                         "or 'auto' (which keeps the owned layout for them).")
+    if placement.layout == "mixed" and moe:
+        raise ValueError("layout='mixed' is not implemented with DeepSpeed MoE expert groups (each matrix group "
+                         "would host over its own DP group). Use layout 'owned' or 'auto' (which keeps the owned "
+                         "layout under MoE).")
+    plan, _, why = choose_layout(specs, dp, layout=placement.layout, max_padding=placement.max_padding,
+                                 planner=placement.planner, alpha=placement.alpha, cost=placement.cost_model,
+                                 model=rule, bucket_numel=placement.bucket_numel,
+                                 allow_mixed=not tp_split and not moe)
+    plan.extra["layout_choice"] = why  # reported in checkpoints (canzona_layout.layout_choice)
+    if "cannot host" in why:
+        warnings.warn(f"CanzonaOptimizer: {why} (DP={dp}); the replicated ZeRO buffer carries that padding.",
+                      stacklevel=3)
     if plan.split_params:
         raise ValueError(f"planner={placement.planner!r} cut {len(plan.split_params)} matrices across ranks; "
                          "a matrix optimizer needs every matrix whole on one rank.")
     if sorted(plan.buffer_order()) != list(range(len(specs))):
         raise RuntimeError(f"Planner {placement.planner!r} did not assign every matrix exactly once.")
+    if plan.mixed:
+        return plan
     return plan.nonempty_first()  # rank 0 must own a matrix (planning/layout.py): relabel ranks
 
 
