@@ -7,7 +7,7 @@ them, hosted matrices cut at chunk boundaries and updated over the DP group.
   than the atomic plan's, fewer bytes per step;
 * real processes (gloo) with ``layout: "mixed"`` (the tiny model hosts 1 matrix at DP=2, 3 at
   DP=4): every rule, ZeRO stage 1 and 2, against the single-process reference: bit for bit at
-  DP=2 (clipping included); bf16 weights replayed; at DP=4 gloo's 4-rank sum differs by ~1 ulp, so Muon within 1e-6
+  DP=2 (clipping and gradient accumulation included); bf16 weights replayed; at DP=4 gloo's 4-rank sum differs by ~1 ulp, so Muon within 1e-6
   end to end and every rule's updates replayed in one process from the gradients each
   matrix saw (owned: on its owner; hosted: its pieces joined), bit for bit; the inner
   optimizer step issues exactly the plan's all-to-alls and sends the plan's bytes;
@@ -209,12 +209,12 @@ def _replay(opt, records: list[list[dict]]) -> float:
     return worst
 
 
-def _one(rank, dp, opt_type, stage, clip, bf16=False):
+def _one(rank, dp, opt_type, stage, clip, bf16=False, gas=1):
     from canzona_ds.testing.comm import CommCounter
 
     params = dict(HP[opt_type], layout="mixed")
     extra = {"bf16": {"enabled": True}} if bf16 else {}
-    cfg = ds_config(dp, optimizer=opt_type, params=params, stage=stage, gradient_clipping=clip, **extra)
+    cfg = ds_config(dp, gas=gas, optimizer=opt_type, params=params, stage=stage, gradient_clipping=clip, **extra)
     counted, sent, hooks = [], [], {}
 
     def attach(engine):
@@ -231,7 +231,7 @@ def _one(rank, dp, opt_type, stage, clip, bf16=False):
 
         inner.step = step
 
-    got, _, engine = run_engine(rank, dp, cfg, STEPS, after_init=attach)
+    got, _, engine = run_engine(rank, dp, cfg, STEPS, gas=gas, after_init=attach)
     zopt, opt = engine.optimizer, engine.optimizer.optimizer
     layout = zopt.canzona_layout
     records = [None] * dp
@@ -249,7 +249,7 @@ def _one(rank, dp, opt_type, stage, clip, bf16=False):
     if rank == 0:  # the references run in a worker (BLAS thread count)
         out["replay"] = _replay(opt, records)
         if not bf16:  # bf16 weights: the replay checks the machinery bit for bit
-            out["reference"] = run_reference(dp, STEPS, opt_type, stage=stage, clip=clip)
+            out["reference"] = run_reference(dp, STEPS, opt_type, stage=stage, clip=clip, gas=gas)
     return out
 
 
@@ -263,7 +263,7 @@ def _scenarios_worker(rank, dp, scenarios):
     return out
 
 
-DP2 = [(t, s, 0.0) for t in TYPES for s in (1, 2)] + [("CanzonaMuon", 1, 0.05)]
+DP2 = [(t, s, 0.0) for t in TYPES for s in (1, 2)] + [("CanzonaMuon", 1, 0.05), ("CanzonaShampoo", 2, 0.0, False, 2)]
 DP4 = [(t, 1, 0.0) for t in TYPES] + [("CanzonaMuon", 2, 0.0), ("CanzonaSOAP", 2, 0.0, True)]
 
 
@@ -290,7 +290,8 @@ def _check(dp, sc):
     return res
 
 
-@pytest.mark.parametrize("sc", DP2, ids=[f"{t}-stage{s}" + ("-clip" if c else "") for t, s, c in DP2])
+@pytest.mark.parametrize("sc", DP2, ids=[f"{sc[0]}-stage{sc[1]}" + ("-clip" if sc[2] else "") + ("-gas2" if sc[4:] else "")
+                                        for sc in DP2])
 def test_mixed_dp2_is_bit_exact(sc):
     res = _check(2, sc)
     ref = res[0]["reference"]

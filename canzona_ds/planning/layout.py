@@ -24,6 +24,10 @@ Worked example: dp = 2, rank 0 owns A (5) and B (3), rank 1 owns C (6); param_al
     | A A A A A . B B B . | C C C C C C . . . . |
       rank 0 (P = 10)       rank 1 (P = 10)
 
+The mixed layout (``planning/mixed.py``) is a :class:`Layout` too, with ``owner_at`` set:
+owned parameters lie whole in their owner's range as here, hosted ones (owner -1) may cross
+range boundaries, and P is ``ceil(S / dp)`` up to alignment, so there is no padding to speak of.
+
 A rank that owns nothing (possible when there are about as many ranks as matrices) has
 an all-padding range; the padding of the last parameter before it covers it.  Rank 0 must
 own something: DeepSpeed's padding list can only pad *after* a parameter.
