@@ -29,6 +29,7 @@ from typing import Any, Mapping
 from ..optim.config import CanzonaConfig
 from ..optim.optimizer import CanzonaOptimizer
 from ..parallel import ParallelGroups
+from ..planning.params import model_num_experts
 from .agreement import check_agreement
 from .groups import require_tp_group
 
@@ -137,8 +138,8 @@ def agreement_settings(s: RunSettings, cfg: CanzonaConfig, named: list, groups: 
 def build_optimizer(named: list, cfg: CanzonaConfig, groups: ParallelGroups, settings: RunSettings,
                     modules: list | None = None) -> CanzonaOptimizer:
     """Every check, then the optimizer.  ``named``: (name, parameter) in the model's order;
-    ``modules``: (module, its named parameters) pairs for per-head resolution (one per model
-    chunk; names relative to that module)."""
+    ``modules``: (module, its named parameters) pairs for per-head resolution and the model
+    config's expert count (one per model chunk; names relative to that module)."""
     # before anything a rank could wait in: ranks with different settings meet here and fail
     check_agreement(agreement_settings(settings, cfg, named, groups))
     check_settings(settings, cfg)
@@ -149,4 +150,5 @@ def build_optimizer(named: list, cfg: CanzonaConfig, groups: ParallelGroups, set
         for module, module_named in modules:
             tag_heads(module, module_named, groups.tp_size)
     placement = "owned" if settings.zero_stage in (1, 2) else "local"
-    return CanzonaOptimizer(named, cfg, groups=groups, placement=placement)
+    num_experts = next((e for m, _ in modules or () if (e := model_num_experts(m)) is not None), None)
+    return CanzonaOptimizer(named, cfg, groups=groups, placement=placement, num_experts=num_experts)

@@ -30,12 +30,16 @@ Per-matrix rule state lives in ``matrix_state`` (name -> dict of tensors, on the
 device), saved under ``"canzona"`` in :meth:`state_dict`.  Keyed by name, it can follow
 its matrix to another rank when the DP or TP size changes.
 
+An expert stack (a >= 3-D parameter of E experts along dim 0: ``planning.params.matrix_experts``)
+is ONE parameter of the groups, the plan and ZeRO's layout (its experts stay together on one
+owner: docs/zero.md explains why) and E matrices to the rule: E updates, E states keyed
+``"<stack>[e]"``, E times one expert's cost.
+
 Parameters are never tagged ``use_muon`` here, and the class name contains no "muon":
 DeepSpeed's ZeRO would otherwise run its own Newton-Schulz on them.
 """
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Iterable, Mapping
 
@@ -46,7 +50,7 @@ from torch.optim.adamw import adamw as _adamw_functional
 from ..parallel import ParallelGroups
 from ..placement import HOLDING, FlatView, HostedPlacement, StepContext, describe_matrix
 from ..planning.dp import OwnershipPlan, plan_dp
-from ..planning.params import ParamSpec, expert_stack
+from ..planning.params import ParamSpec
 from .config import CanzonaConfig
 from .rule import MatrixInfo
 
@@ -65,10 +69,13 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         groups: the process groups (default: one process).  ``dp_size`` is what the
             "owned" plan balances over; ``tp_group``/``tp_size`` host the TP-split matrices.
         placement: "local" or "owned" (module docstring).
+        num_experts: the model config's number of experts, where one is at hand
+            (``planning.params.model_num_experts``): every expert stack's dim 0 must equal it.
     """
 
     def __init__(self, named_parameters: Iterable[tuple[str, Tensor]], config: CanzonaConfig,
-                 groups: ParallelGroups | None = None, placement: str = "local") -> None:
+                 groups: ParallelGroups | None = None, placement: str = "local",
+                 num_experts: int | None = None) -> None:
         if not isinstance(config, CanzonaConfig):
             raise TypeError(f"config must be a CanzonaConfig, got {type(config).__name__}")
         groups = ParallelGroups.single() if groups is None else groups
@@ -90,22 +97,15 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         matrices, aux = [], []
         for n, p in named:
             (matrices if config.is_matrix(n, tuple(p.shape), getattr(p, "use_muon", None)) else aux).append((n, p))
-        stacks = [(n, tuple(p.shape)) for n, p in matrices if expert_stack(n, tuple(p.shape))]
-        if stacks:
-            n, shape = stacks[0]
-            raise ValueError(
-                f"{len(stacks)} parameter(s) are stacks of expert matrices, e.g. {n!r} {list(shape)}: {shape[0]} "
-                f"experts of {list(shape[1:])}. {self.rule.name} would update each stack as ONE "
-                f"[{shape[0]}, {math.prod(shape[1:])}] matrix, not per expert, and per-expert updates are not "
-                "implemented yet. Send the experts to AdamW: add \"experts\" to the optimizer params' "
-                f"matrix_exclude (now {list(config.placement.matrix_exclude)}).")
+        # an expert stack is E matrices (optim/rule.rule_step); an unknown >= 3-D parameter is refused
+        experts = {n: config.experts_of(n, tuple(p.shape), num_experts) for n, p in matrices}
         #: every matrix's description, by name (full shape for TP-split matrices)
         self.infos: dict[str, MatrixInfo] = {}
         #: TP-split matrices (name -> TPMatrix), hosted over the TP group
         self.tp_matrices: dict = {}
         specs = []
         for n, p in matrices:
-            spec, info, tpm = describe_matrix(n, p, groups.tp_size, config.per_head_muon)
+            spec, info, tpm = describe_matrix(n, p, groups.tp_size, config.per_head_muon, experts[n])
             specs.append(spec)
             self.infos[n] = info
             if tpm is not None:
@@ -133,8 +133,12 @@ class CanzonaOptimizer(torch.optim.Optimizer):
                                      betas=tuple(config.adam_betas), eps=config.adam_eps,
                                      weight_decay=config.weight_decay))
         super().__init__(param_groups, {})
-        #: rule state by matrix name (this rank's owned/local matrices and hosted TP matrices)
+        #: rule state by matrix name (this rank's owned/local matrices and hosted TP matrices; one
+        #: entry per expert of a stack, ``"<stack>[e]"``)
         self.matrix_state: dict[str, dict[str, Tensor]] = {}
+        #: every rule-state key's matrix: the infos, with each stack replaced by its experts
+        self.state_infos: dict[str, MatrixInfo] = {i.name: i for info in self.infos.values()
+                                                   for i in info.state_infos()}
         self.placement = HOLDING[placement](self.matrix_names)
         if placement == "local":
             self.placement.hosted = self._hosted(self.matrix_names)
@@ -177,6 +181,10 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         """Matrices whose rule state this rank keeps: owned/local ones that are not TP-split,
         and the TP-split ones it hosts."""
         return self.placement.handled_names()
+
+    def handled_state_names(self) -> list[str]:
+        """The rule-state keys of :meth:`handled_names` (an expert stack's: one per expert)."""
+        return [i.name for n in self.handled_names() for i in self.infos[n].state_infos()]
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -223,7 +231,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         to that matrix's device (keeping its dtype)."""
         device = self._device()
         for name, st in matrix_state.items():
-            if name not in self.infos:
+            if name not in self.state_infos:
                 raise ValueError(f"Saved optimizer state has matrix {name!r}, which this model does not have.")
             self.matrix_state[name] = {k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in st.items()}
 
