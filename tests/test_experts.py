@@ -347,3 +347,34 @@ def test_checkpoint_and_elastic_resume_move_expert_state(tmp_path, n, m, opt_typ
     ref = res[0]["reference"]
     for name in ref:
         np.testing.assert_array_equal(res[0]["params"][name], ref[name], err_msg=name)
+
+
+# ------------------------------------------------------------------------- planner at MoE scale
+def test_whole_stacks_against_per_expert_units_at_qwen3_30b_scale():
+    """The measured reason for docs/zero.md's decision: whole stacks balance up to DP=16 and are
+    bounded by the largest stack beyond; per-expert units would balance at every size."""
+    from canzona_ds.optim import cost_model
+    from canzona_ds.planning.compare import compare
+    from canzona_ds.planning.cost import stack_bound
+    from canzona_ds.planning.models import matrix_specs, model_specs
+
+    muon = cost_model("muon")
+    mats = matrix_specs(model_specs("qwen3-30b-a3b"))
+    assert sum(s.num_experts is not None for s in mats) == 96
+    x = compare("qwen3-30b-a3b", 128, cost_model=muon, cost="flops").summary["expert_stacks"]
+    assert x["whole"]["flops_ratio"] == pytest.approx(stack_bound(mats, 128, "flops", muon), rel=1e-9)
+    assert x["whole"]["flops_ratio"] > 2.0 and x["per_expert"]["flops_ratio"] < 1.01
+    assert compare("qwen3-30b-a3b", 16, cost_model=muon, cost="flops").summary["expert_stacks"]["whole"][
+        "flops_ratio"] < 1.001
+
+
+def test_optimizer_warns_when_a_stack_bounds_the_plan():
+    from canzona_ds.optim.optimizer import _plan
+
+    model = make_moe_model(0)
+    cfg = CanzonaConfig.from_ds("CanzonaMuon", {})
+    specs = [ParamSpec(n, tuple(p.shape), "matrix", num_experts=matrix_experts(n, tuple(p.shape)))
+             for n, p in model.named_parameters() if cfg.is_matrix(n, tuple(p.shape))]
+    with pytest.warns(UserWarning, match=r"An expert stack bounds the DP plan: its busiest rank carries >= "
+                                         r"\d+\.\d\dx the average flops load at dp=4"):
+        _plan(specs, 4, cfg, cfg.rule)

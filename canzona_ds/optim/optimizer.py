@@ -49,12 +49,15 @@ from torch.optim.adamw import adamw as _adamw_functional
 
 from ..parallel import ParallelGroups
 from ..placement import HOLDING, FlatView, HostedPlacement, StepContext, describe_matrix
+from ..planning.cost import stack_bound
 from ..planning.dp import OwnershipPlan, plan_dp
 from ..planning.params import ParamSpec
 from .config import CanzonaConfig
 from .rule import MatrixInfo
 
 MATRIX, AUX = "matrix", "aux"
+#: warn when keeping expert stacks whole forces the busiest DP rank above this x the average load
+STACK_WARN_RATIO = 1.25
 STATE_KEY = "canzona"
 
 __all__ = ["AUX", "MATRIX", "STATE_KEY", "CanzonaOptimizer", "FlatView", "adamw_group_step"]
@@ -251,6 +254,12 @@ def _plan(specs: list[ParamSpec], dp: int, config: CanzonaConfig, rule) -> Owner
                          "a matrix optimizer needs every matrix whole on one rank.")
     if sorted(plan.buffer_order()) != list(range(len(specs))):
         raise RuntimeError(f"Planner {placement.planner!r} did not assign every matrix exactly once.")
+    bound = stack_bound(specs, dp, placement.cost_model, rule)
+    if bound > STACK_WARN_RATIO:
+        warnings.warn(f"An expert stack bounds the DP plan: its busiest rank carries >= {bound:.2f}x the average "
+                      f"{placement.cost_model} load at dp={dp}, because ZeRO-1/2 keeps each stack of experts whole on "
+                      "one owner (docs/zero.md, 'Mixture of experts'). Expert parallelism (fewer experts per stack and "
+                      "rank) or a smaller DP group balances it; `canzona-plan` shows the ratios.", stacklevel=3)
     return plan.nonempty_first()  # rank 0 must own a matrix (planning/layout.py): relabel ranks
 
 

@@ -117,3 +117,14 @@ def cost_vector(specs: Sequence[ParamSpec], cost: str = "numel", model: CostMode
                 hosted: bool = False) -> list[float]:
     """:func:`task_cost` of every spec."""
     return [task_cost(s, cost, model, hosted) for s in specs]
+
+
+def stack_bound(specs: Sequence[ParamSpec], world_size: int, cost: str = "flops",
+                model: CostModel | None = None) -> float:
+    """Busiest rank / average that keeping every expert stack whole on one owner forces at least:
+    the largest stack's load over the average per-rank load (0.0 without stacks).  Above 1 no
+    plan of whole stacks balances; each expert as its own unit would (docs/zero.md)."""
+    loads = cost_vector(specs, cost, model)
+    stacks = [c for s, c in zip(specs, loads) if s.num_experts is not None]
+    total = sum(loads)
+    return max(stacks) * world_size / total if stacks and total > 0 else 0.0

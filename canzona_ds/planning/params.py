@@ -215,6 +215,19 @@ class ParamSpec:
         return (shape[0], math.prod(shape[1:]))
 
 
+def split_experts(specs: Iterable[ParamSpec]) -> list[ParamSpec]:
+    """Every expert stack replaced by its E experts as 2-D matrices of their own (``"<stack>[e]"``):
+    the plan a per-expert ownership unit would allow, against which keeping stacks whole (what the
+    ZeRO-1/2 layout does) is measured (``planning/compare.py``, docs/zero.md)."""
+    out = []
+    for s in specs:
+        if s.num_experts is None:
+            out.append(s)
+            continue
+        out += [ParamSpec(f"{s.name}[{e}]", tuple(s.shape[1:]), "matrix", s.dtype_bytes) for e in range(s.num_experts)]
+    return out
+
+
 def specs_from_named_shapes(named_shapes: Iterable[tuple[str, tuple[int, ...]]], dtype_bytes: int = 4,
                             **matrix_kw) -> list[ParamSpec]:
     """Specs from ``(name, shape)`` pairs, roles by :func:`is_matrix` (``matrix_kw``: its

@@ -35,27 +35,27 @@ class MoELM(nn.Module):
         return self.model(input_ids=x, labels=y).loss
 
 
-def tiny_qwen3_moe_config(layers: int = 1, experts: int = EXPERTS):
+def tiny_qwen3_moe_config(layers: int = 1, experts: int = EXPERTS, hidden: int = HIDDEN, moe_intermediate: int = 16):
     import transformers
 
     return transformers.Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=64, moe_intermediate_size=16,
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=64, moe_intermediate_size=moe_intermediate,
         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=experts,
         num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False)
 
 
-def tiny_qwen3_moe(seed: int = 0, layers: int = 1, experts: int = EXPERTS) -> nn.Module:
-    """The bare HF model (eager attention, fp32), seeded."""
+def tiny_qwen3_moe(seed: int = 0, layers: int = 1, experts: int = EXPERTS, **shape) -> nn.Module:
+    """The bare HF model (eager attention, fp32), seeded; ``shape``: hidden, moe_intermediate."""
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.Qwen3MoeForCausalLM(tiny_qwen3_moe_config(layers, experts))
+    model = transformers.Qwen3MoeForCausalLM(tiny_qwen3_moe_config(layers, experts, **shape))
     model.config._attn_implementation = "eager"
     return model
 
 
-def make_moe_model(seed: int = 0, layers: int = 1, experts: int = EXPERTS) -> MoELM:
-    return MoELM(tiny_qwen3_moe(seed, layers, experts))
+def make_moe_model(seed: int = 0, layers: int = 1, experts: int = EXPERTS, **shape) -> MoELM:
+    return MoELM(tiny_qwen3_moe(seed, layers, experts, **shape))
 
 
 def moe_batches(steps: int, global_batch: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
