@@ -13,11 +13,13 @@ beats it).  ``ep`` is 1 (expert parallelism: DeepSpeed MoE, planned over the exp
 
 Measured: the tiny transformers ``Qwen3MoeForCausalLM`` of ``canzona_ds.testing.moe`` (4 layers,
 16 experts per stack: gate_up [16, 64, 64], down [16, 64, 32]) under ZeRO-1 at DP 2, 4, 8 with CanzonaMuon and
-with DeepSpeed's own ``"Muon"`` (which orthogonalises each 3-D stack as one [E, out*in] matrix:
-the wrong update, timed here only as the baseline's cost).  Per rank: thread CPU time of the
-optimizer step (``time.thread_time`` around the inner optimizer's ``step``: the rule's work on
-this rank, free of oversubscription), median over the steps after a warm-up; the table reports
-the busiest rank's.
+with DeepSpeed's own ``"Muon"`` (its Newton-Schulz is batched over a 3-D stack's dim 0; its
+results are not compared here, only its cost: every rank all-gathers and orthogonalises each
+matrix its partition touches).  Per rank: thread CPU time of the
+matrix rule (``time.thread_time`` around our matrix step and around DeepSpeed's ``muon_update``
+calls: the rule's work on this rank, free of oversubscription; both engines in the same
+processes, steps interleaved), median over the steps after a warm-up; the table reports the
+busiest rank's.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ MODELS = ("qwen3-30b-a3b", "deepseek-v2-lite")
 DPS = (8, 16, 32, 64, 128)
 RULES = ("muon", "shampoo", "soap")
 MEASURED_DPS = (2, 4, 8)
-STEPS, WARMUP = 6, 2
+STEPS, WARMUP = 8, 2
 
 
 def planned() -> dict:
@@ -60,34 +62,62 @@ def planned() -> dict:
 
 
 # ------------------------------------------------------------------------- measured
-def _measure_worker(rank, dp, opt_type):
+KINDS = {"canzona": "CanzonaMuon", "deepspeed": "Muon"}
+
+
+def _measure_worker(rank, dp):
+    """Both engines in the same processes, their steps interleaved (alternating order) so they see
+    the same background load; per step, the thread CPU time of the matrix rule: ours inside
+    ``CanzonaOptimizer._matrix_step``, DeepSpeed's inside every ``muon_update`` call (which its
+    ZeRO runs on the matrices this rank's partition touches)."""
     import canzona_ds  # noqa: F401
     import deepspeed
     import torch
+    from deepspeed.runtime.zero.muon import original_muon
 
     from canzona_ds.testing.models import ds_config
     from canzona_ds.testing.moe import make_moe_model, moe_batches
 
     torch.set_num_threads(1)
-    model = make_moe_model(0, layers=4, experts=16, hidden=64, moe_intermediate=32)
-    section = {"type": opt_type, "params": {"lr": 0.02, "weight_decay": 0.1}}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=ds_config(dp, micro=2, optimizer=section, stage=1))
-    inner = engine.optimizer.optimizer
-    stock, times = inner.step, []
+    spent = [0.0]
 
-    def timed(*a, **k):
-        t = time.thread_time()
-        out = stock(*a, **k)
-        times.append(time.thread_time() - t)
-        return out
+    def wrap(fn):
+        def timed(*a, **k):
+            c = time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[0] += time.thread_time() - c
+        return timed
 
-    inner.step = timed
-    for x, y in moe_batches(STEPS, 2 * dp):
+    original_muon.muon_update = wrap(original_muon.muon_update)
+    engines = {}
+    for label, opt_type in KINDS.items():
+        model = make_moe_model(0, **MEASURED_SHAPE)
+        section = {"type": opt_type, "params": {"lr": 0.02, "weight_decay": 0.1}}
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=ds_config(dp, micro=2, optimizer=section, stage=1))
+        inner = engine.optimizer.optimizer
+        if label == "canzona":
+            inner._matrix_step = wrap(inner._matrix_step)
+        engines[label] = engine
+    times = {label: [] for label in KINDS}
+    labels = list(KINDS)
+    for s, (x, y) in enumerate(moe_batches(WARMUP + STEPS, 2 * dp)):
         x, y = x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2]
-        engine.backward(engine(x, y))
-        engine.step()
-    return statistics.median(times[WARMUP:])
+        for label in (labels if s % 2 else labels[::-1]):
+            engine = engines[label]
+            torch.distributed.barrier()
+            spent[0] = 0.0
+            engine.backward(engine(x, y))
+            engine.step()
+            if s >= WARMUP:
+                times[label].append(spent[0])
+    return {label: statistics.median(t) for label, t in times.items()}
+
+
+#: the measured model: testing.moe's tiny Qwen3MoeForCausalLM, larger
+MEASURED_SHAPE = dict(layers=4, experts=16, hidden=64, moe_intermediate=32)
 
 
 def measured() -> dict:
@@ -95,14 +125,17 @@ def measured() -> dict:
 
     rows = []
     for dp in MEASURED_DPS:
+        per_rank = run_distributed(_measure_worker, dp, timeout=1200)
         row = {"dp": dp}
-        for key, opt_type in (("canzona", "CanzonaMuon"), ("deepspeed", "Muon")):
-            per_rank = run_distributed(_measure_worker, dp, opt_type, timeout=900)
-            row[key] = {"busiest_ms": 1e3 * max(per_rank), "per_rank_ms": [1e3 * t for t in per_rank]}
+        for label in KINDS:
+            ms = [1e3 * r[label] for r in per_rank]
+            row[label] = {"busiest_ms": max(ms), "total_ms": sum(ms), "per_rank_ms": ms}
         row["ratio"] = row["deepspeed"]["busiest_ms"] / row["canzona"]["busiest_ms"]
         rows.append(row)
-    return {"rows": rows, "steps": STEPS, "warmup": WARMUP, "zero_stage": 1,
-            "model": "testing.moe tiny Qwen3MoeForCausalLM: 4 layers, hidden 64, 16 experts, moe_intermediate 32",
+        print(f"DP={dp}: busiest rank rule CPU ms: canzona {row['canzona']['busiest_ms']:.1f}, "
+              f"deepspeed {row['deepspeed']['busiest_ms']:.1f}", flush=True)
+    return {"rows": rows, "steps": STEPS, "warmup": WARMUP, "zero_stage": 1, "shape": MEASURED_SHAPE,
+            "metric": "per rank: median over steps of the matrix rule's thread CPU time; busiest = max over ranks",
             "command": "python benchmarks/bench_moe.py --measured"}
 
 

@@ -18,6 +18,7 @@ scenario fails one test.
 from __future__ import annotations
 
 import copy
+import json
 from functools import lru_cache
 
 import numpy as np
@@ -378,3 +379,15 @@ def test_optimizer_warns_when_a_stack_bounds_the_plan():
     with pytest.warns(UserWarning, match=r"An expert stack bounds the DP plan: its busiest rank carries >= "
                                          r"\d+\.\d\dx the average flops load at dp=4"):
         _plan(specs, 4, cfg, cfg.rule)
+
+
+def test_canzona_plan_reports_expert_stacks(capsys):
+    from canzona_ds.cli.plan import main
+
+    assert main(["--model", "deepseek-v2-lite", "--dp", "64", "--cost", "flops"]) == 0
+    out = capsys.readouterr().out
+    assert "Expert stacks: 52 stacks of [64] experts" in out and "per expert (lpt)" in out
+    assert main(["--model", "qwen3-30b-a3b", "--dp", "32", "--json"]) == 0
+    x = json.loads(capsys.readouterr().out)["expert_stacks"]
+    assert x["ep"] == 1 and x["stacks"] == 96 and x["experts_per_stack"] == [128]
+    assert x["whole"]["flops_ratio"] >= x["per_expert"]["flops_ratio"]

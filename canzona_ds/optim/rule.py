@@ -15,6 +15,9 @@ its shard of the single-process update: that is why hosting is exact.  ``step`` 
 optimizer's step count (1 for the first step), the same on every rank, so scales need no
 per-matrix state and every TP rank can compute them.
 
+A rule never sees a stack of experts (a 3-D MoE parameter, ``MatrixInfo.num_experts``):
+:func:`rule_step` runs it on each expert ``W[e]`` as a matrix of its own, with its own state.
+
 A rule is also a cost model (pure arithmetic, no tensors): :meth:`MatrixRule.flops` and
 :meth:`MatrixRule.state_bytes` of a 2-D shape are what the DP planner and the TP
 scheduler balance.  Adding an optimizer = one file with a ``MatrixRule`` subclass and a
