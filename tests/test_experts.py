@@ -391,3 +391,28 @@ def test_canzona_plan_reports_expert_stacks(capsys):
     x = json.loads(capsys.readouterr().out)["expert_stacks"]
     assert x["ep"] == 1 and x["stacks"] == 96 and x["experts_per_stack"] == [128]
     assert x["whole"]["flops_ratio"] >= x["per_expert"]["flops_ratio"]
+
+
+@pytest.mark.parametrize("ns_method", ["standard", "gram"])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_muon_batched_stack_equals_per_expert_direction(ns_method, nesterov):
+    """Muon's stack_direction (one batched Newton-Schulz over the experts) is bit-identical to its
+    direction() on each expert, momentum included."""
+    from canzona_ds.optim.muon import MuonRule
+
+    torch.set_num_threads(1)
+    rule = MuonRule(ns_method=ns_method, nesterov=nesterov)
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(6, 40, 24, generator=g)
+    W_each, stacked, each = W.clone(), {}, {}
+    for t in range(1, 4):
+        G = torch.randn(6, 40, 24, generator=g)
+        rule_step(rule, W, G, stacked, MatrixInfo("w", (6, 40, 24), num_experts=6), t, 0.02, 0.1)
+        for e in range(6):
+            info = MatrixInfo(f"w[{e}]", (40, 24))
+            state = each.setdefault(info.name, rule.init_state(info, like=W_each[e]))
+            D = rule.direction(G[e], state, info, t)
+            decay, size = rule.scales(0.02, 0.1, info, t)
+            W_each[e].mul_(decay).add_(D.to(W.dtype), alpha=-size)
+    assert torch.equal(W, W_each)
+    assert all(torch.equal(stacked[k]["momentum_buffer"], each[k]["momentum_buffer"]) for k in each)

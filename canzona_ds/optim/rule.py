@@ -118,6 +118,14 @@ class MatrixRule(ABC):
         """Update ``state`` in place from the full gradient and return the update direction
         (``grad``'s shape).  ``step`` counts optimizer steps from 1."""
 
+    def stack_direction(self, grad: Tensor, states: list[dict[str, Tensor]], infos: list[MatrixInfo],
+                        step: int) -> Tensor | None:
+        """Directions of every expert of a stack at once (``grad``: [E, ...]; ``states[e]`` and
+        ``infos[e]``: expert e's), equal to :meth:`direction` on each expert, or None to let
+        :func:`rule_step` loop over the experts.  A rule overrides it to batch small experts
+        (Muon: one batched Newton-Schulz instead of E)."""
+        return None
+
     def direction_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
         """dtype of :meth:`direction`'s result for a gradient of ``grad_dtype``; TP hosts send
         direction shards in it, so every rank must know it without being told."""
@@ -203,8 +211,15 @@ def rule_step(rule: "MatrixRule", param: Tensor, grad: Tensor, states: dict[str,
     on the view ``param[e]`` with its own state ``states["<name>[e]"]`` (:meth:`MatrixInfo.expert`),
     exactly as if it were a 2-D parameter of its own."""
     if info.num_experts is not None:
-        for e in range(info.num_experts):
-            rule_step(rule, param[e], grad[e], states, info.expert(e), step, lr, weight_decay)
+        experts = info.state_infos()
+        expert_states = [rule_state(states, i.name, rule, i, like=param[e]) for e, i in enumerate(experts)]
+        D = rule.stack_direction(grad, expert_states, experts, step)
+        if D is None:
+            for e, i in enumerate(experts):
+                apply_rule_update(param[e], rule.direction(grad[e], expert_states[e], i, step), rule, i, step, lr,
+                                  weight_decay)
+        else:  # every expert has the same shape, hence the same scales: one element-wise update
+            apply_rule_update(param, D, rule, experts[0], step, lr, weight_decay)
         return
     state = rule_state(states, info.name, rule, info, like=param)
     apply_rule_update(param, rule.direction(grad, state, info, step), rule, info, step, lr, weight_decay)
