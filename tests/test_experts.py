@@ -56,6 +56,16 @@ def test_expert_stacks_are_recognised_by_module_declaration_and_rank():
     assert matrix_experts("fc.weight", (8, 3)) is None
 
 
+def test_expert_bias_stacks_go_to_adamw():
+    from canzona_ds.planning.params import is_matrix
+
+    # gpt-oss: mlp.experts.gate_up_proj_bias [E, 2I] is E biases, not a matrix
+    assert not is_matrix("model.layers.0.mlp.experts.gate_up_proj_bias", (4, 64))
+    assert not is_matrix("model.layers.0.mlp.experts.down_proj_bias", (4, 32))
+    assert is_matrix("model.layers.0.mlp.experts.gate_up_proj", (4, 32, 64))
+    assert is_matrix("x.gate_up_proj_bias", (4, 64), include=("gate_up_proj_bias",))
+
+
 def test_unknown_3d_parameter_is_refused_by_name():
     with pytest.raises(ValueError, match=r"'moe\.w1' has shape \[4, 8, 16\].*expert_params.*matrix_exclude"):
         matrix_experts("moe.w1", (4, 8, 16))

@@ -21,10 +21,12 @@ optimizer, its reference and the planners alike::
     3. name contains a ``matrix_include`` fragment -> matrix
     4. name contains a ``matrix_exclude`` fragment -> aux   (default DEFAULT_EXCLUDE:
        embeddings, lm_head, output_layer, wte/wpe)
-    5. the module holding it is an output head:   -> aux   (HEAD_MODULES: a parameter
+    5. its own name ends in "bias"                -> aux   (a stack of biases, e.g. gpt-oss's
+                                                           ``mlp.experts.gate_up_proj_bias`` [E, 2I])
+    6. the module holding it is an output head:   -> aux   (HEAD_MODULES: a parameter
        ``<...>.output.weight``, ``<...>.head.weight``, ``<...>.classifier.weight``; the
        module name itself, so ``attention.output.dense.weight`` stays a matrix)
-    6. otherwise                                  -> matrix
+    7. otherwise                                  -> matrix
 """
 from __future__ import annotations
 
@@ -56,6 +58,8 @@ def is_matrix(name: str, shape: Sequence[int], include: Iterable[str] = (),
     if any(s.lower() in lowered for s in exclude):
         return False
     parts = lowered.split(".")
+    if parts[-1].endswith("bias"):
+        return False
     module = parts[-2] if len(parts) >= 2 else ""
     return module not in HEAD_MODULES
 
