@@ -566,6 +566,35 @@ def layout_measured(d: Data) -> str:
                    "MiB sent per step, busiest rank", "MiB sent per step, all ranks", "all ranks vs owned",
                    "MiB by collective, all ranks", "max abs(weight - reference), matrices / AdamW"], rows)
 
+
+# ============================================================================ moe.json
+def moe_planned(d: Data) -> str:
+    """bench_moe planned: FLOPs / memory max/mean with stacks whole (ZeRO-1/2) vs per expert, ep=1."""
+    p = d["planned"]
+    rows = []
+    for model, rules in p["models"].items():
+        for rule, entries in rules.items():
+            for e in entries:
+                w, x = e["whole"], e["per_expert"]
+                rows.append([model, rule, str(e["dp"]), str(e["ep"]),
+                             f"**{w['flops_ratio']:.3f}** / {w['memory_ratio']:.3f}", _pct(w["padding_fraction"]),
+                             f"{w['flops_lower_bound']:.3f}", f"{x['flops_ratio']:.3f} / {x['memory_ratio']:.3f}"])
+    return _table(["model", "rule", "DP", "EP", f"whole stacks ({p['planner']}): FLOPs / memory max/mean",
+                   "padding", "bound (largest unit)", f"per expert ({p['per_expert_planner']}): FLOPs / memory"],
+                  rows)
+
+
+def moe_measured(d: Data) -> str:
+    """bench_moe measured: the matrix rule's thread CPU time per step, CanzonaMuon vs DeepSpeed's Muon."""
+    m = d["measured"]
+    rows = [[str(r["dp"]), f"{r['canzona']['busiest_ms']:.1f}", f"{r['deepspeed']['busiest_ms']:.1f}",
+             f"{r['ratio']:.2f}x", f"{r['canzona']['total_ms']:.1f}", f"{r['deepspeed']['total_ms']:.1f}"]
+            for r in m["rows"]]
+    return _table(["DP", "CanzonaMuon, busiest rank (ms)", "DeepSpeed Muon, busiest rank (ms)",
+                   "DeepSpeed / Canzona (busiest)", "CanzonaMuon, all ranks (ms)", "DeepSpeed Muon, all ranks (ms)"],
+                  rows)
+
+
 TABLES: dict[str, tuple[str, Callable[[Data], str]]] = {
     "fig3_dp": ("paper_experiments", fig3_dp),
     "fig3_tp": ("paper_experiments", fig3_tp),
@@ -601,6 +630,8 @@ TABLES: dict[str, tuple[str, Callable[[Data], str]]] = {
     "pipeline_measured": ("pipeline", pipeline_measured),
     "layout_planned": ("layout_planned", layout_planned),
     "layout_measured": ("layout_measured", layout_measured),
+    "moe_planned": ("moe", moe_planned),
+    "moe_measured": ("moe", moe_measured),
 }
 
 

@@ -18,8 +18,35 @@ def test_params_total_at_tp1(name):
     layer0 = [s for s in specs if s.name.startswith("decoder.layers.0.")]
     assert sum(s.numel for s in layer0) == derived["params_per_layer"]
     by = {s.name.split(".", 3)[-1]: s for s in layer0}
-    assert by["self_attention.linear_qkv.weight"].shape[0] == derived["fused_qkv_out"]
-    assert by["mlp.linear_fc1.weight"].shape[0] == derived["fc1_out"]
+    if "fused_qkv_out" in derived:
+        assert by["self_attention.linear_qkv.weight"].shape[0] == derived["fused_qkv_out"]
+    if "fc1_out" in derived:
+        assert by["mlp.linear_fc1.weight"].shape[0] == derived["fc1_out"]
+    if "expert_fc1" in derived:  # MoE: every MoE layer holds two stacks of E experts
+        moe = {s.name.split(".", 3)[-1]: s for s in specs if s.name.startswith("decoder.layers.1.")}
+        fc1, fc2 = moe["mlp.experts.linear_fc1"], moe["mlp.experts.linear_fc2"]
+        assert list(fc1.shape) == derived["expert_fc1"] and list(fc2.shape) == derived["expert_fc2"]
+        assert fc1.num_experts == fc2.num_experts == derived["expert_fc1"][0]
+        assert moe["mlp.router.weight"].shape == (derived["expert_fc1"][0], fc1.shape[2])
+
+
+def test_moe_models_are_planned_at_tp1_only():
+    with pytest.raises(ValueError, match=r"Invalid tp=2 for qwen3-30b-a3b: mixture-of-experts"):
+        model_specs("qwen3-30b-a3b", tp=2)
+
+
+def test_moe_hf_config_json(tmp_path):
+    cfg = {"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+           "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+           "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "decoder_sparse_step": 1,
+           "mlp_only_layers": [], "tie_word_embeddings": False, "hidden_act": "silu"}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    assert sum(s.numel for s in model_specs(str(path), pad_vocab=False)) == MODELS["qwen3-30b-a3b"]["derived"][
+        "params_total"]
+    path.write_text(json.dumps(dict(cfg, mlp_only_layers=[0])))
+    with pytest.raises(ValueError, match="interleaved with dense ones"):
+        model_specs(str(path))
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])

@@ -139,6 +139,16 @@ def format_table(summary: dict) -> str:
                          f"{r['micro_groups']:>8d}{r['plan_ms']:>9.1f}")
     elif "tp_note" in s:
         lines += ["", s["tp_note"]]
+    if "expert_stacks" in s:
+        x = s["expert_stacks"]
+        lines += ["", f"Expert stacks: {x['stacks']} stacks of {x['experts_per_stack']} experts (largest "
+                  f"{x['largest_stack_numel']:,} elements), {x['planner']}, ep={x['ep']}",
+                  f"{'ownership unit':<20}{'FLOPs max/avg':>14}{'mem max/avg':>13}{'padding':>10}{'bound':>8}"]
+        for unit, label in (("whole", "whole stack"), ("per_expert", f"per expert ({x['per_expert_planner']})")):
+            r = x[unit]
+            lines.append(f"{label:<20}{r['flops_ratio']:>14.3f}{r['memory_ratio']:>13.3f}{r['padding_fraction']:>9.2%}"
+                         f"{r['flops_lower_bound']:>8.3f}")
+        lines.append("(ZeRO-1/2 keeps a stack whole on one owner: docs/zero.md, 'Mixture of experts')")
     return "\n".join(lines)
 
 

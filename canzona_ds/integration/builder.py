@@ -30,6 +30,7 @@ from typing import Any, Mapping
 from ..optim.config import CanzonaConfig
 from ..optim.optimizer import CanzonaOptimizer
 from ..parallel import ParallelGroups
+from ..planning.params import model_num_experts
 from .agreement import check_agreement
 from .groups import require_tp_group
 
@@ -179,10 +180,11 @@ def agreement_settings(s: RunSettings, cfg: CanzonaConfig, named: list, groups: 
 def build_optimizer(named: list, cfg: CanzonaConfig, groups: ParallelGroups, settings: RunSettings,
                     modules: list | None = None, zero_config: Mapping | None = None) -> CanzonaOptimizer:
     """Every check, then the optimizer.  ``named``: (name, parameter) in the model's order;
-    ``modules``: (module, its named parameters) pairs for per-head resolution (one per model
-    chunk; names relative to that module).  A parameter ZeRO-3 already partitioned
-    (``deepspeed.zero.Init``) has its whole shape in ``ds_shape``.  DeepSpeed MoE expert
-    parameters (integration/moe.py) are planned over their expert-data-parallel groups."""
+    ``modules``: (module, its named parameters) pairs for per-head resolution and the model
+    config's expert count (one per model chunk; names relative to that module).  A parameter
+    ZeRO-3 already partitioned (``deepspeed.zero.Init``) has its whole shape in ``ds_shape``.
+    DeepSpeed MoE expert parameters (integration/moe.py) are planned over their
+    expert-data-parallel groups."""
     from .moe import check_moe, expert_partitions, moe_info
 
     shapes = {n: tuple(p.ds_shape) for n, p in named if hasattr(p, "ds_shape")}
@@ -213,7 +215,9 @@ def build_optimizer(named: list, cfg: CanzonaConfig, groups: ParallelGroups, set
         for module, module_named in modules:
             tag_heads(module, module_named, groups.tp_size)
     placement = {1: "owned", 2: "owned", 3: "sharded"}.get(settings.zero_stage, "local")
-    opt = CanzonaOptimizer(named, cfg, groups=groups, placement=placement, shapes=shapes, partitions=partitions)
+    num_experts = next((e for m, _ in modules or () if (e := model_num_experts(m)) is not None), None)
+    opt = CanzonaOptimizer(named, cfg, groups=groups, placement=placement, shapes=shapes, partitions=partitions,
+                           num_experts=num_experts)
     #: DeepSpeed MoE: the expert groups and whole-model names (gradient clipping, checkpoints)
     opt.moe = info
     return opt

@@ -502,13 +502,14 @@ def write(engine, src: Universal | SavedCheckpoint, gather: bool = True) -> dict
             layouts[name] = (m.partition_dim, tuple(m.shard_sizes), tuple(tp_blocks(p, m.full_shape[m.partition_dim])))
         elif tuple(full) != tuple(p.shape):
             raise ElasticError(f"{name!r} is {tuple(full)} in the checkpoint, {tuple(p.shape)} here.")
-    with_state = [n for n in src.state_names() if n in opt.infos]
+    # rule state is keyed per matrix, and per expert for a stack ("<stack>[e]")
+    with_state = [n for n in src.state_names() if n in opt.state_infos]
     for name in with_state:
         shapes = src.state_shapes(name)
         if name in opt.tp_matrices:
             dim, sizes, blocks = layouts[name]
             _check_permutable(opt.rule, name, shapes, src.full_shape(name), concat_permutation(blocks, sizes))
-        _check_state(opt.rule, opt.infos[name], shapes)
+        _check_state(opt.rule, opt.state_infos[name], shapes)
 
     def mine(name: str, key: str, start: int, stop: int) -> Tensor:
         return src.flat_range(name, key, start, stop, layouts.get(name), tp_rank)
@@ -543,7 +544,7 @@ def write(engine, src: Universal | SavedCheckpoint, gather: bool = True) -> dict
             opt.state[flat] = state
         # every matrix this rank keeps state for: owned ones, and the TP-split ones it hosts
         wanted = {}
-        handled = set(opt.handled_names())
+        handled = set(opt.handled_state_names())
         for name in with_state:
             if name not in handled:
                 continue

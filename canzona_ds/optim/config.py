@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from ..planning.dp import ATOMIC_DP_PLANNERS, DEFAULT_BUCKET_NUMEL, DEFAULT_DP_PLANNER, DEFAULT_MAX_PADDING, LAYOUTS
-from ..planning.params import DEFAULT_EXCLUDE, is_matrix
+from ..planning.params import DEFAULT_EXCLUDE, is_matrix, matrix_experts
 from ..planning.tp import DEFAULT_TP_SCHEDULER, TP_SCHEDULERS
 from . import OPTIMIZER_TYPES, rule_class
 from .rule import MatrixRule, check_bool, check_choice, check_int, check_number
@@ -68,6 +68,10 @@ class PlacementConfig:
     #: largest padding of the owned layout (padding / matrix elements, 0.02 = 2%) that layout "auto" accepts
     #: before it switches to the mixed layout
     max_padding: float = DEFAULT_MAX_PADDING
+    #: name fragments of >=3-D matrices that are stacks of experts along dim 0 (E matrices of the trailing shape, updated and costed one by one), besides the automatic rule: a path component "experts" (transformers 5 MoE)
+    expert_params: tuple[str, ...] = ()
+    #: experts per stack (dim 0 of every expert stack; a stack with another dim 0 is refused); null = the model config's num_experts / num_local_experts / n_routed_experts where one is at hand, else unchecked
+    num_experts: int | None = None
 
     def __post_init__(self) -> None:
         check_choice("planner", self.planner, ATOMIC_DP_PLANNERS)
@@ -78,10 +82,12 @@ class PlacementConfig:
         if isinstance(self.bucket_numel, float) and self.bucket_numel.is_integer():  # JSON 5e8
             object.__setattr__(self, "bucket_numel", int(self.bucket_numel))
         check_int("bucket_numel", self.bucket_numel, 1, 10**11)
-        for name in ("matrix_include", "matrix_exclude"):
+        for name in ("matrix_include", "matrix_exclude", "expert_params"):
             v = getattr(self, name)
             if not isinstance(v, tuple) or not all(isinstance(s, str) and s for s in v):
                 raise TypeError(f"Invalid {name}={v!r}. Must be a list of non-empty strings.")
+        if self.num_experts is not None:
+            check_int("num_experts", self.num_experts, 1, 2**20)
 
 
 @dataclass(frozen=True)
@@ -281,7 +287,7 @@ class CanzonaConfig:
         if adam_lr is None:
             adam_lr = lr if lr is not None else rule_cls.default_adam_lr
         placement_kw = {k: canonical.pop(k) for k in list(canonical) if k in _field_names(PlacementConfig)}
-        for k in ("matrix_include", "matrix_exclude"):
+        for k in ("matrix_include", "matrix_exclude", "expert_params"):
             if k in placement_kw:
                 placement_kw[k] = _as_strings(k, placement_kw[k])
         common_kw = {k: canonical.pop(k) for k in list(canonical) if k in _field_names(CommonKeys)}
@@ -293,6 +299,17 @@ class CanzonaConfig:
     def is_matrix(self, name: str, shape: tuple[int, ...], use_muon: bool | None = None) -> bool:
         """Matrix rule (True) or AdamW (False): planning.params.is_matrix with this config's lists."""
         return is_matrix(name, shape, self.placement.matrix_include, self.placement.matrix_exclude, use_muon)
+
+    def experts_of(self, name: str, shape: tuple[int, ...], model_num_experts: int | None = None) -> int | None:
+        """Experts in a matrix parameter (None: one matrix; planning.params.matrix_experts with
+        this config's ``expert_params``/``num_experts``).  ``model_num_experts``: the model
+        config's count; ds_config's ``num_experts`` must agree with it when both are given."""
+        expected = self.placement.num_experts
+        if expected is not None and model_num_experts is not None and expected != model_num_experts:
+            raise ValueError(f"Optimizer params num_experts={expected} disagrees with the model config's "
+                             f"{model_num_experts} experts.")
+        return matrix_experts(name, shape, self.placement.expert_params,
+                              expected if expected is not None else model_num_experts)
 
     @property
     def adam_lr_ratio(self) -> float:

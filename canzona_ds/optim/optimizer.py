@@ -41,12 +41,16 @@ Per-matrix rule state lives in ``matrix_state`` (name -> dict of tensors, on the
 device), saved under ``"canzona"`` in :meth:`state_dict`.  Keyed by name, it can follow
 its matrix to another rank when the DP or TP size changes.
 
+An expert stack (a >= 3-D parameter of E experts along dim 0: ``planning.params.matrix_experts``)
+is ONE parameter of the groups, the plan and ZeRO's layout (its experts stay together on one
+owner: docs/zero.md explains why) and E matrices to the rule: E updates, E states keyed
+``"<stack>[e]"``, E times one expert's cost.
+
 Parameters are never tagged ``use_muon`` here, and the class name contains no "muon":
 DeepSpeed's ZeRO would otherwise run its own Newton-Schulz on them.
 """
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Iterable, Mapping
 
@@ -56,12 +60,15 @@ from torch.optim.adamw import adamw as _adamw_functional
 
 from ..parallel import ParallelGroups
 from ..placement import HOLDING, FlatView, HostedPlacement, StepContext, describe_matrix
+from ..planning.cost import stack_bound
 from ..planning.dp import OwnershipPlan, choose_layout
-from ..planning.params import ParamSpec, expert_stack
+from ..planning.params import ParamSpec
 from .config import CanzonaConfig
 from .rule import MatrixInfo
 
 MATRIX, AUX = "matrix", "aux"
+#: warn when keeping expert stacks whole forces the busiest DP rank above this x the average load
+STACK_WARN_RATIO = 1.25
 STATE_KEY = "canzona"
 
 __all__ = ["AUX", "MATRIX", "STATE_KEY", "CanzonaOptimizer", "FlatView", "adamw_group_step"]
@@ -80,12 +87,14 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             parameters built under ``deepspeed.zero.Init``), by name.
         partitions: parameter name -> expert group name for expert parameters (DeepSpeed MoE;
             each name one of ``groups.experts``); the others are dense.
+        num_experts: the model config's number of experts, where one is at hand
+            (``planning.params.model_num_experts``): every expert stack's dim 0 must equal it.
     """
 
     def __init__(self, named_parameters: Iterable[tuple[str, Tensor]], config: CanzonaConfig,
                  groups: ParallelGroups | None = None, placement: str = "local",
                  shapes: Mapping[str, tuple[int, ...]] | None = None,
-                 partitions: Mapping[str, str] | None = None) -> None:
+                 partitions: Mapping[str, str] | None = None, num_experts: int | None = None) -> None:
         if not isinstance(config, CanzonaConfig):
             raise TypeError(f"config must be a CanzonaConfig, got {type(config).__name__}")
         groups = ParallelGroups.single() if groups is None else groups
@@ -110,15 +119,15 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         matrices, aux = [], []
         for n, p in named:
             (matrices if config.is_matrix(n, shape_of[n], getattr(p, "use_muon", None)) else aux).append((n, p))
-        stacks = [(n, shape_of[n]) for n, p in matrices if expert_stack(n, shape_of[n])]
-        if stacks:
-            n, shape = stacks[0]
+        # an expert stack is E matrices (optim/rule.rule_step); an unknown >= 3-D parameter is refused
+        experts = {n: config.experts_of(n, shape_of[n], num_experts) for n, p in matrices}
+        stacks = [n for n, e in experts.items() if e is not None]
+        if stacks and placement == "sharded":
             raise ValueError(
-                f"{len(stacks)} parameter(s) are stacks of expert matrices, e.g. {n!r} {list(shape)}: {shape[0]} "
-                f"experts of {list(shape[1:])}. {self.rule.name} would update each stack as ONE "
-                f"[{shape[0]}, {math.prod(shape[1:])}] matrix, not per expert, and per-expert updates are not "
-                "implemented yet. Send the experts to AdamW: add \"experts\" to the optimizer params' "
-                f"matrix_exclude (now {list(config.placement.matrix_exclude)}).")
+                f"{len(stacks)} expert stack(s), e.g. {stacks[0]!r} {list(shape_of[stacks[0]])}, at ZeRO stage 3: the "
+                "stage-3 host would update a stack as one matrix, and per-expert hosting is not implemented yet. Use "
+                "ZeRO stage 1 or 2 (each stack updated per expert on its owner), or send the experts to AdamW "
+                "(add \"experts\" to matrix_exclude).")
         #: every matrix's description, by name (full shape for TP-split matrices)
         self.infos: dict[str, MatrixInfo] = {}
         #: TP-split matrices (name -> TPMatrix), hosted over the TP group
@@ -132,7 +141,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
                 heads = getattr(p, "muon_num_heads", None) if config.per_head_muon else None
                 self.infos[n] = MatrixInfo(n, shape_of[n], heads)
                 continue
-            spec, info, tpm = describe_matrix(n, p, groups.tp_size, config.per_head_muon)
+            spec, info, tpm = describe_matrix(n, p, groups.tp_size, config.per_head_muon, experts[n])
             specs.append(spec)
             self.infos[n] = info
             if tpm is not None:
@@ -185,7 +194,8 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         self.matrix_names = [n for n, _ in ordered_matrices]
         self.aux_names = [n for n, _ in ordered_aux]
         super().__init__(param_groups, {})
-        #: rule state by matrix name (this rank's owned/local matrices and hosted TP matrices)
+        #: rule state by matrix name (this rank's owned/local matrices and hosted TP matrices; one
+        #: entry per expert of a stack, ``"<stack>[e]"``)
         self.matrix_state: dict[str, dict[str, Tensor]] = {}
         #: whole shape of every trainable parameter, by name
         self.shapes = shape_of
@@ -195,6 +205,9 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         #: hosted over DP (MatrixRule.elementwise_state, e.g. Muon's momentum), by name; the host's
         #: matrix_state entry holds the other keys
         self.piece_state: dict[str, dict[str, Tensor]] = {}
+        #: every rule-state key's matrix: the infos, with each stack replaced by its experts
+        self.state_infos: dict[str, MatrixInfo] = {i.name: i for info in self.infos.values()
+                                                   for i in info.state_infos()}
         self.placement = HOLDING[placement](self.matrix_names)
         if placement == "local":
             self.placement.track(ordered_matrices)
@@ -276,6 +289,10 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         and the TP-split ones it hosts."""
         return self.placement.handled_names()
 
+    def handled_state_names(self) -> list[str]:
+        """The rule-state keys of :meth:`handled_names` (an expert stack's: one per expert)."""
+        return [i.name for n in self.handled_names() for i in self.infos[n].state_infos()]
+
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure=None):
@@ -325,7 +342,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         to that matrix's device (keeping its dtype)."""
         device = self._device()
         for name, st in matrix_state.items():
-            if name not in self.infos:
+            if name not in self.state_infos:
                 raise ValueError(f"Saved optimizer state has matrix {name!r}, which this model does not have.")
             self.matrix_state[name] = {k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in st.items()}
 
@@ -356,10 +373,15 @@ def _plan(specs: list[ParamSpec], dp: int, config: CanzonaConfig, rule, moe: boo
         raise ValueError("layout='mixed' is not implemented with DeepSpeed MoE expert groups (each matrix group "
                          "would host over its own DP group). Use layout 'owned' or 'auto' (which keeps the owned "
                          "layout under MoE).")
+    stacks = [s.name for s in specs if s.num_experts is not None]
+    if placement.layout == "mixed" and stacks:
+        raise ValueError(f"layout='mixed' would host expert stacks over the DP group ({len(stacks)} here, e.g. "
+                         f"{stacks[0]!r}), and per-expert hosting is not implemented. Use layout 'owned' or 'auto' "
+                         "(which keeps the owned layout for them).")
     plan, _, why = choose_layout(specs, dp, layout=placement.layout, max_padding=placement.max_padding,
                                  planner=placement.planner, alpha=placement.alpha, cost=placement.cost_model,
                                  model=rule, bucket_numel=placement.bucket_numel,
-                                 allow_mixed=not tp_split and not moe)
+                                 allow_mixed=not tp_split and not moe and not stacks)
     plan.extra["layout_choice"] = why  # reported in checkpoints (canzona_layout.layout_choice)
     if "cannot host" in why:
         warnings.warn(f"CanzonaOptimizer: {why} (DP={dp}); the replicated ZeRO buffer carries that padding.",
@@ -369,6 +391,12 @@ def _plan(specs: list[ParamSpec], dp: int, config: CanzonaConfig, rule, moe: boo
                          "a matrix optimizer needs every matrix whole on one rank.")
     if sorted(plan.buffer_order()) != list(range(len(specs))):
         raise RuntimeError(f"Planner {placement.planner!r} did not assign every matrix exactly once.")
+    bound = stack_bound(specs, dp, placement.cost_model, rule)
+    if bound > STACK_WARN_RATIO:
+        warnings.warn(f"An expert stack bounds the DP plan: its busiest rank carries >= {bound:.2f}x the average "
+                      f"{placement.cost_model} load at dp={dp}, because ZeRO-1/2 keeps each stack of experts whole on "
+                      "one owner (docs/zero.md, 'Mixture of experts'). Expert parallelism (fewer experts per stack and "
+                      "rank) or a smaller DP group balances it; `canzona-plan` shows the ratios.", stacklevel=3)
     if plan.mixed:
         return plan
     return plan.nonempty_first()  # rank 0 must own a matrix (planning/layout.py): relabel ranks

@@ -36,15 +36,19 @@ from .rule import MatrixInfo, rule_step
 class ReferenceOptimizer:
     """Rule on every whole matrix + torch.optim.AdamW on the rest, one process."""
 
-    def __init__(self, named_parameters: Iterable[tuple[str, Tensor]], config: CanzonaConfig) -> None:
+    def __init__(self, named_parameters: Iterable[tuple[str, Tensor]], config: CanzonaConfig,
+                 num_experts: int | None = None) -> None:
         self.config = config
         self.rule = config.rule
         named = [(n, p) for n, p in named_parameters if p.requires_grad]
         self.matrices, aux = [], []
         for n, p in named:
             (self.matrices if config.is_matrix(n, tuple(p.shape), getattr(p, "use_muon", None)) else aux).append((n, p))
-        self.infos = {n: MatrixInfo(n, tuple(p.shape), getattr(p, "muon_num_heads", None) if config.per_head_muon
-                                    else None) for n, p in self.matrices}
+        self.infos = {}
+        for n, p in self.matrices:
+            experts = config.experts_of(n, tuple(p.shape), num_experts)  # a stack: rule_step per expert
+            heads = getattr(p, "muon_num_heads", None) if config.per_head_muon and experts is None else None
+            self.infos[n] = MatrixInfo(n, tuple(p.shape), heads, experts)
         self.aux = [p for _, p in aux]
         self.state: dict[str, dict[str, Tensor]] = {}
         self.step_count = 0

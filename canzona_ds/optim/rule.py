@@ -15,6 +15,9 @@ its shard of the single-process update: that is why hosting is exact.  ``step`` 
 optimizer's step count (1 for the first step), the same on every rank, so scales need no
 per-matrix state and every TP rank can compute them.
 
+A rule never sees a stack of experts (a 3-D MoE parameter, ``MatrixInfo.num_experts``):
+:func:`rule_step` runs it on each expert ``W[e]`` as a matrix of its own, with its own state.
+
 A rule is also a cost model (pure arithmetic, no tensors): :meth:`MatrixRule.flops` and
 :meth:`MatrixRule.state_bytes` of a 2-D shape are what the DP planner and the TP
 scheduler balance.  Adding an optimizer = one file with a ``MatrixRule`` subclass and a
@@ -42,10 +45,36 @@ class MatrixInfo:
     shape: tuple[int, ...]
     #: Muon per-head orthogonalisation: dim 0 holds this many equal heads (None: whole matrix)
     num_heads: int | None = None
+    #: a stack of this many expert matrices along dim 0 (None: one matrix).  A rule never sees
+    #: a stack: :func:`rule_step` runs it on every expert (:meth:`expert`) as its own matrix
+    num_experts: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_experts is not None and (len(self.shape) < 3 or self.shape[0] != self.num_experts
+                                             or self.num_heads is not None):
+            raise ValueError(f"Invalid num_experts={self.num_experts} for {self.name!r} {list(self.shape)}: an expert "
+                             "stack is >= 3-D with one expert per index of dim 0 (and not per-head).")
 
     @property
     def shape2d(self) -> tuple[int, int]:
-        return (self.shape[0], math.prod(self.shape[1:]))
+        """The 2-D shape the rule works on (one expert's, for a stack)."""
+        shape = self.shape[1:] if self.num_experts is not None else self.shape
+        return (shape[0], math.prod(shape[1:]))
+
+    def expert(self, e: int) -> "MatrixInfo":
+        """Expert ``e`` of a stack as its own matrix, named ``<stack>[e]`` (its state's key)."""
+        return MatrixInfo(expert_name(self.name, e), tuple(self.shape[1:]))
+
+    def state_infos(self) -> list["MatrixInfo"]:
+        """The matrices whose rule state this parameter keeps: itself, or each expert."""
+        if self.num_experts is None:
+            return [self]
+        return [self.expert(e) for e in range(self.num_experts)]
+
+
+def expert_name(stack: str, e: int) -> str:
+    """The name (and state key) of expert ``e`` of the stack ``stack``: ``"<stack>[e]"``."""
+    return f"{stack}[{e}]"
 
 
 #: FLOPs of a symmetric eigendecomposition with eigenvectors, per k^3 (Golub & Van Loan:
@@ -105,6 +134,14 @@ class MatrixRule(ABC):
         """The direction from :meth:`pre_direction`'s result of the whole matrix and the other
         state keys.  ``direction(g, st, ...) == direction_from(pre_direction(g, st), st, ...)``."""
         return self.direction(pre, state, info, step)
+
+    def stack_direction(self, grad: Tensor, states: list[dict[str, Tensor]], infos: list[MatrixInfo],
+                        step: int) -> Tensor | None:
+        """Directions of every expert of a stack at once (``grad``: [E, ...]; ``states[e]`` and
+        ``infos[e]``: expert e's), equal to :meth:`direction` on each expert, or None to let
+        :func:`rule_step` loop over the experts.  A rule overrides it to batch small experts
+        (Muon: one batched Newton-Schulz instead of E)."""
+        return None
 
     def direction_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
         """dtype of :meth:`direction`'s result for a gradient of ``grad_dtype``; TP hosts send
@@ -185,7 +222,22 @@ def rule_step(rule: "MatrixRule", param: Tensor, grad: Tensor, states: dict[str,
 
     What every placement (local, ZeRO-owned; the TP/DP host computes ``direction`` itself and
     each rank applies its shard with :func:`apply_rule_update`), the single-process reference
-    and the baselines call."""
+    and the baselines call.
+
+    An expert stack (``info.num_experts`` = E) is E independent matrices: expert e is updated
+    on the view ``param[e]`` with its own state ``states["<name>[e]"]`` (:meth:`MatrixInfo.expert`),
+    exactly as if it were a 2-D parameter of its own."""
+    if info.num_experts is not None:
+        experts = info.state_infos()
+        expert_states = [rule_state(states, i.name, rule, i, like=param[e]) for e, i in enumerate(experts)]
+        D = rule.stack_direction(grad, expert_states, experts, step)
+        if D is None:
+            for e, i in enumerate(experts):
+                apply_rule_update(param[e], rule.direction(grad[e], expert_states[e], i, step), rule, i, step, lr,
+                                  weight_decay)
+        else:  # every expert has the same shape, hence the same scales: one element-wise update
+            apply_rule_update(param, D, rule, experts[0], step, lr, weight_decay)
+        return
     state = rule_state(states, info.name, rule, info, like=param)
     apply_rule_update(param, rule.direction(grad, state, info, step), rule, info, step, lr, weight_decay)
 

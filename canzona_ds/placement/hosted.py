@@ -25,20 +25,26 @@ from ..tp.runtime import FlatSplit, MicroGroupRuntime, TPMatrix
 from .base import StepContext
 
 
-def describe_matrix(name: str, param: Tensor, tp_size: int, per_head: bool
+def describe_matrix(name: str, param: Tensor, tp_size: int, per_head: bool, num_experts: int | None = None
                     ) -> tuple[ParamSpec, MatrixInfo, TPMatrix | None]:
     """(planner spec of what this rank holds, the rule's view of the WHOLE matrix, its TP split or
-    None) for one matrix parameter."""
+    None) for one matrix parameter; ``num_experts``: the parameter is a stack of that many experts."""
     heads = getattr(param, "muon_num_heads", None) if per_head else None
     if TPMatrix.is_split(param, tp_size):
+        if num_experts is not None:
+            raise ValueError(f"Expert stack {name!r} {list(param.shape)} is tensor-parallel: per-expert updates of a "
+                             "TP-split stack are not supported (shard experts with expert parallelism instead).")
         tpm = TPMatrix.from_param(name, param, tp_size)
         if not per_head:
             tpm = TPMatrix(tpm.name, tpm.full_shape, tpm.partition_dim, tpm.shard_sizes, None)
         spec = ParamSpec(name, tuple(param.shape), "matrix", tp_partition_dim=tpm.partition_dim, tp_size=tp_size,
                          num_heads=tpm.num_heads)
         return spec, tpm.info, tpm
-    return ParamSpec(name, tuple(param.shape), "matrix", num_heads=heads), MatrixInfo(name, tuple(param.shape),
-                                                                                     heads), None
+    if num_experts is not None:
+        heads = None  # per-head Muon applies to attention projections, never to experts
+    shape = tuple(param.shape)
+    return (ParamSpec(name, shape, "matrix", num_heads=heads, num_experts=num_experts),
+            MatrixInfo(name, shape, heads, num_experts), None)
 
 
 class HostedPlacement:

@@ -9,6 +9,12 @@ What is planned (shared by ``canzona-plan`` and ``benchmarks/plan_sweep.py``):
          these are the tasks its TP group reassembles and schedules (the setting of the
          paper's Figure 3b).  ``tp_whole_model`` also reports scheduling every TP-split
          matrix of the model in one TP group (the DP=1 case).
+    experts  for a mixture-of-experts model, ``expert_stacks``: the default DP planner with
+         every stack whole (one unit of ownership, as the ZeRO-1/2 layout keeps it) and with
+         each expert a unit of its own (``per_expert``, planned by ``lpt``: what splitting
+         stacks across owners could reach), each with its FLOPs and memory max/avg.  ``ep`` is the expert-parallel
+         size the plan assumes: 1 here (DeepSpeed MoE expert parallelism plans experts over
+         their expert-data-parallel group; docs/zero.md).
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ from pathlib import Path
 
 from .dp import DEFAULT_DP_PLANNER, DEFAULT_BUCKET_NUMEL, DP_PLANNERS, OwnershipPlan, plan_dp
 from .models import matrix_specs, model_shape, model_specs
+from .params import split_experts
 from .report import dp_report, rank_costs, tp_report
 from .tp import DEFAULT_TP_SCHEDULER, TP_SCHEDULERS, plan_tp
 
@@ -78,6 +85,9 @@ def compare(
         summary["dp_planners"][name] = dp_report(plan, cost_model).as_dict()
     summary["layout"] = _layout_summary(mats, dp, dp_planner, alpha, cost, cost_model, bucket_numel)
     default = out.dp_plans[dp_planner]
+    stacks = [s for s in mats if s.num_experts is not None]
+    if stacks:
+        summary["expert_stacks"] = _expert_stacks(default, mats, stacks, dp, dp_planner, cost, cost_model)
     flops = rank_costs(default, "flops", cost_model)
     busiest = max(range(dp), key=lambda r: (flops[r], -r))
     owned = [mats[i] for i in default.rank_params[busiest] if mats[i].is_tp_split]
@@ -118,3 +128,23 @@ def _layout_summary(mats, dp, planner, alpha, cost, cost_model, bucket_numel) ->
                     "hosted_sent_max": sb["hosted_sent_max"], "hosted_collectives": sb["hosted_collectives"],
                     "rank_cost": sb["rank_cost"]}
     return out
+
+
+#: the planner of the per-expert comparison
+PER_EXPERT_PLANNER = "lpt"
+
+
+def _expert_stacks(whole: OwnershipPlan, mats, stacks, dp: int, planner: str, cost: str, cost_model) -> dict:
+    """Stacks kept whole (the plan ZeRO-1/2 realises) against each expert a unit of its own."""
+    # lpt: thousands of experts make multi_lpt slow (minutes at 12k units), and lpt already
+    # balances them to within a percent
+    split = plan_dp(split_experts(mats), dp, planner=PER_EXPERT_PLANNER, cost=cost, model=cost_model)
+
+    def ratios(plan: OwnershipPlan) -> dict:
+        r = dp_report(plan, cost_model).as_dict()
+        return {k: r[k] for k in ("flops_ratio", "memory_ratio", "flops_lower_bound", "padding_fraction")}
+
+    return {"stacks": len(stacks), "experts_per_stack": sorted({s.num_experts for s in stacks}),
+            "largest_stack_numel": max(s.numel for s in stacks), "ep": 1, "planner": planner,
+            "per_expert_planner": PER_EXPERT_PLANNER,
+            "whole": ratios(whole), "per_expert": ratios(split)}

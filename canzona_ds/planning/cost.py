@@ -8,7 +8,8 @@ that are pure arithmetic::
 
 so the planners here stay free of torch: the caller passes the configured rule (Muon with
 its ns_steps, Shampoo with its precondition_frequency, ...), and ``canzona_ds.optim.
-cost_model("shampoo", ...)`` builds one by name.
+cost_model("shampoo", ...)`` builds one by name.  An expert stack (``ParamSpec.num_experts``
+= E) is E matrices of one expert's 2-D shape: its FLOPs and state are E times one expert's.
 
 Cost names a planner can balance (``COST_MODELS``):
 
@@ -85,11 +86,12 @@ def task_cost(spec: ParamSpec, cost: str, model: CostModel | None = None, hosted
         return float(spec.numel) * AUX_BYTES_PER_ELEMENT if cost == "memory" else 0.0
     model = _need_model(model, cost)
     shape = spec.full_matrix_shape if split else spec.matrix_shape
+    count = spec.matrix_count  # an expert stack: E matrices of one expert's shape
     if cost == "memory":
         local = spec.numel * (spec.tp_size if hosted and split else 1)
-        return float(local) * MASTER_GRAD_BYTES + model.state_bytes(shape, spec.num_heads) * share
+        return float(local) * MASTER_GRAD_BYTES + count * model.state_bytes(shape, spec.num_heads) * share
     f = model.flops(shape, spec.num_heads)
-    return (f.amortised if cost == "flops" else f.peak) * share
+    return count * (f.amortised if cost == "flops" else f.peak) * share
 
 
 def slice_cost(spec: ParamSpec, cost: str, load: float, part: int) -> float:
@@ -115,3 +117,14 @@ def cost_vector(specs: Sequence[ParamSpec], cost: str = "numel", model: CostMode
                 hosted: bool = False) -> list[float]:
     """:func:`task_cost` of every spec."""
     return [task_cost(s, cost, model, hosted) for s in specs]
+
+
+def stack_bound(specs: Sequence[ParamSpec], world_size: int, cost: str = "flops",
+                model: CostModel | None = None) -> float:
+    """Busiest rank / average that keeping every expert stack whole on one owner forces at least:
+    the largest stack's load over the average per-rank load (0.0 without stacks).  Above 1 no
+    plan of whole stacks balances; each expert as its own unit would (docs/zero.md)."""
+    loads = cost_vector(specs, cost, model)
+    stacks = [c for s, c in zip(specs, loads) if s.num_experts is not None]
+    total = sum(loads)
+    return max(stacks) * world_size / total if stacks and total > 0 else 0.0

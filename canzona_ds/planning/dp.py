@@ -990,5 +990,5 @@ def choose_layout(specs: Sequence[ParamSpec], world_size: int, layout: str = "au
     why = f"owned padding {pad:.2%} > max_padding {max_padding:.2%} and the mixed step costs less " \
           f"({mixed_cost:,} < {owned_cost:,} byte-equivalents per rank)"
     if not allow_mixed:
-        return atomic, atomic, f"{why}, but the mixed layout cannot host these matrices (tensor-parallel, or MoE expert groups): owned kept"
+        return atomic, atomic, f"{why}, but the mixed layout cannot host these matrices (tensor-parallel, expert stacks, or MoE expert groups): owned kept"
     return mixed, atomic, f"{why}: mixed"

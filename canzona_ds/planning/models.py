@@ -16,6 +16,25 @@ Per decoder layer (names as in Megatron-Core), TP-local shapes for TP size t:
 
 ``padded_vocab`` follows Megatron's ``_vocab_size_with_padding``: the vocabulary is
 rounded up to a multiple of ``make_vocab_size_divisible_by (128) * t``.
+
+Mixture-of-experts layers (``num_experts`` > 0; Qwen3-MoE, DeepSeek-V2), at t = 1::
+
+    mlp.router.weight                  (E, hidden)                 the router: one matrix
+    mlp.experts.linear_fc1             (E, 2 moe_ffn, hidden)      a stack of E experts
+    mlp.experts.linear_fc2             (E, hidden, moe_ffn)        (ParamSpec.num_experts = E)
+    mlp.shared_experts.linear_fc1.weight (2 shared_ffn, hidden)    DeepSeek's shared experts
+    mlp.shared_experts.linear_fc2.weight (hidden, shared_ffn)
+
+the first ``first_k_dense`` layers keep the dense MLP.  Multi-head latent attention
+(``kv_lora_rank`` > 0, DeepSeek-V2 without q compression)::
+
+    self_attention.linear_q_proj.weight       (heads (nope + rope), hidden)
+    self_attention.linear_kv_down_proj.weight (kv_lora + rope, hidden)
+    self_attention.kv_layernorm.weight        (kv_lora,)
+    self_attention.linear_kv_up_proj.weight   (heads (nope + v), kv_lora)
+    self_attention.linear_proj.weight         (hidden, heads v)
+
+Expert (EP) and tensor parallelism of these models are not modelled here: t must be 1.
 """
 from __future__ import annotations
 
@@ -29,7 +48,7 @@ from .params import ParamSpec
 
 MODELS_YAML = Path(__file__).resolve().parents[2] / "configs" / "models.yaml"
 VOCAB_DIVISIBLE_BY = 128
-GATED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe")
+GATED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "deepseek_v2")
 
 
 @dataclass(frozen=True)
@@ -53,6 +72,19 @@ class ModelShape:
     linear_bias: bool = False
     #: learned absolute position embeddings of this many positions (0: none, e.g. RoPE)
     learned_positions: int = 0
+    #: routed experts per MoE layer (0: a dense model)
+    num_experts: int = 0
+    #: one routed expert's FFN width
+    moe_intermediate_size: int = 0
+    #: FFN width of the shared experts together (DeepSeek: n_shared_experts x moe_intermediate_size)
+    shared_expert_intermediate_size: int = 0
+    #: the first layers that keep a dense MLP (DeepSeek's first_k_dense_replace)
+    first_k_dense: int = 0
+    #: multi-head latent attention (DeepSeek-V2): compressed KV rank (0: plain attention)
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
 
 
 def load_models(path: Path | str = MODELS_YAML) -> dict[str, dict]:
@@ -82,6 +114,15 @@ def _from_entry(name: str, cfg: dict) -> ModelShape:
         attention_bias=bool(cfg.get("attention_bias", False)),
         linear_bias=bool(cfg.get("linear_bias", False)),
         learned_positions=int(cfg.get("max_position_embeddings", 0)) if learned else 0,
+        num_experts=int(cfg.get("num_experts") or cfg.get("n_routed_experts") or 0),
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size")
+                                            or (cfg.get("n_shared_experts") or 0) * (cfg.get("moe_intermediate_size") or 0)),
+        first_k_dense=int(cfg.get("first_k_dense_replace") or 0),
+        kv_lora_rank=int(cfg.get("kv_lora_rank") or 0),
+        qk_nope_head_dim=int(cfg.get("qk_nope_head_dim") or 0),
+        qk_rope_head_dim=int(cfg.get("qk_rope_head_dim") or 0),
+        v_head_dim=int(cfg.get("v_head_dim") or 0),
     )
 
 
@@ -103,6 +144,12 @@ def _from_hf_config(path: Path) -> ModelShape:
         raise ValueError(f"{path}: config.json lacks {missing} (model_type={model_type!r}); cannot build shapes")
     entry = dict(cfg)
     entry["qk_norm"] = model_type.startswith("qwen3")
+    if cfg.get("q_lora_rank"):
+        raise ValueError(f"{path}: q_lora_rank={cfg['q_lora_rank']} (compressed queries, DeepSeek-V2/V3 full size) is "
+                         "not modelled; only q_lora_rank null (DeepSeek-V2-Lite) is.")
+    if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("moe_layer_freq", 1) != 1:
+        raise ValueError(f"{path}: MoE layers interleaved with dense ones (mlp_only_layers, decoder_sparse_step or "
+                         "moe_layer_freq) are not modelled; every layer from first_k_dense_replace on is MoE here.")
     entry["gated_mlp"] = model_type in GATED_MODEL_TYPES or cfg.get("hidden_act") == "silu"
     entry["attention_bias"] = cfg.get("attention_bias", model_type == "qwen2")
     entry.setdefault("tie_word_embeddings", False)
@@ -144,6 +191,9 @@ def model_specs(name_or_path: str | Path, tp: int = 1, pad_vocab: bool = True) -
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"Invalid tp={tp!r}. Must be an int >= 1.")
     m = model_shape(name_or_path)
+    if (m.num_experts or m.kv_lora_rank) and tp != 1:
+        raise ValueError(f"Invalid tp={tp} for {m.name}: mixture-of-experts and latent-attention models are "
+                         "planned at tp=1 (expert and tensor parallelism of their layers are not modelled).")
     h, hd = m.hidden_size, m.head_dim
     q_out = m.num_attention_heads * hd
     kv_out = m.num_key_value_heads * hd
@@ -169,6 +219,11 @@ def model_specs(name_or_path: str | Path, tp: int = 1, pad_vocab: bool = True) -
     for i in range(m.num_hidden_layers):
         p = f"decoder.layers.{i}"
         specs += norm(f"{p}.input_layernorm", h)
+        if m.kv_lora_rank:
+            specs += _mla_specs(m, p)
+            specs += norm(f"{p}.pre_mlp_layernorm", h)
+            specs += _mlp_specs(m, p, i, ffn)
+            continue
         specs.append(ParamSpec(f"{p}.self_attention.linear_qkv.weight", (qkv_local, h), "matrix", **col))
         if m.attention_bias:
             specs.append(ParamSpec(f"{p}.self_attention.linear_qkv.bias", (qkv_local,), "aux", **col))
@@ -179,6 +234,9 @@ def model_specs(name_or_path: str | Path, tp: int = 1, pad_vocab: bool = True) -
         if m.linear_bias:
             specs.append(ParamSpec(f"{p}.self_attention.linear_proj.bias", (h,), "aux"))
         specs += norm(f"{p}.pre_mlp_layernorm", h)
+        if m.num_experts and i >= m.first_k_dense:
+            specs += _mlp_specs(m, p, i, ffn)
+            continue
         specs.append(ParamSpec(f"{p}.mlp.linear_fc1.weight", (fc1_local, h), "matrix", **col))
         if m.linear_bias:
             specs.append(ParamSpec(f"{p}.mlp.linear_fc1.bias", (fc1_local,), "aux", **col))
@@ -189,6 +247,34 @@ def model_specs(name_or_path: str | Path, tp: int = 1, pad_vocab: bool = True) -
     if not m.tie_word_embeddings:
         specs.append(ParamSpec("output_layer.weight", (vocab_local, h), "aux", **col))
     return specs
+
+
+def _mla_specs(m: ModelShape, p: str) -> list[ParamSpec]:
+    """Multi-head latent attention without query compression (DeepSeek-V2-Lite), tp=1."""
+    heads, h = m.num_attention_heads, m.hidden_size
+    rope, nope, v, rank = m.qk_rope_head_dim, m.qk_nope_head_dim, m.v_head_dim, m.kv_lora_rank
+    return [ParamSpec(f"{p}.self_attention.linear_q_proj.weight", (heads * (nope + rope), h), "matrix"),
+            ParamSpec(f"{p}.self_attention.linear_kv_down_proj.weight", (rank + rope, h), "matrix"),
+            ParamSpec(f"{p}.self_attention.kv_layernorm.weight", (rank,), "aux"),
+            ParamSpec(f"{p}.self_attention.linear_kv_up_proj.weight", (heads * (nope + v), rank), "matrix"),
+            ParamSpec(f"{p}.self_attention.linear_proj.weight", (h, heads * v), "matrix")]
+
+
+def _mlp_specs(m: ModelShape, p: str, layer: int, ffn: int) -> list[ParamSpec]:
+    """Layer ``layer``'s MLP at tp=1: dense, or the router, the expert stacks and the shared experts."""
+    h, up = m.hidden_size, 2 if m.gated_mlp else 1
+    if not m.num_experts or layer < m.first_k_dense:
+        return [ParamSpec(f"{p}.mlp.linear_fc1.weight", (up * ffn, h), "matrix"),
+                ParamSpec(f"{p}.mlp.linear_fc2.weight", (h, ffn), "matrix")]
+    e, moe = m.num_experts, m.moe_intermediate_size
+    out = [ParamSpec(f"{p}.mlp.router.weight", (e, h), "matrix"),
+           ParamSpec(f"{p}.mlp.experts.linear_fc1", (e, up * moe, h), "matrix", num_experts=e),
+           ParamSpec(f"{p}.mlp.experts.linear_fc2", (e, h, moe), "matrix", num_experts=e)]
+    shared = m.shared_expert_intermediate_size
+    if shared:
+        out += [ParamSpec(f"{p}.mlp.shared_experts.linear_fc1.weight", (up * shared, h), "matrix"),
+                ParamSpec(f"{p}.mlp.shared_experts.linear_fc2.weight", (h, shared), "matrix")]
+    return out
 
 
 def matrix_specs(specs: list[ParamSpec]) -> list[ParamSpec]:

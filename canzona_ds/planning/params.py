@@ -9,6 +9,8 @@ rank, when tensor parallelism splits it):
               "aux"    -> element-wise AdamW: may be sliced anywhere
     tp_*      Megatron-style tensor-parallel split of the full matrix, if any
     num_heads Muon per-head: the full matrix's dim 0 holds this many heads
+    num_experts  a stack of E expert matrices along dim 0 (transformers 5 MoE): E updates of
+              the trailing 2-D shape, costed E times (:func:`matrix_experts` decides)
 
 Which parameters are matrices is decided in ONE place, :func:`is_matrix`, used by the
 optimizer, its reference and the planners alike::
@@ -19,10 +21,12 @@ optimizer, its reference and the planners alike::
     3. name contains a ``matrix_include`` fragment -> matrix
     4. name contains a ``matrix_exclude`` fragment -> aux   (default DEFAULT_EXCLUDE:
        embeddings, lm_head, output_layer, wte/wpe)
-    5. the module holding it is an output head:   -> aux   (HEAD_MODULES: a parameter
+    5. its own name ends in "bias"                -> aux   (a stack of biases, e.g. gpt-oss's
+                                                           ``mlp.experts.gate_up_proj_bias`` [E, 2I])
+    6. the module holding it is an output head:   -> aux   (HEAD_MODULES: a parameter
        ``<...>.output.weight``, ``<...>.head.weight``, ``<...>.classifier.weight``; the
        module name itself, so ``attention.output.dense.weight`` stays a matrix)
-    6. otherwise                                  -> matrix
+    7. otherwise                                  -> matrix
 """
 from __future__ import annotations
 
@@ -54,16 +58,76 @@ def is_matrix(name: str, shape: Sequence[int], include: Iterable[str] = (),
     if any(s.lower() in lowered for s in exclude):
         return False
     parts = lowered.split(".")
+    if parts[-1].endswith("bias"):
+        return False
     module = parts[-2] if len(parts) >= 2 else ""
     return module not in HEAD_MODULES
 
 
-def expert_stack(name: str, shape: Sequence[int]) -> bool:
-    """A >= 3-D parameter of an ``experts`` module: E expert matrices stacked along dim 0 (how
-    transformers 5 stores MoE experts: ``mlp.experts.gate_up_proj`` [E, 2I, H]).  Flattening its
-    trailing dims (the rule for other >= 3-D parameters, e.g. conv filters) would make it ONE
-    [E, out*in] matrix, which is not E expert updates."""
-    return len(shape) >= 3 and "experts" in name.split(".")
+#: the path component that marks a module's >= 3-D parameters as stacks of experts (transformers
+#: 5: ``mlp.experts.gate_up_proj`` [E, 2I, H], ``mlp.experts.down_proj`` [E, H, I])
+EXPERTS_COMPONENT = "experts"
+#: HF config attributes that hold a model's number of routed experts (Qwen2/3-MoE, OLMoE:
+#: num_experts; Mixtral, gpt-oss: num_local_experts; DeepSeek-V2/V3: n_routed_experts)
+CONFIG_EXPERT_KEYS: tuple[str, ...] = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def expert_stack(name: str, shape: Sequence[int], declared: Iterable[str] = ()) -> bool:
+    """A >= 3-D parameter holding E expert matrices stacked along dim 0: a parameter of an
+    ``experts`` module (a path component), or one whose name contains a ``declared`` fragment
+    (ds_config ``expert_params``).  Flattening its trailing dims would make it ONE [E, out*in]
+    matrix, which is not E expert updates."""
+    if len(shape) < 3:
+        return False
+    lowered = name.lower()
+    return EXPERTS_COMPONENT in lowered.split(".") or any(s.lower() in lowered for s in declared)
+
+
+def matrix_experts(name: str, shape: Sequence[int], declared: Iterable[str] = (),
+                   num_experts: int | None = None) -> int | None:
+    """How a matrix parameter is updated, decided in ONE place (optimizer, reference, planners)::
+
+        2-D                                   one matrix                        -> None
+        >= 3-D expert stack (expert_stack)    E = shape[0] matrices of shape[1:] -> E
+                                              (``num_experts``, when known, must equal shape[0])
+        >= 3-D ``<module>.weight`` otherwise  one matrix [shape[0], prod(rest)]  -> None
+                                              (conv kernels [out, in, *k], as Muon's reference code)
+        >= 3-D anything else                  refused by name: an unnamed stack (a custom MoE's
+                                              ``w1`` [E, H, I]) would be flattened into one wrong
+                                              matrix
+
+    ``num_experts``: the model's number of experts (its config's, or ds_config's); None = not
+    checked."""
+    shape = tuple(shape)
+    if len(shape) < 3:
+        return None
+    if expert_stack(name, shape, declared):
+        if num_experts is not None and shape[0] != num_experts:
+            raise ValueError(f"Parameter {name!r} {list(shape)} looks like a stack of experts, but its dim 0 "
+                             f"({shape[0]}) is not the model's num_experts={num_experts}. A stack must hold one "
+                             "expert per index of dim 0; set optimizer params num_experts, or leave the parameter "
+                             "to AdamW with matrix_exclude.")
+        if shape[0] < 1:
+            raise ValueError(f"Expert stack {name!r} {list(shape)} holds no expert.")
+        return shape[0]
+    if name.split(".")[-1] == "weight":
+        return None
+    raise ValueError(f"Parameter {name!r} has shape {list(shape)}: a >= 3-D parameter that is neither a module's "
+                     f"'weight' (a conv kernel, flattened to [{shape[0]}, {math.prod(shape[1:])}]) nor a stack of "
+                     f"experts (a path component {EXPERTS_COMPONENT!r}). If dim 0 indexes experts, list a fragment of "
+                     "its name in the optimizer params' expert_params; otherwise send it to AdamW with "
+                     "matrix_exclude.")
+
+
+def model_num_experts(module) -> int | None:
+    """The number of routed experts in a model's (HF-style) ``config``, or None where none is
+    at hand (duck-typed: no torch/transformers import)."""
+    config = getattr(module, "config", None)
+    for key in CONFIG_EXPERT_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def default_is_matrix(name: str, shape: Sequence[int]) -> bool:
@@ -85,6 +149,9 @@ class ParamSpec:
     tp_size: int = 1
     #: Muon per-head: heads along dim 0 of the FULL matrix (None = whole matrix)
     num_heads: int | None = None
+    #: a stack of this many expert matrices along dim 0 (None = one matrix): E independent
+    #: updates of the trailing shape, costed E times (:func:`matrix_experts`)
+    num_experts: int | None = None
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -102,6 +169,12 @@ class ParamSpec:
         if self.num_heads is not None and (self.num_heads < 1 or self.full_shape[0] % self.num_heads):
             raise ValueError(f"Invalid num_heads={self.num_heads} for {self.name!r}: rows {self.full_shape[0]} "
                              "must split into that many equal heads.")
+        if self.num_experts is not None:
+            if self.role != "matrix" or len(self.shape) < 3 or self.num_experts != self.shape[0]:
+                raise ValueError(f"Invalid num_experts={self.num_experts} for {self.name!r} {self.shape}: an expert "
+                                 "stack is a >= 3-D matrix with one expert per index of dim 0.")
+            if self.is_tp_split or self.num_heads is not None:
+                raise ValueError(f"Expert stack {self.name!r} cannot be tensor-parallel or per-head.")
 
     @property
     def numel(self) -> int:
@@ -116,11 +189,18 @@ class ParamSpec:
         return self.tp_partition_dim is not None and self.tp_size > 1
 
     @property
+    def matrix_count(self) -> int:
+        """Independent matrices in this parameter: its experts, or 1."""
+        return 1 if self.num_experts is None else self.num_experts
+
+    @property
     def matrix_shape(self) -> tuple[int, int]:
-        """The 2-D shape a matrix optimizer sees (trailing dims flattened, like a conv kernel)."""
+        """The 2-D shape a matrix optimizer sees (trailing dims flattened, like a conv kernel);
+        for an expert stack, ONE expert's."""
         if len(self.shape) < 2:
             raise ValueError(f"{self.name!r} is not a matrix (shape {self.shape})")
-        return (self.shape[0], math.prod(self.shape[1:]))
+        shape = self.shape[1:] if self.num_experts is not None else self.shape
+        return (shape[0], math.prod(shape[1:]))
 
     @property
     def full_shape(self) -> tuple[int, ...]:
@@ -133,8 +213,23 @@ class ParamSpec:
 
     @property
     def full_matrix_shape(self) -> tuple[int, int]:
+        if self.num_experts is not None:
+            return self.matrix_shape
         shape = self.full_shape
         return (shape[0], math.prod(shape[1:]))
+
+
+def split_experts(specs: Iterable[ParamSpec]) -> list[ParamSpec]:
+    """Every expert stack replaced by its E experts as 2-D matrices of their own (``"<stack>[e]"``):
+    the plan a per-expert ownership unit would allow, against which keeping stacks whole (what the
+    ZeRO-1/2 layout does) is measured (``planning/compare.py``, docs/zero.md)."""
+    out = []
+    for s in specs:
+        if s.num_experts is None:
+            out.append(s)
+            continue
+        out += [ParamSpec(f"{s.name}[{e}]", tuple(s.shape[1:]), "matrix", s.dtype_bytes) for e in range(s.num_experts)]
+    return out
 
 
 def specs_from_named_shapes(named_shapes: Iterable[tuple[str, tuple[int, ...]]], dtype_bytes: int = 4,
@@ -145,7 +240,8 @@ def specs_from_named_shapes(named_shapes: Iterable[tuple[str, tuple[int, ...]]],
     for name, shape in named_shapes:
         shape = tuple(int(d) for d in shape)
         role: Role = "matrix" if is_matrix(name, shape, **matrix_kw) else "aux"
-        out.append(ParamSpec(name=name, shape=shape, role=role, dtype_bytes=dtype_bytes))
+        experts = matrix_experts(name, shape) if role == "matrix" else None
+        out.append(ParamSpec(name=name, shape=shape, role=role, dtype_bytes=dtype_bytes, num_experts=experts))
     return out
 
 
@@ -166,6 +262,7 @@ def specs_from_module(module, tp_size: int = 1, **matrix_kw) -> list[ParamSpec]:
         split = getattr(p, "tensor_model_parallel", False) and tp_size > 1
         pdim = getattr(p, "partition_dim", None) if split else None
         heads = getattr(p, "muon_num_heads", None) if role == "matrix" else None
+        experts = matrix_experts(name, shape, num_experts=model_num_experts(module)) if role == "matrix" else None
         out.append(ParamSpec(name=name, shape=shape, role=role, dtype_bytes=p.element_size(), tp_partition_dim=pdim,
-                             tp_size=tp_size if pdim is not None else 1, num_heads=heads))
+                             tp_size=tp_size if pdim is not None else 1, num_heads=heads, num_experts=experts))
     return out

@@ -147,13 +147,16 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
             if getattr(p, "tensor_model_parallel", False):
                 raise ValueError(f"LayerwiseOptimizer is a DP baseline: {n!r} is tensor-parallel (not supported).")
             (matrices if config.is_matrix(n, tuple(p.shape), getattr(p, "use_muon", None)) else aux).append((n, p))
-        self.infos = {n: MatrixInfo(n, tuple(p.shape), getattr(p, "muon_num_heads", None) if config.per_head_muon
-                                    else None) for n, p in matrices}
+        experts = {n: config.experts_of(n, tuple(p.shape)) for n, p in matrices}  # stacks: per expert
+        self.infos = {n: MatrixInfo(n, tuple(p.shape), getattr(p, "muon_num_heads", None)
+                                    if config.per_head_muon and experts[n] is None else None, experts[n])
+                      for n, p in matrices}
         #: the layer-wise ownership plan (None without matrices)
         self.plan: OwnershipPlan | None = None
         self.owner: dict[str, int] = {}
         if matrices:
-            specs = [ParamSpec(n, tuple(p.shape), "matrix", num_heads=self.infos[n].num_heads) for n, p in matrices]
+            specs = [ParamSpec(n, tuple(p.shape), "matrix", num_heads=self.infos[n].num_heads,
+                               num_experts=experts[n]) for n, p in matrices]
             self.plan = plan_dp(specs, self.dp_size, planner="layerwise", cost=cost, model=self.rule)
             self.owner = {n: self.plan.owner[i] for i, (n, _) in enumerate(matrices)}
         self.matrix_names = [n for n, _ in matrices]

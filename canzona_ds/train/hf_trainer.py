@@ -9,6 +9,18 @@ HF Trainer builds the engine itself (``deepspeed.initialize`` with the ds_config
 the only canzona-specific line is the registration, ``canzona_ds.integration.install()``.  HF shards the
 dataset over DP ranks with its own DistributedSampler; the dataset is a fixed set of
 windows drawn from the shipped corpus with the run seed.  Writes ``<out>/log_history.json``.
+
+``--model qwen3-moe-tiny``: a real transformers ``Qwen3MoeForCausalLM`` (2 layers, 8 experts
+per layer stored as 3-D ``mlp.experts.*`` stacks, which the Canzona types update expert by
+expert; the model's ``config.num_experts`` is checked against them)::
+
+    deepspeed --num_gpus 2 --module canzona_ds.train.hf_trainer --model qwen3-moe-tiny \
+        --ds-config configs/ds_cpu_soap.json --opt-params '{"precondition_frequency": 2}'
+
+``--record``: every rank writes the batches its model saw (``inputs.rank<r>.pt``: input ids,
+labels, HF's ``num_items_in_batch`` and the torch thread count per step; the Trainer resets the
+latter) and rank 0 the initial and final weights
+(``weights.pt``), so a single process can replay the run (tests/test_train_hf.py).
 """
 from __future__ import annotations
 
@@ -36,6 +48,51 @@ class WindowDataset(torch.utils.data.Dataset):
         return {"input_ids": self.x[i], "labels": self.y[i]}
 
 
+#: --model qwen3-moe-tiny: a transformers Qwen3MoeForCausalLM over the byte vocabulary
+MOE_TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False)
+
+
+def build_hf_moe(seed: int) -> nn.Module:
+    """The tiny HF MoE model (fp32, eager attention), seeded."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**MOE_TINY))
+    model.config._attn_implementation = "eager"
+    return model
+
+
+class HFDataset(torch.utils.data.Dataset):
+    """Windows for an HF causal LM: labels are the inputs (the model shifts them itself)."""
+
+    def __init__(self, windows: WindowDataset) -> None:
+        self.x = windows.x
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+class Recorder:
+    """Forward pre-hook: the training batches and loss kwargs a model sees (``--record``)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.calls: list[dict] = []
+        model.register_forward_pre_hook(self, with_kwargs=True)
+
+    def __call__(self, module, args, kwargs):
+        if module.training:
+            n = kwargs.get("num_items_in_batch")
+            self.calls.append({"input_ids": kwargs["input_ids"].detach().clone(),
+                               "labels": kwargs["labels"].detach().clone(),
+                               "num_items_in_batch": None if n is None else torch.as_tensor(n).detach().clone(),
+                               "threads": torch.get_num_threads()})
+
+
 class HFCausalLM(nn.Module):
     """HF Trainer reads ``outputs["loss"]``; our model returns a (logits, loss) tuple."""
 
@@ -51,7 +108,9 @@ class HFCausalLM(nn.Module):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ds-config", default="configs/ds_cpu_canzona.json")
-    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--model", default="tiny", help="a preset of canzona_ds.models.qwen3, or qwen3-moe-tiny")
+    ap.add_argument("--opt-params", default=None, help="JSON object merged into the ds_config's optimizer params")
+    ap.add_argument("--record", action="store_true", help="write the batches and weights for a replay")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
@@ -70,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     install()
     torch.set_num_threads(1)
     ds = load_ds_config(args.ds_config)
+    if args.opt_params:
+        ds["optimizer"].setdefault("params", {}).update(json.loads(args.opt_params))
     # HF requires these to agree with its own arguments; we state them once, here
     ds.update(train_micro_batch_size_per_gpu=args.micro_batch, gradient_accumulation_steps=1)
     ds.pop("train_batch_size", None)
@@ -84,14 +145,23 @@ def main(argv: list[str] | None = None) -> int:
         hf_opt["weight_decay"] = float(opt["weight_decay"])
     if "lr" in opt:
         hf_opt["learning_rate"] = float(opt["lr"])
+    moe = args.model == "qwen3-moe-tiny"
     targs = TrainingArguments(**hf_opt,
         output_dir=args.out, per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=1,
         max_steps=args.steps, logging_steps=1, save_strategy="no", report_to=[], seed=args.seed,
         max_grad_norm=float(ds.get("gradient_clipping", 0.0)), lr_scheduler_type="constant",
         deepspeed=ds, dataloader_drop_last=True, disable_tqdm=False, use_cpu=not torch.cuda.is_available(),
+        # each rank's loss is its own tokens' mean (HF would otherwise rescale it by the token count
+        # of all ranks), so the run is the plain DP average a single process can replay
+        average_tokens_across_devices=False,
     )
-    model = HFCausalLM(build_model(preset(args.model), args.seed))
-    data = WindowDataset(args.micro_batch * 2 * args.steps * 4, args.seq_len, args.seed)
+    windows = WindowDataset(args.micro_batch * 2 * args.steps * 4, args.seq_len, args.seed)
+    if moe:
+        model, data = build_hf_moe(args.seed), HFDataset(windows)
+    else:
+        model, data = HFCausalLM(build_model(preset(args.model), args.seed)), windows
+    recorder = Recorder(model) if args.record else None
+    initial = {n: p.detach().clone() for n, p in model.named_parameters()} if args.record else None
     trainer = Trainer(model=model, args=targs, train_dataset=data)
     trainer.train()
     if trainer.is_world_process_zero():
@@ -99,6 +169,13 @@ def main(argv: list[str] | None = None) -> int:
         (Path(args.out) / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
         engine_opt = type(getattr(trainer.model_wrapped, "optimizer", None)).__name__
         print(f"DeepSpeed optimizer: {engine_opt}; log: {Path(args.out) / 'log_history.json'}")
+    if recorder is not None:
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        torch.save(recorder.calls, Path(args.out) / f"inputs.rank{rank}.pt")
+        if rank == 0:
+            final = {n: p.detach().clone() for n, p in model.named_parameters()}
+            torch.save({"initial": initial, "final": final, "ds_config": ds}, Path(args.out) / "weights.pt")
     release_shm_buffer()  # every rank is past init_distributed: DeepSpeed never unlinks it
     shutdown_distributed()
     return 0
