@@ -383,7 +383,7 @@ def test_bad_config_values_name_the_value() -> None:
         TPConfig.from_section({"strategy": "sc"})
     with pytest.raises(ValueError, match="momentum=1.5"):
         MuonRule(momentum=1.5)
-    with pytest.raises(ValueError, match="needs a TP group of >= 2 ranks, got 1"):
+    with pytest.raises(ValueError, match="'fc1' is cut into 2 pieces but the group has 1 ranks"):
         MicroGroupRuntime([tp_matrix("fc1")], RULES["muon"], None, TPConfig())
     with pytest.raises(ValueError, match="shard_sizes"):
         TPMatrix("a", (8, 4), 0, (3, 3))
