@@ -522,6 +522,50 @@ def main_job_compare(d: Data) -> str:
 
 
 #: table name -> (results JSON stem, renderer)
+
+# ============================================================================ layout_*.json
+def _gb(b: float) -> str:
+    return f"{b / 2**30:,.2f}" if b >= 2**30 else f"{b / 2**30:,.3f}"
+
+
+def layout_planned(d: Data) -> str:
+    """bench_layout --suite planned: owned (planned padding) vs mixed, Qwen3 at TP=8, Muon."""
+    rows = []
+    for r in d["rows"]:
+        o, m = r["owned"], r["mixed"]
+        rows.append([r["model"], str(r["dp"]), _pct(o["padding"]), _pct(m["padding"], 2),
+                     f"{o['flops_ratio']:.3f} / {m['flops_ratio']:.3f} ({o['flops_lower_bound']:.3f})",
+                     f"{o['memory_ratio']:.2f} / {m['memory_ratio']:.2f}",
+                     f"{m['hosted']} ({_pct(m['hosted_share'], 0)})",
+                     f"{_gb(o['all_gather_bytes'])} / {_gb(m['all_gather_bytes'])}",
+                     f"{_gb(m['hosted_sent_max'])} ({m['hosted_collectives']})",
+                     f"{_gb(o['rank_cost'])} / {_gb(m['rank_cost'])}",
+                     "mixed" if r["choice"] == "mixed" else "owned"])
+    return _table(["model", "DP", "padding owned", "padding mixed", "FLOPs max/avg owned / mixed (bound)",
+                   "memory max/avg owned / mixed", "hosted matrices (elements)", "all-gather GiB owned / mixed",
+                   "hosted all-to-all GiB, busiest rank (collectives)", "step cost GiB-eq. owned / mixed",
+                   "auto picks"], rows)
+
+
+def layout_measured(d: Data) -> str:
+    """bench_layout --suite measured: the one-layer Qwen3-shaped model under ZeRO-1 at 8 CPU ranks."""
+    k = d["kinds"]
+    names = {"owned": 'CanzonaMuon, layout "owned"', "mixed": 'CanzonaMuon, layout "mixed"', "adamw": "DeepSpeed AdamW"}
+    rows = []
+    for kind in ("owned", "mixed", "adamw"):
+        r = k[kind]
+        rows.append([names[kind], f"{r['bit16_buffer']:,} / {r['params']:,} = {r['ratio']:.3f}",
+                     "-" if "matrix_padding" not in r else _pct(r["matrix_padding"], 2),
+                     "-" if "hosted" not in r else str(len(r["hosted"])),
+                     f"{r['bytes_max_rank'] / 2**20:,.3f}", f"{r['bytes_total'] / 2**20:,.3f}",
+                     f"{r['bytes_total'] / k['owned']['bytes_total']:.3f}",
+                     ", ".join(f"{op} {b / 2**20:,.3f}" for op, b in sorted(r["bytes_by_op_total"].items()) if b),
+                     "-" if "max_abs_diff_matrices" not in r else
+                     f"{r['max_abs_diff_matrices']:.2g} / {r['max_abs_diff_aux']:.2g}"])
+    return _table(["optimizer (ZeRO-1, DP=8)", "bit16 buffer / parameters", "matrix padding", "hosted matrices",
+                   "MiB sent per step, busiest rank", "MiB sent per step, all ranks", "all ranks vs owned",
+                   "MiB by collective, all ranks", "max abs(weight - reference), matrices / AdamW"], rows)
+
 TABLES: dict[str, tuple[str, Callable[[Data], str]]] = {
     "fig3_dp": ("paper_experiments", fig3_dp),
     "fig3_tp": ("paper_experiments", fig3_tp),
@@ -555,6 +599,8 @@ TABLES: dict[str, tuple[str, Callable[[Data], str]]] = {
     "elastic_rss": ("elastic_rss", elastic_rss),
     "pipeline_planned": ("pipeline", pipeline_planned),
     "pipeline_measured": ("pipeline", pipeline_measured),
+    "layout_planned": ("layout_planned", layout_planned),
+    "layout_measured": ("layout_measured", layout_measured),
 }
 
 

@@ -12,7 +12,12 @@ then passed explicitly: no other module discovers process groups.  torchtitan's
       tensor   ranks holding shards of the same matrices (Megatron TP, AutoTP); split
                matrices are hosted over it (placement/hosted.py)
       pipeline ranks holding different layers (stages); each stage plans its own matrices
-      expert   room for expert parallelism (size 1 today)
+      expert   ranks holding different experts of the same MoE layers (DeepSpeed MoE's
+               expert-parallel group); expert parameters are planned and owned over their
+               expert-data-parallel group (the ranks holding the same experts), the rest over
+               data.  A model may have MoE layers of several ep sizes: one
+               :class:`ExpertGroups` per DeepSpeed expert group name ("ep_size_2", ...), and
+               ``ep_size``/``ep_rank``/``ep_group`` are those of the largest.
 
 A group of size 1 may be ``None``.  Everything here is plain ``torch.distributed``.
 """
@@ -22,6 +27,27 @@ from dataclasses import dataclass
 from typing import Any
 
 AXES = ("dp", "tp", "pp", "ep")
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """One expert group (DeepSpeed names it ``ep_size_<n>``): the expert-parallel group (ranks
+    holding different experts) and the expert-data-parallel group (ranks holding the same
+    experts, over which their gradients are averaged and their ownership is planned)."""
+
+    name: str
+    ep_size: int
+    ep_rank: int
+    ep_group: Any
+    edp_size: int
+    edp_rank: int
+    edp_group: Any
+
+    def __post_init__(self) -> None:
+        for axis in ("ep", "edp"):
+            size, rank = getattr(self, f"{axis}_size"), getattr(self, f"{axis}_rank")
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1 or not 0 <= rank < size:
+                raise ValueError(f"Invalid expert group {self.name!r}: {axis}_size={size!r}, {axis}_rank={rank!r}.")
 
 
 @dataclass(frozen=True)
@@ -38,6 +64,8 @@ class ParallelGroups:
     ep_size: int = 1
     ep_rank: int = 0
     ep_group: Any = None
+    #: the expert groups by name (DeepSpeed MoE); empty without MoE layers
+    experts: tuple = ()
     #: where the degrees were read from (for messages): "single", "dp", "mpu", "pipeline", "autotp"
     source: str = "single"
 
@@ -48,7 +76,27 @@ class ParallelGroups:
                 raise ValueError(f"Invalid {axis}_size={size!r} ({self.source}). Must be an int >= 1.")
             if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
                 raise ValueError(f"Invalid {axis}_rank={rank!r} ({self.source}). Must be in [0, {axis}_size={size}).")
+        names = [e.name for e in self.experts]
+        if len(set(names)) != len(names) or not all(isinstance(e, ExpertGroups) for e in self.experts):
+            raise ValueError(f"experts must be ExpertGroups with distinct names, got {names}.")
+        for e in self.experts:
+            if e.ep_size * e.edp_size != self.dp_size:
+                raise ValueError(f"Expert group {e.name!r}: ep_size={e.ep_size} x edp_size={e.edp_size} != "
+                                 f"dp_size={self.dp_size} ({self.source}); expert parallelism lives inside data "
+                                 "parallelism.")
         self._check_group_sizes()
+
+    def expert(self, name: str) -> ExpertGroups:
+        """The expert group ``name`` (ValueError naming the known ones)."""
+        for e in self.experts:
+            if e.name == name:
+                return e
+        raise ValueError(f"No expert group {name!r} ({self.source}); known: {[e.name for e in self.experts]}.")
+
+    def partition_size(self, partition: str | None) -> int:
+        """The number of ranks a partition's matrices are planned over: the DP group for dense
+        parameters (``None``), the expert-data-parallel group for an expert group's."""
+        return self.dp_size if partition is None else self.expert(partition).edp_size
 
     def _check_group_sizes(self) -> None:
         import torch.distributed as dist
@@ -65,6 +113,17 @@ class ParallelGroups:
             if dist.get_world_size(group) != size or dist.get_rank(group) != rank:
                 raise ValueError(f"{self.source}: {axis} group has {dist.get_world_size(group)} ranks (this is rank "
                                  f"{dist.get_rank(group)}), but {axis}_size={size}, {axis}_rank={rank} were reported.")
+        for e in self.experts:
+            for axis in ("ep", "edp"):
+                group, size, rank = (getattr(e, f"{axis}_{k}") for k in ("group", "size", "rank"))
+                if group is None:
+                    if size > 1:
+                        raise ValueError(f"Expert group {e.name!r}: {axis}_size={size} but no process group.")
+                    continue
+                if dist.get_world_size(group) != size or dist.get_rank(group) != rank:
+                    raise ValueError(f"Expert group {e.name!r}: {axis} group has {dist.get_world_size(group)} ranks "
+                                     f"(this is rank {dist.get_rank(group)}), but {axis}_size={size}, "
+                                     f"{axis}_rank={rank} were reported.")
 
     @classmethod
     def single(cls) -> "ParallelGroups":

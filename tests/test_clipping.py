@@ -93,3 +93,21 @@ def test_stack_order_groups_like_torch():
     """torch stacks per-tensor norms group by group ((device, dtype) in first-appearance order)."""
     keys = [("cpu", "f32"), ("cpu", "bf16"), ("cpu", "f32"), ("cpu", "bf16"), ("cpu", "f64")]
     assert stack_order(keys) == [0, 2, 1, 3, 4]
+
+
+def _one_matrix_worker(rank, dp, hp):
+    params, _, engine = run_engine(rank, dp, ds_config(dp, params=hp, gradient_clipping=CLIP), STEPS)
+    return dict(params=params, owned=sorted(engine.optimizer.optimizer.handled_names()))
+
+
+def test_clipping_with_a_rank_owning_no_matrix():
+    """One matrix at DP=2: rank 1's partition of the matrix group is padding only (DeepSpeed does
+    not flag its gradient buffer as padding); the clipped run stays bit for bit."""
+    from canzona_ds.testing.models import HP
+
+    hp = dict(HP["CanzonaMuon"], matrix_exclude=["embed", "lm_head", "qkv", "proj", "fc2"])
+    res = run_distributed(_one_matrix_worker, 2, hp)
+    ref = run_reference(2, STEPS, params=hp, clip=CLIP)
+    assert [len(r["owned"]) for r in res] == [1, 0]
+    for r in res:
+        assert max_abs_diff(r["params"], ref) == 0.0

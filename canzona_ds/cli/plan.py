@@ -12,6 +12,10 @@ slicing, cuts matrices), ``paper_naive`` (the paper's eq. 1 over buckets), ``nai
 ``alpha_balanced`` (Algorithm 1 over buckets), ``layerwise`` (whole layers by LPT, the
 NV-layerwise baseline), ``lpt`` and ``multi_lpt`` (the default).
 
+The ZeRO-1/2 layout section (``--json``: ``layout``) compares the owned layout of the chosen
+planner with the mixed one (docs/zero.md): padding, balance, hosted matrices, per-step bytes,
+and what ``layout: "auto"`` picks.
+
 The DP plan covers the matrices of one TP rank (TP-local shards); the TP schedule covers
 the TP-split matrices owned by the busiest DP rank of the default DP plan (see
 ``canzona_ds.planning.compare``).
@@ -105,6 +109,21 @@ def format_table(summary: dict) -> str:
     any_r = next(iter(s["dp_planners"].values()))
     lines.append(f"{'lower bound':<16}{any_r['flops_lower_bound']:>14.3f}{'':>14}{any_r['memory_lower_bound']:>13.3f}")
     lines.append("(FLOPs: amortised over the refresh period; peak: the step that refreshes preconditioners)")
+    if "layout" in s:
+        lay = s["layout"]
+        lines += ["", f"ZeRO-1/2 layout (layout \"auto\" picks {lay['auto']}: {lay['why']})",
+                  f"{'layout':<16}{'padding':>10}{'FLOPs max/avg':>14}{'mem max/avg':>13}{'hosted':>8}"
+                  f"{'all-gather MiB':>16}{'a2a MiB max':>13}{'a2a calls':>10}{'step MiB-eq.':>14}"]
+        for key in ("owned", "mixed"):
+            r = lay[key]
+            lines.append(f"{key:<16}{r['padding_fraction']:>9.2%}{r['flops_ratio']:>14.3f}{r['memory_ratio']:>13.3f}"
+                         f"{r['hosted_matrices']:>8d}{r['all_gather_bytes'] / 2**20:>16,.1f}"
+                         f"{r['hosted_sent_max'] / 2**20:>13,.1f}{r['hosted_collectives']:>10d}"
+                         f"{r['rank_cost'] / 2**20:>14,.1f}")
+        lines.append("(mixed: owned matrices whole in equal ZeRO chunks, the rest hosted over DP, docs/zero.md; "
+                     "per step, busiest rank)")
+        if "runtime_note" in lay:
+            lines.append(f"note: {lay['runtime_note']}")
     if s["tp_schedulers"]:
         lines += ["", f"TP schedulers over the {next(iter(s['tp_schedulers'].values()))['tasks']} TP-split matrices of "
                   f"DP rank {s['tp_busiest_dp_rank']} (busiest; default: {s['default_tp_scheduler']})",

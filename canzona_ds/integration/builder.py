@@ -123,8 +123,6 @@ def check_settings(s: RunSettings, cfg: CanzonaConfig) -> None:
                          "Allowed: 'cpu', 'none' (NVMe offload of per-matrix optimizer state is not implemented).")
     if s.zenflow:
         raise ValueError(f"{name} does not support zero_optimization.zenflow.")
-    if s.moe:
-        raise ValueError(f"{name} does not support MoE layers yet.")
 
 
 def check_zero3_settings(s: RunSettings) -> None:
@@ -180,14 +178,29 @@ def agreement_settings(s: RunSettings, cfg: CanzonaConfig, named: list, groups: 
 
 
 def build_optimizer(named: list, cfg: CanzonaConfig, groups: ParallelGroups, settings: RunSettings,
-                    modules: list | None = None) -> CanzonaOptimizer:
+                    modules: list | None = None, zero_config: Mapping | None = None) -> CanzonaOptimizer:
     """Every check, then the optimizer.  ``named``: (name, parameter) in the model's order;
     ``modules``: (module, its named parameters) pairs for per-head resolution (one per model
     chunk; names relative to that module).  A parameter ZeRO-3 already partitioned
-    (``deepspeed.zero.Init``) has its whole shape in ``ds_shape``."""
+    (``deepspeed.zero.Init``) has its whole shape in ``ds_shape``.  DeepSpeed MoE expert
+    parameters (integration/moe.py) are planned over their expert-data-parallel groups."""
+    from .moe import check_moe, expert_partitions, moe_info
+
     shapes = {n: tuple(p.ds_shape) for n, p in named if hasattr(p, "ds_shape")}
+    partitions = expert_partitions(named)
+    if partitions or settings.moe:
+        from .groups import with_expert_groups
+
+        groups = with_expert_groups(groups, partitions.values())
     # before anything a rank could wait in: ranks with different settings meet here and fail
     check_agreement(agreement_settings(settings, cfg, named, groups))
+    info = None
+    if partitions or settings.moe:
+        if not partitions:
+            raise ValueError(f"{settings.optimizer_type}: the engine has MoE layers but none of the optimizer's "
+                             "parameters is an expert parameter (deepspeed.moe.layer.MoE marks them allreduce=False).")
+        check_moe(settings, groups, zero_config or {})
+        info = moe_info(named, modules or [], groups)
     check_settings(settings, cfg)
     if settings.zero_stage == 3 and (groups.tp_size > 1 or groups.pp_size > 1):
         kind, size = ("tensor parallelism (tp_size", groups.tp_size) if groups.tp_size > 1 else \
@@ -201,4 +214,7 @@ def build_optimizer(named: list, cfg: CanzonaConfig, groups: ParallelGroups, set
         for module, module_named in modules:
             tag_heads(module, module_named, groups.tp_size)
     placement = {1: "owned", 2: "owned", 3: "sharded"}.get(settings.zero_stage, "local")
-    return CanzonaOptimizer(named, cfg, groups=groups, placement=placement, shapes=shapes)
+    opt = CanzonaOptimizer(named, cfg, groups=groups, placement=placement, shapes=shapes, partitions=partitions)
+    #: DeepSpeed MoE: the expert groups and whole-model names (gradient clipping, checkpoints)
+    opt.moe = info
+    return opt

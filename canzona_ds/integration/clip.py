@@ -22,8 +22,13 @@ parameters that DeepSpeed's equal chunks cut cost traffic: at most ``dp - 1`` pi
 Pipeline parallelism: each stage holds other parameters; a stage's norms (without the
 ``ds_pipe_replicated`` copy of a tied weight, which the first holder counts) are gathered over
 the pipeline group and stacked in stage order, which is the model's parameter order
-(:class:`PipelineNorm`).  With tensor parallelism or MoE, DeepSpeed's own clip runs (its
+(:class:`PipelineNorm`).  With tensor parallelism, DeepSpeed's own clip runs (its
 model-parallel reduction of squared norms: equal to rounding, not bit for bit).
+
+DeepSpeed MoE: the slots are the whole model's parameters (every expert of every
+expert-parallel rank, ``MoEInfo.global_order``); an expert group's partitions span its
+expert-data-parallel group, whose owner fills the slot of each expert it holds, so the sum over
+the DP group still has one non-zero term per slot (:func:`clip_moe_module_gradients` at stage 0).
 """
 from __future__ import annotations
 
@@ -98,8 +103,13 @@ class _Straddler:
 class TorchClip:
     """Per-step global norm and clip of a :class:`CanzonaZeroOptimizer`, torch's arithmetic."""
 
-    def __init__(self, zero, model_order: list[str], pp_group=None, pp_size: int = 1) -> None:
+    def __init__(self, zero, model_order: list[str], pp_group=None, pp_size: int = 1,
+                 rename: dict | None = None) -> None:
+        # MoE: ``model_order`` is the whole model's (every expert), ``rename`` maps this rank's
+        # parameter names to it; each expert's norm comes from its owner in its expert-DP group
         index = {name: k for k, name in enumerate(model_order)}
+        if rename:
+            index = {local: index[whole] for local, whole in rename.items()}
         self.num_params = len(model_order)
         self.pipeline = PipelineNorm(pp_group, pp_size)
         self._indices: dict = {}
@@ -152,6 +162,8 @@ class TorchClip:
                 start = int(zero.grad_start_offset[i][rank][pid])
                 dest = int(zero.grad_partition_insertion_offset[i][rank][pid])
                 out[pid] = flat.narrow(0, dest, min(p.numel() - start, P - dest))
+            return out
+        if not zero.params_in_partition[i]:  # a rank owning only padding (its buffer is not always flagged)
             return out
         grads = [g for g in zero.averaged_gradients[i] if not getattr(g, "_zero_padding", False)]
         if len(grads) != len(zero.params_in_partition[i]):
@@ -213,7 +225,8 @@ class TorchClip:
             values = per_tensor_norms([t if t.dtype == torch.float32 else t.float() for _, t in items])
             at = self._index(("group", i), [k for k, _ in items], device)
             norms.index_copy_(0, at, torch.stack([v.to(device) for v in values]))
-        # one rank holds each norm, zeros elsewhere: the sum is exact in any order
+        # one rank holds each norm, zeros elsewhere: the sum is exact in any order (MoE: the DP
+        # group spans every expert-parallel rank, so every expert's owner)
         tdist.all_reduce(norms, group=zero.dp_process_group)
         counted = norms if len(self.counted) == self.num_params else \
             norms[self._index("counted", self.counted, device)]
@@ -238,3 +251,34 @@ class TorchClip:
         coef = clip_coefficient(norm, clip_grad)
         for g in flat:
             g.data.mul_(coef.to(g.device))
+
+
+def clip_moe_module_gradients(module, opt, max_norm: float) -> Tensor:
+    """ZeRO stage 0 with DeepSpeed MoE: ``torch.nn.utils.clip_grad_norm_`` over the whole model
+    (every expert of every expert-parallel rank), each parameter's norm in its whole-model slot:
+    dense ones from DP rank 0, experts from expert-DP rank 0 of their group; one all-reduce over
+    the DP group (a sum with one non-zero term per slot: exact)."""
+    moe, groups = opt.moe, opt.groups
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    slot = {name: k for k, name in enumerate(moe.global_order)}
+    device = named[0][1].device
+    mine, at = [], []
+    for n, p in named:
+        part = moe.partitions.get(n)
+        counts = groups.dp_rank == 0 if part is None else groups.expert(part).edp_rank == 0
+        if counts:
+            mine.append(p.grad if p.grad is not None else torch.zeros_like(p))
+            at.append(slot[moe.global_names[n]])
+    norms = torch.zeros(len(moe.global_order), dtype=torch.float32, device=device)
+    if mine:
+        values = per_tensor_norms([g if g.dtype == torch.float32 else g.float() for g in mine])
+        at_slots = torch.tensor(at, dtype=torch.long, device=device)
+        norms.index_copy_(0, at_slots, torch.stack([v.to(device) for v in values]))
+    if groups.dp_size > 1:
+        tdist.all_reduce(norms, group=groups.dp_group)
+    norm = total_norm(norms)
+    coef = clip_coefficient(norm, max_norm)
+    for _, p in named:
+        if p.grad is not None:
+            p.grad.mul_(coef.to(p.grad.device))
+    return norm

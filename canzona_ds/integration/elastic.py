@@ -73,6 +73,15 @@ class ElasticError(ValueError):
     """A checkpoint cannot be resumed at this size (the message says why)."""
 
 
+#: DeepSpeed MoE (expert groups planned over their expert-DP groups): not resumable at a new size
+MOE_REFUSAL = ("{where}: a checkpoint with DeepSpeed MoE expert groups (expert parallelism) cannot be resumed at "
+               "another DP or expert-parallel size, or with another plan, yet. Resume it at the size and "
+               "optimizer params it was saved with (engine.load_checkpoint does), or load the module weights "
+               "only (load_optimizer_states=False, load_module_only=True).")
+
+
+#: the owner recorded for a hosted matrix of the mixed layout (ZeRO's partitions hold its pieces)
+HOSTED = -1
 #: the key of a parameter's fp32 master weight in ``flat_range``; the others are AdamW's moments
 MASTER = "param"
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
@@ -192,6 +201,7 @@ class SavedCheckpoint:
         #: [tp rank] AdamW group -> (start, numel) of every DP rank's partition in the group's flat buffer
         self._parts: list[dict[int, list[tuple[int, int]]]] = []
         self._state_at: dict[str, tuple[int, int]] = {}  # matrix -> the (tp, dp) file holding its rule state
+        self._pieces: dict[str, list[int]] = {}  # hosted matrix -> the DP files holding pieces of its state
         hosted: set[str] = set()
         meta0, rule_description = None, None
         self.adam_step, self.matrix_step = 0.0, 0
@@ -202,6 +212,8 @@ class SavedCheckpoint:
             if any(m is None or m.get("matrix_names") is None for m in metas):
                 raise ElasticError(f"{folder} was not written by a Canzona optimizer with a planned layout (no "
                                    f"'{LAYOUT_KEY}'); only Canzona checkpoints can change size here.")
+            if any(m.get("moe") for m in metas):
+                raise ElasticError(MOE_REFUSAL.format(where=folder))
             meta = metas[0]
             meta0 = meta0 or meta
             where: dict[str, tuple] = {}
@@ -210,14 +222,21 @@ class SavedCheckpoint:
                 shapes = dict(model["param_shapes"][g])
                 if role == "matrix":
                     P = meta["shard_numel"]
-                    owners = [r for r, c in enumerate(meta["rank_counts"]) for _ in range(c)]
+                    owners = meta.get("owner_at") or [r for r, c in enumerate(meta["rank_counts"]) for _ in range(c)]
                     for name, off, owner in zip(meta["matrix_names"], meta["offsets"], owners):
-                        where[name] = (g, owner, off - owner * P, tuple(shapes[name]))
+                        if owner < 0:  # hosted (mixed layout): its pieces lie in consecutive partitions
+                            where[name] = (g, HOSTED, off, tuple(shapes[name]))
+                            parts[g] = [(r * P, P) for r in range(len(shards))]
+                        else:
+                            where[name] = (g, owner, off - owner * P, tuple(shapes[name]))
                     for r, s in enumerate(shards):
                         base = s["base_optimizer_state"]
                         rule_description = base["canzona"]["config"]["rule"]
                         for name in base["canzona"]["matrix_state"]:
                             self._state_at.setdefault(name, (t, r))  # TP replicas of a non-split matrix agree
+                        if t == 0:  # a hosted matrix's element-wise state, cut like its pieces (mixed layout)
+                            for name in base["canzona"].get("piece_state", {}):
+                                self._pieces.setdefault(name, []).append(r)
                         self.matrix_step = int(base["param_groups"][g]["step"])
                 else:
                     lengths = [s["single_partition_of_fp32_groups"][g].numel() for s in shards]
@@ -273,7 +292,13 @@ class SavedCheckpoint:
         """Elements [start, stop) of ``name`` flattened as saved TP rank ``t`` held it: a view into
         the one file holding them, or the few pieces of an AdamW range that crosses partitions."""
         g, owner, off, _ = self._where[t][name]
-        if owner is not None:
+        if owner == HOSTED:  # a hosted matrix of the mixed layout: its master weight across partitions
+            if key != MASTER:
+                raise ElasticError(f"{name!r} is a matrix in the checkpoint and has no AdamW state.")
+            a, b = off + start, off + stop
+            pieces = [self._partition(t, r, g, MASTER)[max(a, lo) - lo:min(b, lo + n) - lo]
+                      for r, (lo, n) in enumerate(self._parts[t][g]) if max(a, lo) < min(b, lo + n)]
+        elif owner is not None:
             if key != MASTER:
                 raise ElasticError(f"{name!r} is a matrix in the checkpoint and has no AdamW state.")
             pieces = [self._partition(t, owner, g, MASTER)[off + start:off + stop]]
@@ -321,7 +346,18 @@ class SavedCheckpoint:
 
     def _saved_state(self, name: str) -> dict[str, Any]:
         t, r = self._state_at[name]
-        return self._shards[t][r]["base_optimizer_state"]["canzona"]["matrix_state"][name]
+        state = self._shards[t][r]["base_optimizer_state"]["canzona"]["matrix_state"][name]
+        if name not in self._pieces:
+            return state
+        # the mixed layout: the host holds the other keys, every rank its piece of the element-wise
+        # ones (MatrixRule.elementwise_state), joined here in rank order (pieces follow the buffer)
+        state = dict(state)
+        files = [self._shards[0][r]["base_optimizer_state"]["canzona"]["piece_state"][name]
+                 for r in sorted(self._pieces[name])]
+        shape = self._where[0][name][3]
+        for key in files[0]:
+            state[key] = torch.cat([f[key].reshape(-1) for f in files]).view(shape)
+        return state
 
     def state_shapes(self, name: str) -> dict[str, tuple[int, ...]]:
         return {k: tuple(v.shape) for k, v in self._saved_state(name).items() if isinstance(v, Tensor)}
@@ -438,7 +474,7 @@ def write(engine, src: Universal | SavedCheckpoint, gather: bool = True) -> dict
 
     from ..optim.optimizer import MATRIX
     from ..tp.layout import concat_permutation, tp_blocks
-    from ..tp.runtime import TPMatrix
+    from ..tp.runtime import FlatSplit, TPMatrix
     from .runtime_info import canzona_optimizer
 
     opt = canzona_optimizer(engine)
@@ -482,8 +518,12 @@ def write(engine, src: Universal | SavedCheckpoint, gather: bool = True) -> dict
         for i, role in enumerate(roles):
             flat = zopt.single_partition_of_fp32_groups[i]
             if role == MATRIX:
+                split = opt.placement.hosted.split if opt.placement.hosted is not None else {}
+                rank = dist.get_rank(group=zopt.real_dp_process_group[i])
                 for v in opt.placement.views[id(flat)]:
-                    flat[v.offset:v.offset + v.numel].copy_(mine(v.name, MASTER, 0, v.numel))
+                    m = split.get(v.name)
+                    lo = m.starts[rank] if m is not None and hasattr(m, "starts") else 0  # a mixed layout's piece
+                    flat[v.offset:v.offset + v.numel].copy_(mine(v.name, MASTER, lo, lo + v.numel).view(-1))
                 opt.param_groups[i]["step"] = src.matrix_step
                 continue
             P = zopt.partition_size[i]
@@ -513,8 +553,23 @@ def write(engine, src: Universal | SavedCheckpoint, gather: bool = True) -> dict
                 st = _permute_state(opt.rule, name, st, src.full_shape(name), dim,
                                     concat_permutation(blocks, sizes), inverse=False)
             wanted[name] = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in st.items()}
+        # the mixed layout: every rank keeps its piece of a hosted matrix's element-wise state, the
+        # host the other keys (MatrixRule.elementwise_state; tp/runtime.py)
+        pieces = {}
+        elementwise = opt.rule.elementwise_state
+        split = opt.placement.hosted.split if opt.placement.hosted is not None else {}
+        flat = [n for n in with_state if isinstance(split.get(n), FlatSplit)] if elementwise else []
+        if flat:
+            dp_rank = opt.placement.hosted.runtime.tp_rank  # its rank in the DP group it runs over
+            for name in flat:
+                m, st = split[name], src.state_of(name)
+                lo, n = m.starts[dp_rank], m.lengths[dp_rank]
+                pieces[name] = {k: st[k].reshape(-1)[lo:lo + n].clone() for k in elementwise}
+                if name in wanted:
+                    wanted[name] = {k: v for k, v in wanted[name].items() if k not in elementwise}
         opt.matrix_state.clear()
         opt.load_matrix_state(wanted)
+        opt.load_piece_state(pieces)
         # the bit16 weights: every rank's fp32 partition, gathered as after a step (a parameter
         # outside the optimizer's groups, e.g. frozen here, is copied whole)
         grouped = {id(p) for group in zopt.bit16_groups for p in group} if gather else set()
@@ -558,6 +613,7 @@ def load(engine, ckpt_dir: str, tag: str | None = None, whole: bool = False) -> 
     if tag is None:
         with open(os.path.join(ckpt_dir, "latest")) as f:
             tag = f.read().strip()
+    _refuse_moe(engine, os.path.join(ckpt_dir, tag))
     mp_ranks = _stage_file_ranks(engine, ckpt_dir, tag)
     if whole:
         if mp_ranks is not None:
@@ -609,8 +665,17 @@ def save_universal_file(uni: Universal, path: str) -> None:
     torch.save({"format": UNIVERSAL_FORMAT, **{f.name: getattr(uni, f.name) for f in fields(Universal)}}, path)
 
 
+def _refuse_moe(engine, where: str) -> None:
+    from .runtime_info import canzona_optimizer
+
+    opt = canzona_optimizer(engine)
+    if opt is not None and opt.moe is not None and opt.moe.active:
+        raise ElasticError(MOE_REFUSAL.format(where=where))
+
+
 def load_universal_file(engine, path: str) -> dict:
     """Resume ``engine`` from a file written by ``convert``."""
+    _refuse_moe(engine, path)
     data = _load(path, mmap=True)  # each rank copies out its share (a TP-resharded parameter whole)
     if not isinstance(data, dict) or data.pop("format", None) != UNIVERSAL_FORMAT:
         raise ElasticError(f"{path} is not a canzona universal checkpoint (written by `python -m "

@@ -8,6 +8,8 @@ The only place canzona-ds discovers groups.  What users have, and where it is re
     PipelineModule (PipelineEngine)     its PipelineParallelGrid (engine.mpu): data, slice
                                         (= tensor) and pipe groups
     DeepSpeed AutoTP                    deepspeed.utils.groups (DeepSpeed sets engine.mpu to it)
+    DeepSpeed MoE (expert parallelism)  deepspeed.utils.groups' expert-parallel and expert-data-
+                                        parallel groups, one pair per expert group name
 
 An mpu's *model-parallel* group spans pipeline AND tensor ranks on a pipeline grid, so the
 tensor group is read by its tensor/slice names first and by the legacy model-parallel name
@@ -15,9 +17,10 @@ only where nothing else exists (old Megatron, where model parallel meant tensor 
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+import dataclasses
+from typing import Any, Callable, Iterable
 
-from ..parallel import ParallelGroups
+from ..parallel import ExpertGroups, ParallelGroups
 
 
 def _call(obj: Any, names: tuple[str, ...], default: Any = None) -> Any:
@@ -101,3 +104,26 @@ def model_parallel_file_rank(engine) -> int:
     spans the stages and the TP shards; 0 without an mpu."""
     mpu = getattr(engine, "mpu", None)
     return int(mpu.get_model_parallel_rank()) if mpu is not None else 0
+
+
+def with_expert_groups(groups: ParallelGroups, names: Iterable[str]) -> ParallelGroups:
+    """``groups`` with DeepSpeed MoE's expert groups ``names`` (the ``group_name`` of the expert
+    parameters, e.g. "ep_size_2") read from ``deepspeed.utils.groups``; ``ep_*`` are the largest
+    expert group's."""
+    from deepspeed import comm as dist
+    from deepspeed.utils import groups as ds_groups
+
+    experts = []
+    for name in sorted(set(names)):
+        try:
+            ep, edp = ds_groups._get_expert_parallel_group(name), ds_groups._get_expert_data_parallel_group(name)
+        except (KeyError, AssertionError) as exc:
+            raise ValueError(f"Expert parameters name expert group {name!r}, which DeepSpeed has not created "
+                             "(deepspeed.initialize creates one per deepspeed.moe.layer.MoE ep_size).") from exc
+        experts.append(ExpertGroups(name, dist.get_world_size(group=ep), dist.get_rank(group=ep), ep,
+                                    dist.get_world_size(group=edp), dist.get_rank(group=edp), edp))
+    if not experts:
+        return groups
+    largest = max(experts, key=lambda e: e.ep_size)
+    return dataclasses.replace(groups, experts=tuple(experts), ep_size=largest.ep_size, ep_rank=largest.ep_rank,
+                               ep_group=largest.ep_group if largest.ep_size > 1 else None)

@@ -83,7 +83,6 @@ def build_tp_optimizer(model, ds_config: Mapping[str, Any], mpu=None) -> Canzona
                 "1 or 2 (docs/tp.md)")
     from .builder import RunSettings, build_optimizer
 
-    groups = groups_from_mpu(mpu) if mpu is not None else groups_from_deepspeed()
     cfg = config_from_ds_config(ds_config)
     chunks = model if isinstance(model, (list, tuple)) else [model]
     named: list = []
@@ -93,6 +92,16 @@ def build_tp_optimizer(model, ds_config: Mapping[str, Any], mpu=None) -> Canzona
         chunk_named = [(n, p) for n, p in chunk.named_parameters() if p.requires_grad]
         named += [(prefix + n, p) for n, p in chunk_named]
         modules.append((chunk, chunk_named))
+    from .moe import expert_partitions
+
+    experts = expert_partitions(named)
+    if experts:
+        raise ValueError(
+            f"{len(experts)} parameters are DeepSpeed MoE experts (e.g. {next(iter(experts))!r}): a stage-0 client "
+            "optimizer is built before deepspeed.initialize creates the expert groups. Use zero_optimization.stage 1 "
+            "or 2 (patch_megatron_training lets DeepSpeed build the optimizer; docs/moe.md), or no client optimizer "
+            "at stage 0 (ds_config optimizer type).")
+    groups = groups_from_mpu(mpu) if mpu is not None else groups_from_deepspeed()
     # the same builder as the ds_config path: settings agreement, config checks, head tagging
     opt = build_optimizer(named, cfg, groups, RunSettings.from_ds_config(ds_config), modules=modules)
     # Megatron's OptimizerParamScheduler sets lr = schedule_lr * lr_mult for every group:

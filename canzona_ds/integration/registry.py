@@ -174,11 +174,21 @@ def _named_parameters(engine, model_parameters) -> list:
     items = list(model_parameters) if not isinstance(model_parameters, torch.Tensor) else [model_parameters]
     for item in items:
         if isinstance(item, dict):
-            extra = sorted(set(item) - {"params"})
+            # DeepSpeed's MoE grouping (split_params_into_different_moe_groups_for_optimizer, which
+            # deepspeed.initialize also applies itself to an MoE model's parameters) names groups and
+            # marks the expert ones; the expert groups are re-derived from the parameters
+            extra = sorted(set(item) - {"params", "name", "moe"})
             if extra:
                 raise ValueError(f"{engine.optimizer_name()} does not take per-group settings (got keys {extra} in a "
-                                 "model_parameters group). Pass plain parameters and set hyper-parameters in "
-                                 "ds_config optimizer.params.")
+                                 "model_parameters group). Pass plain parameters (or DeepSpeed's MoE groups, keys "
+                                 "'params', 'name', 'moe') and set hyper-parameters in ds_config optimizer.params.")
+            if item.get("moe"):
+                from .moe import is_expert
+
+                dense = [names.get(id(p), "?") for p in item["params"] if not is_expert(p)]
+                if dense:
+                    raise ValueError(f"model_parameters group {item.get('name')!r} is marked 'moe' but holds "
+                                     f"{len(dense)} non-expert parameters (e.g. {dense[0]!r}).")
             params.extend(item["params"])
         elif isinstance(item, torch.Tensor):
             params.append(item)
@@ -208,7 +218,7 @@ def build_optimizer(engine, model_parameters) -> CanzonaOptimizer:
                                 micro_group_section(ds, int(engine.zero_optimization_stage())))
     named = _named_parameters(engine, model_parameters)
     return build(named, cfg, groups_from_engine(engine), RunSettings.from_engine(engine),
-                 modules=[(engine.module, named)])
+                 modules=[(engine.module, named)], zero_config=ds.get("zero_optimization") or {})
 
 
 # ---------------------------------------------------------------------------- install
@@ -270,7 +280,7 @@ def install() -> None:
                 return stock_zero(self, optimizer)
             finally:
                 stage3_mod.DeepSpeedZeroOptimizer_Stage3 = stock_cls3
-        if optimizer.plan is None and optimizer.groups.pp_size == 1:  # no matrices: plain AdamW, stock ZeRO
+        if not optimizer.plans and optimizer.groups.pp_size == 1:  # no matrices: plain AdamW, stock ZeRO
             return stock_zero(self, optimizer)
         # (under pipeline parallelism a stage without matrices runs our subclass too: every stage
         # must issue the same collectives in its step, see zero.py's gradient norm)
@@ -317,6 +327,12 @@ def install() -> None:
         # Under pipeline parallelism DeepSpeed's stage-0 clip counts only the gradients of the ranks
         # whose model-parallel rank is 0, i.e. the first stage's; ours gathers every stage's.
         opt = getattr(self, "basic_optimizer", None)
+        if isinstance(opt, CanzonaOptimizer) and opt.moe is not None and opt.moe.active:
+            # DeepSpeed's stage-0 clip under MoE averages each rank's norm of the experts it holds
+            from .clip import clip_moe_module_gradients
+
+            clip_moe_module_gradients(self.module, opt, self.gradient_clipping())
+            return
         if isinstance(opt, CanzonaOptimizer) and opt.tp_size == 1:
             from .clip import PipelineNorm, clip_module_gradients
 

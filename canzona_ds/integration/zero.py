@@ -11,6 +11,9 @@ uses for ``parameter_alignment``)::
     planned padding          | W0  W3  pad | W1  W2  W4 |    every rank range is P elements,
                                ^ rank 0 (P)  ^ rank 1 (P)   each matrix lies in one range
 
+Under DeepSpeed MoE there is one matrix group per partition (dense; each expert group, which
+ZeRO partitions over its expert-data-parallel group), each laid out by its own plan.
+
 The stock equal-range code then works unchanged: stage 1 reduces each gradient slice to
 its owner, stage 2 keeps only the owner's gradient partition (the partition boundaries are
 parameter boundaries, so no parameter's gradient is split), the partitioned step, the
@@ -58,45 +61,59 @@ def _make_zero_class():
                 raise TypeError(f"CanzonaZeroOptimizer needs a CanzonaOptimizer, got {type(init_optimizer).__name__}")
             roles = [g["canzona_role"] for g in init_optimizer.param_groups]
             self._canzona = init_optimizer
-            self._canzona_group = roles.index(MATRIX) if MATRIX in roles else None
+            #: the matrix param groups (one per partition: dense, and each MoE expert group)
+            self._canzona_groups = [i for i, r in enumerate(roles) if r == MATRIX]
+            self._canzona_group = self._canzona_groups[0] if self._canzona_groups else None
+            #: group index -> its realised Layout; ``canzona_layout`` is the first (the dense one)
+            self.canzona_layouts: dict = {}
             self.canzona_layout = None
             self._canzona_clip = None  # integration/clip.TorchClip, built on the first clipped step
             if self.reduce_to_owner:
                 kwargs["use_multi_rank_bucket_allreduce"] = False
             super().__init__(init_optimizer, *args, **kwargs)
             check_instance(self)
-            if self._canzona_group is not None:
-                self._canzona_finish_layout(self._canzona_group)
+            for i in self._canzona_groups:
+                self._canzona_finish_layout(i)
 
         # -- layout ------------------------------------------------------------------
         def flatten_dense_tensors_aligned(self, tensor_list, alignment, use_cpu_data=False, param_padding=None):
             i = len(self.bit16_groups_flat)
-            if param_padding is not None and i == self._canzona_group and self.canzona_layout is None:
+            if param_padding is not None and i in self._canzona_groups and i not in self.canzona_layouts:
                 self._canzona_apply_layout(i, param_padding)
             return super().flatten_dense_tensors_aligned(tensor_list, alignment, use_cpu_data, param_padding)
 
         def _canzona_apply_layout(self, i: int, param_padding: list) -> None:
             """Replace group i's per-parameter padding and offsets by the plan's layout."""
-            plan = self._canzona.plan
+            plan = self._canzona_plan(i)
             group = self.round_robin_bit16_groups[i]
             if [id(p) for p in group] != [id(p) for p in self.bit16_groups[i]] or len(group) != len(plan.specs):
                 raise RuntimeError("ZeRO reordered or dropped matrices of the CanzonaOptimizer group; cannot lay out "
                                    "the ownership plan.")
             dp = dist.get_world_size(group=self.real_dp_process_group[i])
             if dp != plan.world_size:
-                raise RuntimeError(f"Plan made for {plan.world_size} DP ranks, ZeRO group has {dp}.")
+                raise RuntimeError(f"Plan made for {plan.world_size} DP ranks, ZeRO group {i} has {dp}.")
             param_alignment = 16 // math.gcd(16, group[0].element_size()) if self.parameter_alignment else 1
             layout = plan.layout(param_alignment, self.nccl_start_alignment_factor)
             if list(layout.numels) != [p.numel() for p in group]:
                 raise RuntimeError("The ownership plan's matrix sizes differ from the ZeRO group's parameters.")
             param_padding[:] = layout.padding
             self.round_robin_bit16_offsets[i][:] = layout.offsets
-            self.canzona_layout = layout
+            self.canzona_layouts[i] = layout
+            if self.canzona_layout is None:
+                self.canzona_layout = layout
+
+        def _canzona_partition(self, i: int):
+            """Group i's partition: None (dense) or its MoE expert group's name."""
+            return self._canzona.param_groups[i].get("canzona_partition")
+
+        def _canzona_plan(self, i: int):
+            return self._canzona.plans[self._canzona_partition(i)]
 
         def _canzona_finish_layout(self, i: int) -> None:
             """Check the realised layout against the plan, agree across ranks, bind views."""
-            layout = self.canzona_layout
+            layout = self.canzona_layouts.get(i)
             opt = self._canzona
+            names = opt.partition_matrices[self._canzona_partition(i)]
             rank = dist.get_rank(group=self.real_dp_process_group[i])
             if layout is None or self.partition_size[i] != layout.shard_numel or \
                     self.bit16_groups_flat[i].numel() != layout.buffer_numel:
@@ -105,12 +122,18 @@ def _make_zero_class():
             group = self.round_robin_bit16_groups[i]
             P = layout.shard_numel
             owners = layout.owners()
-            for p, off, owner, name in zip(group, layout.offsets, owners, opt.matrix_names):
-                if not (owner * P <= off and off + p.numel() <= (owner + 1) * P):
+            for p, off, owner, name in zip(group, layout.offsets, owners, names):
+                if owner >= 0 and not (owner * P <= off and off + p.numel() <= (owner + 1) * P):
                     raise RuntimeError(f"Matrix {name} [{off}, {off + p.numel()}) straddles the ZeRO partition "
                                        f"boundary of its owner rank {owner} (P={P}).")
-            mine = [p for p, o in zip(group, owners) if o == rank]
-            if [id(p) for p in self.params_in_partition[i]] != [id(p) for p in mine] or self.first_offset[i] != 0:
+            if layout.mixed:  # owned matrices and the pieces of hosted ones that cross this range
+                lo, hi = rank * P, (rank + 1) * P
+                spans = [(p, off, off + p.numel()) for p, off in zip(group, layout.offsets) if p.numel()]
+                mine = [p for p, a, b in spans if a < hi and b > lo]
+                first = next((lo - a for _, a, b in spans if a < lo < b), 0)
+            else:
+                mine, first = [p for p, o in zip(group, owners) if o == rank], 0
+            if [id(p) for p in self.params_in_partition[i]] != [id(p) for p in mine] or self.first_offset[i] != first:
                 raise RuntimeError("ZeRO's partition bookkeeping disagrees with the ownership plan.")
             # Checkpoints strip groups_padding[i] trailing elements of each rank's partition and
             # zero_to_fp32 walks round_robin_bit16_padding: with our explicit per-parameter
@@ -119,16 +142,47 @@ def _make_zero_class():
             if self._is_muon_group(group) or self._muon_update_lacks_loss_scale(i):
                 raise RuntimeError("DeepSpeed's built-in Muon path is active on CanzonaOptimizer parameters; it "
                                    "would orthogonalise twice.")
-            meta = self.canzona_layout_meta()
+            fingerprint = self._canzona_group_fingerprint(i)
             gathered = [None] * layout.world_size
-            torch.distributed.all_gather_object(gathered, meta["fingerprint"], group=self.real_dp_process_group[i])
+            torch.distributed.all_gather_object(gathered, fingerprint, group=self.real_dp_process_group[i])
             if len(set(gathered)) != 1:
                 raise RuntimeError(f"DP ranks disagree on the CanzonaOptimizer layout: {gathered}. Every rank must see "
                                    "the same model, ds_config and canzona_ds/deepspeed versions.")
-            views = [FlatView(opt.matrix_names[j], off, tuple(group[j].shape)) for j, off in layout.rank_views(rank)]
+            views = [FlatView(names[j], off, tuple(group[j].shape)) for j, off in layout.rank_views(rank)]
             if opt.tp_matrices:
                 self._canzona_check_tp(rank)
-            opt.bind_partition(self.single_partition_of_fp32_groups[i], views)
+            splits = []
+            if layout.mixed:  # this rank's piece (maybe empty) of every hosted matrix, and the cuts
+                from ..planning.mixed import hosted_pieces
+                from ..tp.runtime import FlatSplit
+
+                for k in layout.hosted_indices():
+                    name = names[k]
+                    starts, lengths = hosted_pieces(layout, k)
+                    splits.append(FlatSplit(name, tuple(group[k].shape), starts, lengths, opt.infos[name].num_heads))
+                    local = max(layout.offsets[k] + starts[rank] - rank * P, 0) if lengths[rank] else 0
+                    views.append(FlatView(name, local, (lengths[rank],)))
+            opt.bind_partition(self.single_partition_of_fp32_groups[i], views, dp_hosted=splits,
+                               dp_group=self.real_dp_process_group[i])
+
+        def _canzona_hosted_meta(self) -> dict:
+            """The mixed layout's hosted matrices: name -> host DP rank and every rank's piece
+            (start in the matrix, length), as the step and elastic resume use them."""
+            from ..planning.mixed import hosted_pieces
+
+            layout, opt = self.canzona_layout, self._canzona
+            out = {}
+            for k in layout.hosted_indices():  # (the dense group: MoE keeps the owned layout, optim._plan)
+                name = opt.partition_matrices[None][k]
+                starts, lengths = hosted_pieces(layout, k)
+                out[name] = {"host": opt.plan.host[opt.plan.buffer_order()[k]], "starts": list(starts),
+                             "lengths": list(lengths)}
+            return out
+
+        def _canzona_group_fingerprint(self, i: int) -> str:
+            """Group i's plan and layout (what every rank of its DP group must agree on)."""
+            payload = [self._canzona_plan(i).fingerprint(), self.canzona_layouts[i].fingerprint()]
+            return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
 
         def _canzona_check_tp(self, dp_rank: int) -> None:
             """DP x TP: every TP rank must hold the same DP plan, at the same DP index, so
@@ -148,9 +202,21 @@ def _make_zero_class():
             from ..tp.runtime import TPMatrix
 
             opt, layout = self._canzona, self.canzona_layout
-            if opt.plan is None or layout is None:
+            if not self.canzona_layouts:
                 return {"fingerprint": "no-matrices", "world_size": None, "planner": None, "shard_numel": None}
-            payload = [opt.plan.fingerprint(), layout.fingerprint()]
+            first = self._canzona_groups[0]
+            payload = [self._canzona_plan(first).fingerprint(), layout.fingerprint()]
+            experts = {}  # DeepSpeed MoE: each expert group's matrices, planned over its expert-DP group
+            for i in self._canzona_groups:
+                key = self._canzona_partition(i)
+                if key is None:
+                    continue
+                lay = self.canzona_layouts[i]
+                payload.append([key, self._canzona_plan(i).fingerprint(), lay.fingerprint()])
+                experts[key] = {"world_size": lay.world_size, "shard_numel": lay.shard_numel,
+                                "matrix_names": list(opt.partition_matrices[key]),
+                                "rank_counts": list(lay.rank_counts), "offsets": list(lay.offsets),
+                                "edp_rank": dist.get_rank(group=self.real_dp_process_group[i])}
             tp_params = {}
             for group in self.bit16_groups:
                 for p in group:
@@ -160,10 +226,13 @@ def _make_zero_class():
                                              list(tp_blocks(p, m.full_shape[m.partition_dim]))]
             tp_rank = dist.get_rank(group=opt.tp_group) if opt.tp_size > 1 else 0
             return {"fingerprint": hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16],
-                    "world_size": layout.world_size, "planner": opt.plan.planner,
-                    "shard_numel": layout.shard_numel, "matrix_names": list(opt.matrix_names),
+                    "world_size": layout.world_size, "planner": self._canzona_plan(first).planner,
+                    "shard_numel": layout.shard_numel,
+                    "matrix_names": list(opt.partition_matrices[self._canzona_partition(first)]),
                     "rank_counts": list(layout.rank_counts), "offsets": list(layout.offsets),
-                    "rule": opt.rule.name, "roles": [g["canzona_role"] for g in opt.param_groups],
+                    "layout": "mixed" if layout.mixed else "owned", "owner_at": list(layout.owners()),
+                    "hosted": self._canzona_hosted_meta(), "layout_choice": opt.plan.extra.get("layout_choice"),
+                    "rule": opt.rule.name, "roles": [g["canzona_role"] for g in opt.param_groups], "moe": experts,
                     "tp_size": opt.tp_size, "tp_rank": tp_rank, "tp_params": tp_params,
                     "pp_size": opt.groups.pp_size, "pp_rank": opt.groups.pp_rank,
                     "dp_rank": dist.get_rank(group=self.dp_process_group)}
@@ -171,20 +240,25 @@ def _make_zero_class():
         # -- gradient clipping ----------------------------------------------------------
         def _canzona_torch_clip(self):
             """The torch-exact norm and clip (integration/clip.py), or None where DeepSpeed's own
-            runs (no clipping and no pipeline; tensor parallelism or MoE, whose norms DeepSpeed
-            reduces over other groups).  Under pipeline parallelism it runs even without clipping
+            runs (no clipping and no pipeline; tensor parallelism, whose norms DeepSpeed reduces
+            over the model-parallel group).  Under MoE the slots are the whole model's (every
+            expert once, integration/moe.py).  Under pipeline parallelism it runs even without clipping
             (the norm is computed for every step): DeepSpeed's own all-reduces the norm over the
             model-parallel group (all stages) once per param group, and a stage without matrices
             has one group where the others have two, which deadlocks."""
             groups = self._canzona.groups
-            if groups.tp_size > 1 or self.has_moe_layers or self.model_parallel_world_size != groups.pp_size:
+            if groups.tp_size > 1 or self.model_parallel_world_size != groups.pp_size:
                 return None
             if self.clip_grad <= 0.0 and groups.pp_size == 1:
                 return None
             if self._canzona_clip is None:
                 from .clip import TorchClip
 
-                self._canzona_clip = TorchClip(self, self._canzona.param_order, groups.pp_group, groups.pp_size)
+                moe = self._canzona.moe
+                if moe is not None and moe.active:  # slots of the whole model: every expert counted once
+                    self._canzona_clip = TorchClip(self, list(moe.global_order), rename=moe.global_names)
+                else:
+                    self._canzona_clip = TorchClip(self, self._canzona.param_order, groups.pp_group, groups.pp_size)
             return self._canzona_clip
 
         def scaled_global_norm(self, norm_type=2):

@@ -29,7 +29,7 @@ import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-from ..planning.dp import ATOMIC_DP_PLANNERS, DEFAULT_BUCKET_NUMEL, DEFAULT_DP_PLANNER
+from ..planning.dp import ATOMIC_DP_PLANNERS, DEFAULT_BUCKET_NUMEL, DEFAULT_DP_PLANNER, DEFAULT_MAX_PADDING, LAYOUTS
 from ..planning.params import DEFAULT_EXCLUDE, is_matrix
 from ..planning.tp import DEFAULT_TP_SCHEDULER, TP_SCHEDULERS
 from . import OPTIMIZER_TYPES, rule_class
@@ -59,9 +59,20 @@ class PlacementConfig:
     matrix_include: tuple[str, ...] = ()
     #: name fragments that send a >=2-D parameter to AdamW
     matrix_exclude: tuple[str, ...] = DEFAULT_EXCLUDE
+    #: ZeRO-1/2 layout of the matrices: "owned" (every matrix whole on its planned owner, each rank's range
+    #: padded to the largest), "mixed" (equal chunks; matrices that do not fit are hosted: updated on a planned
+    #: rank through all-to-alls over the DP group, no padding; docs/zero.md), "auto" (owned unless its padding
+    #: exceeds max_padding). Mixed hosts no tensor-parallel matrices: "mixed" with TP-split matrices is an error,
+    #: "auto" keeps owned there
+    layout: str = "auto"
+    #: largest padding of the owned layout (padding / matrix elements, 0.02 = 2%) that layout "auto" accepts
+    #: before it switches to the mixed layout
+    max_padding: float = DEFAULT_MAX_PADDING
 
     def __post_init__(self) -> None:
         check_choice("planner", self.planner, ATOMIC_DP_PLANNERS)
+        check_choice("layout", self.layout, LAYOUTS)
+        check_number("max_padding", self.max_padding, 0.0, 1000.0)
         check_number("alpha", self.alpha, 0.0, 1.0)
         check_choice("cost_model", self.cost_model, DP_COSTS)
         if isinstance(self.bucket_numel, float) and self.bucket_numel.is_integer():  # JSON 5e8

@@ -156,10 +156,18 @@ class MuonRule(MatrixRule):
     def init_state(self, info: MatrixInfo, like: Tensor) -> dict[str, Tensor]:
         return {"momentum_buffer": torch.zeros(info.shape, dtype=like.dtype, device=like.device)}
 
+    #: the momentum is element-wise: a matrix hosted over DP keeps it with its pieces
+    elementwise_state: ClassVar[tuple[str, ...]] = ("momentum_buffer",)
+
     def direction(self, grad: Tensor, state: dict[str, Tensor], info: MatrixInfo, step: int) -> Tensor:
+        return self.direction_from(self.pre_direction(grad, state), state, info, step)
+
+    def pre_direction(self, grad: Tensor, state: dict[str, Tensor]) -> Tensor:
         buf = state["momentum_buffer"]
         buf.lerp_(grad, 1 - self.momentum)
-        update = grad.lerp(buf, self.momentum) if self.nesterov else buf
+        return grad.lerp(buf, self.momentum) if self.nesterov else buf
+
+    def direction_from(self, update: Tensor, state: dict[str, Tensor], info: MatrixInfo, step: int) -> Tensor:
         rows, cols = info.shape2d
         if info.num_heads:
             heads = info.num_heads
@@ -168,7 +176,7 @@ class MuonRule(MatrixRule):
         else:
             O = newton_schulz(update.reshape(rows, cols), self.ns_steps, self.ns_coefficients, self.ns_eps,
                               self.ns_method)
-        return O.reshape(grad.shape)
+        return O.reshape(update.shape)
 
     def direction_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
         return torch.bfloat16  # Newton-Schulz's output: TP update shards travel at half the bytes, losslessly

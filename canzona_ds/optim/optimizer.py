@@ -23,6 +23,13 @@ Param groups (``canzona_role``)::
     "matrix"  the matrix rule; params in the DP plan's buffer order (rank 0's first)
     "aux"     AdamW (torch's functional AdamW, bit-exact vs torch.optim.AdamW)
 
+Expert parallelism (DeepSpeed MoE, ``partitions``): each expert group (``groups.experts``)
+gets its own pair, after the dense one, marked as DeepSpeed's ZeRO expects (``"moe": True``,
+``"name"``: the expert group), and its own ownership plan over its expert-data-parallel group
+(``canzona_partition``: the expert group's name; absent on the dense groups)::
+
+    [matrix (dense, plan over DP)] [aux (dense)] [matrix (ep_size_2, plan over its EDP)] [aux (ep_size_2)] ...
+
 Both groups carry ``lr`` and ``weight_decay`` read at every step, so any lr scheduler
 drives them.  The optimizer's step count (``param_groups[matrix]["step"]``) is the
 ``step`` the rules see.  A parameter without a gradient is stepped with a zero gradient
@@ -49,7 +56,7 @@ from torch.optim.adamw import adamw as _adamw_functional
 
 from ..parallel import ParallelGroups
 from ..placement import HOLDING, FlatView, HostedPlacement, StepContext, describe_matrix
-from ..planning.dp import OwnershipPlan, plan_dp
+from ..planning.dp import OwnershipPlan, choose_layout
 from ..planning.params import ParamSpec, expert_stack
 from .config import CanzonaConfig
 from .rule import MatrixInfo
@@ -71,11 +78,14 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         placement: "local", "owned" or "sharded" (module docstring).
         shapes: the whole shape of parameters whose tensor does not show it (ZeRO-3 partitions
             parameters built under ``deepspeed.zero.Init``), by name.
+        partitions: parameter name -> expert group name for expert parameters (DeepSpeed MoE;
+            each name one of ``groups.experts``); the others are dense.
     """
 
     def __init__(self, named_parameters: Iterable[tuple[str, Tensor]], config: CanzonaConfig,
                  groups: ParallelGroups | None = None, placement: str = "local",
-                 shapes: Mapping[str, tuple[int, ...]] | None = None) -> None:
+                 shapes: Mapping[str, tuple[int, ...]] | None = None,
+                 partitions: Mapping[str, str] | None = None) -> None:
         if not isinstance(config, CanzonaConfig):
             raise TypeError(f"config must be a CanzonaConfig, got {type(config).__name__}")
         groups = ParallelGroups.single() if groups is None else groups
@@ -83,7 +93,8 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             raise TypeError(f"groups must be a canzona_ds.parallel.ParallelGroups, got {type(groups).__name__}")
         if placement not in HOLDING:
             raise ValueError(f"Invalid placement={placement!r}. Allowed: {sorted(HOLDING)}.")
-        named = [(n, p) for n, p in named_parameters if p.requires_grad]
+        given = list(named_parameters)
+        named = [(n, p) for n, p in given if p.requires_grad]
         shapes = dict(shapes or {})
         shape_of = {n: tuple(shapes.get(n, tuple(p.shape))) for n, p in named}
         if not named:
@@ -133,28 +144,60 @@ class CanzonaOptimizer(torch.optim.Optimizer):
                 f"CanzonaOptimizer({self.rule.name}): no parameter qualifies as a matrix (ndim >= 2, name without "
                 f"{list(config.placement.matrix_exclude)}); every parameter uses AdamW. Set matrix_include to "
                 "change this.", stacklevel=2)
-        #: the DP ownership plan ("owned" placement; None: every matrix is updated on this rank)
-        self.plan: OwnershipPlan | None = None
-        if matrices and placement == "owned":
-            self.plan = _plan(specs, groups.dp_size, config, self.rule)
-            matrices = [matrices[i] for i in self.plan.buffer_order()]
-        self.matrix_names = [n for n, _ in matrices]
-        self.aux_names = [n for n, _ in aux]
+        unknown = sorted(set(partitions or {}) - {n for n, _ in given})
+        if unknown:
+            raise ValueError(f"partitions names {unknown[:3]}, which are not among named_parameters.")
+        trainable = {n for n, _ in named}
+        partitions = {n: key for n, key in (partitions or {}).items() if n in trainable}
+        keys = [None] + sorted(set(partitions.values()))
+        for key in keys[1:]:
+            groups.expert(key)  # a ValueError naming the known expert groups
+        if len(keys) > 1 and self.tp_matrices:
+            raise ValueError("Expert parallelism (MoE) with tensor-parallel matrices is not supported.")
+        spec_of = dict(zip([n for n, _ in matrices], specs))
+        #: the ownership plan of each partition's matrices over its DP group ("owned" placement;
+        #: None: dense, else the expert group's name); ``plan`` is the dense one
+        self.plans: dict[str | None, OwnershipPlan] = {}
+        #: matrix names per partition, in param-group (buffer) order
+        self.partition_matrices: dict[str | None, list[str]] = {}
         param_groups = []
-        if matrices:
-            param_groups.append(dict(params=[p for _, p in matrices], canzona_role=MATRIX, lr=config.lr,
-                                     weight_decay=config.weight_decay, step=0))
-        if aux:
-            param_groups.append(dict(params=[p for _, p in aux], canzona_role=AUX, lr=config.adam_lr,
-                                     betas=tuple(config.adam_betas), eps=config.adam_eps,
-                                     weight_decay=config.weight_decay))
+        ordered_matrices, ordered_aux = [], []
+        for key in keys:
+            mats = [(n, p) for n, p in matrices if partitions.get(n) == key]
+            rest = [(n, p) for n, p in aux if partitions.get(n) == key]
+            if mats and placement == "owned":
+                self.plans[key] = _plan([spec_of[n] for n, _ in mats], groups.partition_size(key), config, self.rule,
+                                       moe=len(keys) > 1)
+                mats = [mats[i] for i in self.plans[key].buffer_order()]
+            moe = {} if key is None else {"moe": True, "name": key, "canzona_partition": key}
+            if mats:
+                self.partition_matrices[key] = [n for n, _ in mats]
+                param_groups.append(dict(params=[p for _, p in mats], canzona_role=MATRIX, lr=config.lr,
+                                         weight_decay=config.weight_decay, step=0, **moe))
+            if rest:
+                param_groups.append(dict(params=[p for _, p in rest], canzona_role=AUX, lr=config.adam_lr,
+                                         betas=tuple(config.adam_betas), eps=config.adam_eps,
+                                         weight_decay=config.weight_decay, **moe))
+            ordered_matrices += mats
+            ordered_aux += rest
+        #: the DP ownership plan of the dense matrices (None: none, or every matrix is updated here)
+        self.plan: OwnershipPlan | None = self.plans.get(None)
+        self.matrix_names = [n for n, _ in ordered_matrices]
+        self.aux_names = [n for n, _ in ordered_aux]
         super().__init__(param_groups, {})
         #: rule state by matrix name (this rank's owned/local matrices and hosted TP matrices)
         self.matrix_state: dict[str, dict[str, Tensor]] = {}
         #: whole shape of every trainable parameter, by name
         self.shapes = shape_of
+        #: DeepSpeed MoE's expert groups and whole-model names (integration/moe.MoEInfo; None: no MoE)
+        self.moe = None
+        #: the mixed ZeRO layout: this rank's piece of the element-wise rule state of every matrix
+        #: hosted over DP (MatrixRule.elementwise_state, e.g. Muon's momentum), by name; the host's
+        #: matrix_state entry holds the other keys
+        self.piece_state: dict[str, dict[str, Tensor]] = {}
         self.placement = HOLDING[placement](self.matrix_names)
         if placement == "local":
+            self.placement.track(ordered_matrices)
             self.placement.hosted = self._hosted(self.matrix_names)
 
     # ------------------------------------------------------------------ placement
@@ -184,12 +227,26 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             return None
         return HostedPlacement(split, self.rule, self.groups.tp_group, self.config.tp, self.matrix_state)
 
-    def bind_partition(self, flat_param: Tensor, views: Iterable[FlatView]) -> None:
-        """ZeRO: ``flat_param`` (this rank's partition of the matrix group) holds ``views``."""
+    def bind_partition(self, flat_param: Tensor, views: Iterable[FlatView], dp_hosted: list | None = None,
+                       dp_group=None) -> None:
+        """ZeRO: ``flat_param`` (this rank's partition of the matrix group) holds ``views``.  The
+        mixed layout: ``views`` also holds this rank's piece (1-D, maybe empty) of every hosted
+        matrix, and ``dp_hosted`` their :class:`~canzona_ds.tp.runtime.FlatSplit` cuts over
+        ``dp_group``, hosted where the plan says."""
         if self.placement.kind != "owned":
             raise RuntimeError(f"bind_partition on a CanzonaOptimizer with placement={self.placement.kind!r}; ZeRO "
                                "stage 1/2 needs placement='owned'.")
-        self.placement.bind(flat_param, views, make_hosted=self._hosted)
+        make = self._hosted
+        if dp_hosted:
+            if self.tp_matrices:
+                raise RuntimeError("The mixed layout hosts no tensor-parallel matrices (optim._plan refuses it).")
+            index = {s.name: i for i, s in enumerate(self.plan.specs)}
+            hosts = [self.plan.host[index[m.name]] for m in dp_hosted]
+
+            def make(names: list[str]) -> HostedPlacement:
+                return HostedPlacement(dp_hosted, self.rule, dp_group, self.config.tp, self.matrix_state, hosts=hosts,
+                                       piece_states=self.piece_state)
+        self.placement.bind(flat_param, views, make_hosted=make)
 
     def bind_sharded(self, partition_numel: int, pieces: Iterable, splits: Iterable, group=None) -> None:
         """ZeRO-3: the matrix group's flat fp32 partition (``partition_numel`` elements) holds
@@ -246,6 +303,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         sd[STATE_KEY] = {
             "rule": self.rule.name,
             "matrix_state": {n: dict(st) for n, st in self.matrix_state.items()},
+            "piece_state": {n: dict(st) for n, st in self.piece_state.items()},
             "config": self.config.describe(),
         }
         return sd
@@ -260,6 +318,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             raise ValueError(f"This optimizer state was written by rule {canzona.get('rule')!r}; this optimizer runs "
                              f"{self.rule.name!r}. Load it with the same optimizer type.")
         self.load_matrix_state(canzona["matrix_state"])
+        self.load_piece_state(canzona.get("piece_state", {}))
 
     def load_matrix_state(self, matrix_state: Mapping[str, Mapping[str, Tensor]]) -> None:
         """Replace the rule state of the matrices named in ``matrix_state``, each tensor moved
@@ -270,6 +329,15 @@ class CanzonaOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"Saved optimizer state has matrix {name!r}, which this model does not have.")
             self.matrix_state[name] = {k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in st.items()}
 
+    def load_piece_state(self, piece_state: Mapping[str, Mapping[str, Tensor]]) -> None:
+        """Replace this rank's pieces of hosted matrices' element-wise state (mixed layout)."""
+        device = self._device()
+        self.piece_state.clear()
+        for name, st in piece_state.items():
+            if name not in self.infos:
+                raise ValueError(f"Saved optimizer state has matrix {name!r}, which this model does not have.")
+            self.piece_state[name] = {k: v.to(device) for k, v in st.items()}
+
     def _device(self) -> torch.device:
         for g in self.param_groups:
             for p in g["params"]:
@@ -277,15 +345,32 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         return torch.device("cpu")
 
 
-def _plan(specs: list[ParamSpec], dp: int, config: CanzonaConfig, rule) -> OwnershipPlan:
+def _plan(specs: list[ParamSpec], dp: int, config: CanzonaConfig, rule, moe: bool = False) -> OwnershipPlan:
     placement = config.placement
-    plan = plan_dp(specs, dp, planner=placement.planner, alpha=placement.alpha, cost=placement.cost_model,
-                   model=rule, bucket_numel=placement.bucket_numel)
+    tp_split = [s.name for s in specs if s.is_tp_split]
+    if placement.layout == "mixed" and tp_split:
+        raise ValueError(f"layout='mixed' hosts matrices over the DP group, which is not implemented for "
+                         f"tensor-parallel matrices ({len(tp_split)} here, e.g. {tp_split[0]!r}). Use layout 'owned' "
+                         "or 'auto' (which keeps the owned layout for them).")
+    if placement.layout == "mixed" and moe:
+        raise ValueError("layout='mixed' is not implemented with DeepSpeed MoE expert groups (each matrix group "
+                         "would host over its own DP group). Use layout 'owned' or 'auto' (which keeps the owned "
+                         "layout under MoE).")
+    plan, _, why = choose_layout(specs, dp, layout=placement.layout, max_padding=placement.max_padding,
+                                 planner=placement.planner, alpha=placement.alpha, cost=placement.cost_model,
+                                 model=rule, bucket_numel=placement.bucket_numel,
+                                 allow_mixed=not tp_split and not moe)
+    plan.extra["layout_choice"] = why  # reported in checkpoints (canzona_layout.layout_choice)
+    if "cannot host" in why:
+        warnings.warn(f"CanzonaOptimizer: {why} (DP={dp}); the replicated ZeRO buffer carries that padding.",
+                      stacklevel=3)
     if plan.split_params:
         raise ValueError(f"planner={placement.planner!r} cut {len(plan.split_params)} matrices across ranks; "
                          "a matrix optimizer needs every matrix whole on one rank.")
     if sorted(plan.buffer_order()) != list(range(len(specs))):
         raise RuntimeError(f"Planner {placement.planner!r} did not assign every matrix exactly once.")
+    if plan.mixed:
+        return plan
     return plan.nonempty_first()  # rank 0 must own a matrix (planning/layout.py): relabel ranks
 
 

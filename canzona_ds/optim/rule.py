@@ -89,6 +89,23 @@ class MatrixRule(ABC):
         """Update ``state`` in place from the full gradient and return the update direction
         (``grad``'s shape).  ``step`` counts optimizer steps from 1."""
 
+    #: state keys updated element-wise from the gradient before anything else (each the
+    #: matrix's shape): :meth:`pre_direction` does that part, :meth:`direction_from` the rest.
+    #: A matrix hosted over DP (the mixed ZeRO layout) keeps these with its pieces, so its host
+    #: holds only the other keys (placement/hosted.py; Muon's momentum: 4 bytes per element)
+    elementwise_state: ClassVar[tuple[str, ...]] = ()
+
+    def pre_direction(self, grad: Tensor, state: dict[str, Tensor]) -> Tensor:
+        """Update the :attr:`elementwise_state` keys of ``state`` from ``grad`` (the whole matrix
+        or any piece of it, the state cut alike) and return what :meth:`direction_from` takes,
+        element for element.  Default (no element-wise state): ``grad``."""
+        return grad
+
+    def direction_from(self, pre: Tensor, state: dict[str, Tensor], info: MatrixInfo, step: int) -> Tensor:
+        """The direction from :meth:`pre_direction`'s result of the whole matrix and the other
+        state keys.  ``direction(g, st, ...) == direction_from(pre_direction(g, st), st, ...)``."""
+        return self.direction(pre, state, info, step)
+
     def direction_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
         """dtype of :meth:`direction`'s result for a gradient of ``grad_dtype``; TP hosts send
         direction shards in it, so every rank must know it without being told."""

@@ -7,8 +7,10 @@ Per micro-group (planned by ``planning/tp.py`` from the rule's cost; the runtime
     shards --all_to_all_single--> host: G = cat(shards); D = rule.direction(G, state, info, step)
     host --all_to_all_single--> shards of D;  every rank: apply_rule_update(shard, D_r, ...)
 
-The group is any process group: the TP group today; ZeRO-3 partitions over the DP group and
-expert groups are the same machinery with another group and another split.
+The group is any process group: the TP group for TP shards; the DP group for the matrices the
+mixed ZeRO-1/2 layout cuts at chunk boundaries (:class:`~canzona_ds.tp.runtime.FlatSplit`
+pieces, hosts planned by planning/mixed.py); ZeRO-3 partitions and expert groups are the same
+machinery with another group and another split.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from torch import Tensor
 from ..optim.config import TPConfig
 from ..optim.rule import MatrixInfo, MatrixRule
 from ..planning.params import ParamSpec
-from ..tp.runtime import MicroGroupRuntime, TPMatrix
+from ..tp.runtime import FlatSplit, MicroGroupRuntime, TPMatrix
 from .base import StepContext
 
 
@@ -45,10 +47,15 @@ class HostedPlacement:
 
     kind = "hosted"
 
-    def __init__(self, matrices: Sequence[TPMatrix], rule: MatrixRule, group, config: TPConfig,
-                 states: dict[str, dict[str, Tensor]]) -> None:
-        self.split: dict[str, TPMatrix] = {m.name: m for m in matrices}
-        self.runtime = MicroGroupRuntime(list(matrices), rule, group, config, state=states)
+    def __init__(self, matrices: Sequence[TPMatrix | FlatSplit], rule: MatrixRule, group, config: TPConfig,
+                 states: dict[str, dict[str, Tensor]], hosts: Sequence[int] | None = None,
+                 piece_states: dict[str, dict[str, Tensor]] | None = None) -> None:
+        """``hosts``: the planned host of every matrix (the mixed DP layout); default: the
+        micro-group scheduler of ``config`` chooses.  ``piece_states``: this rank's pieces of the
+        rule's element-wise state of flat-split matrices (None: the host keeps all state)."""
+        self.split: dict[str, TPMatrix | FlatSplit] = {m.name: m for m in matrices}
+        self.runtime = MicroGroupRuntime(list(matrices), rule, group, config, state=states, hosts=hosts,
+                                         piece_state=piece_states)
 
     def hosted_names(self) -> list[str]:
         return self.runtime.hosted_names()

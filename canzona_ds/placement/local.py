@@ -13,12 +13,18 @@ class LocalPlacement(Placement):
 
     def __init__(self, names: list[str]) -> None:
         super().__init__()
-        #: matrix names in the param group's order
+        #: matrix names in the param groups' order
         self.names = list(names)
+        #: id(parameter) -> its name (:meth:`track`; the matrix groups may be several: MoE)
+        self.name_of: dict[int, str] = {}
+
+    def track(self, named: list[tuple[str, Tensor]]) -> None:
+        """The (name, parameter) pairs of every matrix group."""
+        self.name_of = {id(p): n for n, p in named}
 
     def items(self, group: dict) -> list[tuple[str, Tensor, Tensor]]:
-        return [(n, p, p.grad if p.grad is not None else torch.zeros_like(p))
-                for n, p in zip(self.names, group["params"])]
+        return [(self.name_of[id(p)], p, p.grad if p.grad is not None else torch.zeros_like(p))
+                for p in group["params"]]
 
     def held_names(self) -> list[str]:
         return list(self.names)

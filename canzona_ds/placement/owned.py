@@ -55,8 +55,10 @@ class OwnedPlacement(Placement):
                 raise RuntimeError(f"Matrix {v.name} at offset {v.offset} does not fit in a partition of "
                                    f"{flat_param.numel()} elements.")
         self.views[id(flat_param)] = views
-        if make_hosted is not None:
-            self.hosted = make_hosted([v.name for v in views])
+        if make_hosted is not None:  # (one partition per matrix group: several under MoE, without TP)
+            hosted = make_hosted([v.name for v in views])
+            if hosted is not None or len(self.views) == 1:
+                self.hosted = hosted
 
     def items(self, group: dict) -> list[tuple[str, Tensor, Tensor]]:
         if not self.views:

@@ -76,6 +76,7 @@ def compare(
         plan = plan_dp(mats, dp, planner=name, alpha=alpha, cost=cost, model=cost_model, bucket_numel=bucket_numel)
         out.dp_plans[name] = plan
         summary["dp_planners"][name] = dp_report(plan, cost_model).as_dict()
+    summary["layout"] = _layout_summary(mats, dp, dp_planner, alpha, cost, cost_model, bucket_numel)
     default = out.dp_plans[dp_planner]
     flops = rank_costs(default, "flops", cost_model)
     busiest = max(range(dp), key=lambda r: (flops[r], -r))
@@ -91,4 +92,29 @@ def compare(
         summary["tp_schedulers"][name] = tp_report(plan, cost_model).as_dict()
         whole = plan_tp(split, tp, scheduler=name, c_max=c_max, cost=cost, model=cost_model)
         summary["tp_whole_model"][name] = tp_report(whole, cost_model).as_dict()
+    return out
+
+
+def _layout_summary(mats, dp, planner, alpha, cost, cost_model, bucket_numel) -> dict:
+    """The ZeRO-1/2 layouts side by side (planning/mixed.py): the owned layout of ``planner``
+    and the mixed one, their padding, balance and per-step bytes, and what ``layout: "auto"``
+    picks (``choose_layout``: the runtime refuses to host TP-split matrices over DP, so at
+    TP > 1 this is the plan of the TP-local shapes)."""
+    from .cost import cost_vector
+    from .dp import DEFAULT_MAX_PADDING, choose_layout, owned_step_bytes, plan_mixed_dp
+
+    chosen, atomic, why = choose_layout(mats, dp, planner=planner, alpha=alpha, cost=cost, model=cost_model,
+                                        bucket_numel=bucket_numel)
+    mixed = chosen if chosen.mixed else plan_mixed_dp(mats, dp, cost_vector(mats, cost, cost_model), cost, cost_model)
+    out = {"auto": chosen.planner if chosen.mixed else "owned", "why": why, "max_padding": DEFAULT_MAX_PADDING}
+    if chosen.mixed and any(s.is_tp_split for s in mats):
+        out["runtime_note"] = ("the runtime does not host TP-split matrices over DP yet: at this TP size layout "
+                               "\"auto\" runs owned (docs/zero.md, Limits)")
+    for key, plan, sb in (("owned", atomic, owned_step_bytes(atomic)), ("mixed", mixed, mixed.extra["step_bytes"])):
+        r = dp_report(plan, cost_model)
+        out[key] = {"padding_fraction": r.padding_fraction, "flops_ratio": r.flops_ratio,
+                    "memory_ratio": r.memory_ratio, "hosted_matrices": len(plan.hosted),
+                    "hosted_numel": plan.extra.get("hosted_numel", 0), "all_gather_bytes": sb["all_gather"],
+                    "hosted_sent_max": sb["hosted_sent_max"], "hosted_collectives": sb["hosted_collectives"],
+                    "rank_cost": sb["rank_cost"]}
     return out

@@ -55,16 +55,36 @@ class OwnershipPlan:
     alpha: float | None = None
     plan_ms: float = 0.0
     extra: dict = field(default_factory=dict, compare=False, hash=False)
+    #: mixed layout (``planner == "mixed"``, planning/mixed.py): the explicit buffer order
+    order: tuple[int, ...] = ()
+    #: mixed layout: per spec, the DP rank that computes its update (its owner, or the host of
+    #: a hosted matrix); ``owner`` is -1 for hosted matrices
+    host: tuple[int, ...] = ()
+
+    @property
+    def mixed(self) -> bool:
+        return self.planner == MIXED
+
+    @property
+    def hosted(self) -> tuple[int, ...]:
+        """Spec indices updated through the hosted step over the DP group (mixed layout)."""
+        return tuple(i for i in self.order if self.owner[i] < 0) if self.mixed else ()
 
     @property
     def total_numel(self) -> int:
-        return sum(self.rank_numel)
+        return sum(s.numel for s in self.specs) if self.mixed else sum(self.rank_numel)
 
     def layout(self, param_alignment: int = 1, start_alignment: int | None = None):
         """The planned-padding layout of this plan (:func:`canzona_ds.planning.layout.plan_layout`,
         the one place padding is computed); defaults: DeepSpeed ZeRO's alignment."""
         from .layout import DS_START_ALIGNMENT, plan_layout
 
+        if self.mixed:
+            from .mixed import place
+
+            return place([self.owner[i] for i in self.order], [self.specs[i].numel for i in self.order],
+                         self.world_size, param_alignment,
+                         DS_START_ALIGNMENT if start_alignment is None else start_alignment)
         if self.split_params:
             raise ValueError(f"planner {self.planner!r} splits matrices: it has no planned-padding layout.")
         return plan_layout([len(r) for r in self.rank_params], [self.specs[i].numel for i in self.buffer_order()],
@@ -79,6 +99,8 @@ class OwnershipPlan:
         when a big matrix sits first) has no layout as labelled; the runtime relabels its
         ranks with :func:`~canzona_ds.planning.layout.nonempty_first` first, which changes
         no rank's contents, so the padding is that of the relabelled plan."""
+        if self.mixed:
+            return self.layout().padding_fraction
         if self.split_params or self.planner == "equal_chunk":
             chunk = -(-self.total_numel // self.world_size)
             return (chunk * self.world_size - self.total_numel) / self.total_numel if self.total_numel else 0.0
@@ -91,6 +113,8 @@ class OwnershipPlan:
         rank's contents change, so every balance metric is the same."""
         from .layout import nonempty_first
 
+        if self.mixed:  # the first buffer parameter is rank 0's or hosted: no relabelling needed
+            return self
         order = nonempty_first(self.rank_params)
         if order == list(range(self.world_size)):
             return self
@@ -115,6 +139,8 @@ class OwnershipPlan:
 
     def buffer_order(self) -> list[int]:
         """All spec indices in flat-buffer order (rank 0's first)."""
+        if self.order:
+            return list(self.order)
         return [i for r in range(self.world_size) for i in self.rank_params[r]]
 
     def fingerprint(self) -> str:
@@ -125,6 +151,8 @@ class OwnershipPlan:
             "specs": [(s.name, list(s.shape)) for s in self.specs],
             "rank_params": [list(r) for r in self.rank_params],
         }
+        if self.mixed:
+            payload["order"], payload["host"] = list(self.order), list(self.host)
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -855,3 +883,112 @@ def plan_dp(
     loads = cost_vector(specs, cost=cost, model=model)
     request = DPRequest(specs, world_size, loads, cost, alpha, model, bucket_numel)
     return DP_PLANNERS[planner](request)
+
+
+#: the mixed layout's planner name (planning/mixed.py); not an atomic planner
+MIXED = "mixed"
+#: ``layout`` settings: "owned" (atomic ownership, planned padding), "mixed" (owned + hosted
+#: over DP, no padding), "auto" (owned unless its padding exceeds ``max_padding``)
+LAYOUTS = ("auto", "owned", "mixed")
+#: the default ``max_padding`` of ``layout="auto"`` (padding / useful elements of the owned layout)
+DEFAULT_MAX_PADDING = 0.02
+
+
+def plan_mixed_dp(specs: Sequence[ParamSpec], world_size: int, loads: Sequence[float], cost_model: str = "numel",
+                  model=None, param_alignment: int = 1) -> OwnershipPlan:
+    """The mixed layout's plan (planning/mixed.py): owned matrices whole in equal chunks, the
+    rest hosted over the DP group.  ``rank_params``: owned matrices per rank (buffer order);
+    ``owner``: -1 for hosted ones; ``host``: who computes each update; ``rank_load``: the
+    cost-model load of everything a rank computes (owned + hosted); ``rank_numel``: elements
+    of its range.  ``extra["step_bytes"]``: per-step communication (mixed.step_bytes)."""
+    from .cost import cost_vector
+    from .mixed import plan_mixed, step_bytes
+
+    t0 = time.perf_counter()
+    _validate(specs, world_size, None)
+    if model is not None:
+        flops = cost_vector(specs, "flops", model)
+        memory = cost_vector(specs, "memory", model)
+        state = [m - s.numel * 8 for m, s in zip(memory, specs)]  # planning.cost.MASTER_GRAD_BYTES
+    else:
+        flops, state = [float(s.numel) for s in specs], [0.0] * len(specs)
+    direction_bytes = 4  # fp32 gradients travel to the host; directions come back in the rule's dtype
+    if model is not None and hasattr(model, "direction_dtype"):
+        import torch  # only with a rule object, which is torch code itself
+
+        direction_bytes = model.direction_dtype(torch.float32).itemsize
+    # the rule's element-wise state (Muon's momentum, fp32) stays with a hosted matrix's pieces
+    elementwise_bytes = 4.0 * len(getattr(model, "elementwise_state", ()))
+    got = plan_mixed(specs, world_size, flops, state, param_alignment=param_alignment,
+                     direction_bytes=direction_bytes, elementwise_bytes=elementwise_bytes)
+    order, owner, host, layout = got["order"], got["owner"], got["host"], got["layout"]
+    rank_params: list[list[int]] = [[] for _ in range(world_size)]
+    for i in order:
+        if owner[i] >= 0:
+            rank_params[owner[i]].append(i)
+    rank_load = [0.0] * world_size
+    for i, h in enumerate(host):
+        rank_load[h] += loads[i]
+    P = layout.shard_numel
+    rank_numel = [0] * world_size
+    for off, n in zip(layout.offsets, layout.numels):
+        for r in range(off // P, min(world_size - 1, (off + max(n, 1) - 1) // P) + 1):
+            rank_numel[r] += max(0, min(off + n, (r + 1) * P) - max(off, r * P))
+    host_at = [host[i] if owner[i] < 0 else -1 for i in order]
+    rank_hosted = [0] * world_size  # hosted elements in each rank's range (their element-wise state)
+    for off, n, o in zip(layout.offsets, layout.numels, layout.owner_at):
+        if o < 0:
+            for r in range(off // P, min(world_size - 1, (off + max(n, 1) - 1) // P) + 1):
+                rank_hosted[r] += max(0, min(off + n, (r + 1) * P) - max(off, r * P))
+    extra = {"elementwise_bytes": elementwise_bytes, "rank_hosted_numel": rank_hosted, "step_bytes": step_bytes(layout, host_at, direction_bytes=direction_bytes), "hosted_numel": sum(specs[i].numel for i in order
+                                                                               if owner[i] < 0)}
+    plan = _finish(MIXED, specs, world_size, rank_params, loads, t0, cost_model, owner=list(owner),
+                   rank_numel=rank_numel, rank_load=rank_load, extra=extra)
+    return replace(plan, order=tuple(order), host=tuple(host))
+
+
+def owned_step_bytes(plan: OwnershipPlan) -> dict:
+    """Per-step communication of an atomic plan's planned-padding layout (no hosted step):
+    :func:`canzona_ds.planning.mixed.step_bytes`."""
+    from .mixed import step_bytes
+
+    return step_bytes(plan.nonempty_first().layout())
+
+
+def choose_layout(specs: Sequence[ParamSpec], world_size: int, layout: str = "auto",
+                  max_padding: float = DEFAULT_MAX_PADDING, planner: str = DEFAULT_DP_PLANNER, alpha: float = 1.0,
+                  cost: str = "numel", model=None, bucket_numel: int | None = DEFAULT_BUCKET_NUMEL,
+                  allow_mixed: bool = True) -> tuple[OwnershipPlan, OwnershipPlan | None, str]:
+    """The documented rule: ``layout="owned"`` is the atomic plan of ``planner``; ``"mixed"``
+    the mixed layout; ``"auto"`` the atomic plan unless BOTH its planned padding (DeepSpeed's
+    default alignment) exceeds ``max_padding`` AND the mixed layout's step is cheaper for the
+    busiest rank (``step_bytes(...)["rank_cost"]``: its share of ZeRO's gradient reduction and
+    all-gather of the buffer, padded or not, plus the hosted all-to-alls' bytes and latency,
+    planning/mixed.py); then the mixed one.  ``allow_mixed=False``
+    (the matrices cannot be hosted over DP, e.g. tensor-parallel ones) keeps the atomic plan
+    under "auto".  Returns (chosen plan, the atomic plan or None, why)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"Invalid layout={layout!r}. Allowed: {list(LAYOUTS)}.")
+    if isinstance(max_padding, bool) or not isinstance(max_padding, (int, float)) or not max_padding >= 0:
+        raise ValueError(f"Invalid max_padding={max_padding!r}. Must be a number >= 0 (a fraction: 0.02 = 2%).")
+    from .cost import cost_vector
+
+    if layout == "mixed":
+        return plan_mixed_dp(specs, world_size, cost_vector(specs, cost, model), cost, model), None, "layout=mixed"
+    atomic = plan_dp(specs, world_size, planner=planner, alpha=alpha, cost=cost, model=model,
+                     bucket_numel=bucket_numel)
+    if layout == "owned" or atomic.split_params:
+        return atomic, atomic, "layout=owned"
+    pad = atomic.padding_fraction
+    if pad <= max_padding:
+        return atomic, atomic, f"owned padding {pad:.2%} <= max_padding {max_padding:.2%}"
+    mixed = plan_mixed_dp(specs, world_size, cost_vector(specs, cost, model), cost, model)
+    owned_cost, mixed_cost = owned_step_bytes(atomic)["rank_cost"], mixed.extra["step_bytes"]["rank_cost"]
+    if mixed_cost >= owned_cost:
+        return atomic, atomic, f"owned padding {pad:.2%} > max_padding {max_padding:.2%}, but the mixed step costs " \
+                               f"more ({mixed_cost:,} >= {owned_cost:,} byte-equivalents per rank): owned kept"
+    why = f"owned padding {pad:.2%} > max_padding {max_padding:.2%} and the mixed step costs less " \
+          f"({mixed_cost:,} < {owned_cost:,} byte-equivalents per rank)"
+    if not allow_mixed:
+        return atomic, atomic, f"{why}, but the mixed layout cannot host these matrices (tensor-parallel, or MoE expert groups): owned kept"
+    return mixed, atomic, f"{why}: mixed"

@@ -57,6 +57,17 @@ class Layout:
     padding: tuple[int, ...]
     param_alignment: int = 1
     start_alignment: int = DS_START_ALIGNMENT
+    #: the mixed layout (planning/mixed.py): owner rank of every parameter in buffer order, -1
+    #: for a hosted one (updated over the DP group, may cross range boundaries); () = atomic
+    owner_at: tuple[int, ...] = ()
+
+    @property
+    def mixed(self) -> bool:
+        return bool(self.owner_at)
+
+    def hosted_indices(self) -> list[int]:
+        """Buffer indices of the hosted parameters (mixed layout only)."""
+        return [k for k, o in enumerate(self.owner_at) if o < 0]
 
     @property
     def total_numel(self) -> int:
@@ -76,7 +87,9 @@ class Layout:
         return self.total_padding / self.total_numel if self.total_numel else 0.0
 
     def owners(self) -> list[int]:
-        """Owner rank of every parameter, in buffer order."""
+        """Owner rank of every parameter, in buffer order (-1: hosted, mixed layout)."""
+        if self.owner_at:
+            return list(self.owner_at)
         return [r for r, c in enumerate(self.rank_counts) for _ in range(c)]
 
     def rank_views(self, rank: int) -> list[tuple[int, int]]:
@@ -86,6 +99,8 @@ class Layout:
 
     def fingerprint(self) -> str:
         payload = [self.world_size, list(self.rank_counts), list(self.numels), self.shard_numel, list(self.padding)]
+        if self.owner_at:
+            payload.append(list(self.owner_at))
         return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
 
 

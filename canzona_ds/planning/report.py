@@ -28,6 +28,8 @@ def rank_costs(plan: OwnershipPlan, cost: str, model=None) -> list[float]:
     (:func:`canzona_ds.planning.cost.slice_cost`)."""
     loads = cost_vector(plan.specs, cost=cost, model=model)
     out = [0.0] * plan.world_size
+    if plan.mixed:
+        return _mixed_costs(plan, cost, loads)
     slices = plan.extra.get("slices", {})
     for r, idxs in enumerate(plan.rank_params):
         for i in idxs:
@@ -36,6 +38,29 @@ def rank_costs(plan: OwnershipPlan, cost: str, model=None) -> list[float]:
     for i, parts in slices.items():
         for r, n in parts:
             out[r] += slice_cost(plan.specs[i], cost, loads[i], n)
+    return out
+
+
+def _mixed_costs(plan: OwnershipPlan, cost: str, loads: Sequence[float]) -> list[float]:
+    """Mixed layout (planning/mixed.py): a rank computes its owned matrices and the hosted ones
+    it hosts (FLOPs and rule state there, but for a hosted matrix's element-wise state, which
+    stays with its pieces); it holds the fp32 master weight and gradient of its range, whatever
+    matrices that range cuts, and the element-wise state of the hosted pieces in it
+    (``memory``); ``numel`` = its range's elements."""
+    from .cost import MASTER_GRAD_BYTES
+
+    out = [0.0] * plan.world_size
+    if cost == "numel":
+        return [float(n) for n in plan.rank_numel]
+    eb = plan.extra.get("elementwise_bytes", 0.0)
+    for i, h in enumerate(plan.host):
+        if cost == "memory":  # the host keeps the state but a hosted matrix's element-wise part
+            out[h] += loads[i] - plan.specs[i].numel * (MASTER_GRAD_BYTES + (eb if plan.owner[i] < 0 else 0.0))
+        else:
+            out[h] += loads[i]
+    if cost == "memory":
+        hosted = plan.extra.get("rank_hosted_numel", [0] * plan.world_size)
+        out = [x + n * MASTER_GRAD_BYTES + m * eb for x, n, m in zip(out, plan.rank_numel, hosted)]
     return out
 
 

@@ -236,3 +236,26 @@ def plan_tp(
     if c_max is None:
         c_max = max(loads) if max(loads) > 0 else 1.0
     return TP_SCHEDULERS[scheduler](specs, tp_size, c_max, loads, cost)
+
+
+def plan_fixed_hosts(specs: Sequence[ParamSpec], hosts: Sequence[int], group_size: int,
+                     loads: Sequence[float] | None = None) -> MicroGroupPlan:
+    """Micro-groups for hosts chosen elsewhere (the mixed DP layout's plan, planning/mixed.py):
+    group k holds the k-th matrix (in ``specs`` order) of every host, so one group's hosts
+    each run at most one task while the next group's all-to-all is in flight.  Collectives
+    per step: 2 x (most matrices on one host)."""
+    t0 = time.perf_counter()
+    if len(hosts) != len(specs) or any(not 0 <= h < group_size for h in hosts):
+        raise ValueError(f"hosts={list(hosts)} must give one rank in [0, {group_size}) per matrix ({len(specs)}).")
+    loads = [float(s.numel) for s in specs] if loads is None else list(loads)
+    per_host: list[list[int]] = [[] for _ in range(group_size)]
+    for i, h in enumerate(hosts):
+        per_host[h].append(i)
+    groups = []
+    for k in range(max((len(x) for x in per_host), default=0)):
+        tasks = tuple((per_host[r][k], r) for r in range(group_size) if k < len(per_host[r]))
+        rank_load = [0.0] * group_size
+        for i, r in tasks:
+            rank_load[r] += loads[i]
+        groups.append(MicroGroup(tasks=tasks, rank_load=tuple(rank_load)))
+    return _plan("fixed_hosts", specs, group_size, groups, loads, max(loads, default=1.0) or 1.0, "numel", t0)

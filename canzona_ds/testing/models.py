@@ -214,7 +214,11 @@ class MatrixStepRecorder:
 
         def step(group):
             stock_step(group)
-            self.steps.append({n: (g, before, after.detach().clone()) for n, (g, before, after) in pending.items()})
+            record = {n: (g, before, after.detach().clone()) for n, (g, before, after) in pending.items()}
+            if group["step"] > self.start_step + len(self.steps):  # the step's first matrix group
+                self.steps.append(record)
+            else:  # MoE: one matrix group per expert group, each stepped in turn
+                self.steps[-1].update(record)
 
         placement.items, optimizer._matrix_step = items, step
 

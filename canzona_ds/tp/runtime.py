@@ -242,7 +242,14 @@ class MicroGroupRuntime:
     dim, :class:`TPMatrix`, or flat pieces over a DP group, :class:`FlatSplit`; mixed is fine)."""
 
     def __init__(self, matrices: Sequence["SplitMatrix"], rule: MatrixRule, tp_group=None, config: TPConfig | None = None,
-                 state: dict | None = None, *, verify: bool = True) -> None:
+                 state: dict | None = None, *, verify: bool = True, hosts: Sequence[int] | None = None,
+                 piece_state: dict | None = None) -> None:
+        """``hosts``: the host (group rank) of every matrix, planned elsewhere (the mixed DP
+        layout); default: the micro-group scheduler of ``config`` chooses.  ``piece_state``
+        (name -> state): where the rule's :attr:`~canzona_ds.optim.rule.MatrixRule.elementwise_state`
+        of the :class:`FlatSplit` matrices lives, cut like this rank's piece: every rank runs
+        ``rule.pre_direction`` on its piece and sends that, the host runs ``rule.direction_from``
+        on the whole and keeps only the other state keys (None: the host keeps all of it)."""
         self.rule = rule
         self.config = config or TPConfig()
         self.matrices = tuple(matrices)
@@ -256,9 +263,20 @@ class MicroGroupRuntime:
         names = [m.name for m in self.matrices]
         if len(set(names)) != len(names):
             raise ValueError("TPMatrix names must be unique within one runtime")
-        self.plan = plan_groups(self.matrices, rule, self.tp_size, self.config) if self.matrices else None
+        if hosts is not None and self.matrices:
+            from ..planning.tp import plan_fixed_hosts
+
+            specs = [ParamSpec(name=m.name, shape=tuple(m.full_shape), role="matrix", num_heads=m.num_heads)
+                     for m in self.matrices]
+            self.plan = plan_fixed_hosts(specs, list(hosts), self.tp_size)
+        else:
+            self.plan = plan_groups(self.matrices, rule, self.tp_size, self.config) if self.matrices else None
         #: rule state of the matrices this rank hosts, by name (shared with the optimizer)
         self.state: dict = {} if state is None else state
+        #: this rank's piece of the element-wise state of its FlatSplit matrices, by name
+        self.piece_state = piece_state
+        self._piecewise = {m.name for m in self.matrices if isinstance(m, FlatSplit)} \
+            if piece_state is not None and rule.elementwise_state else set()
         self.stats = StepStats()
         #: where the all-to-all buffers live (None: the gradients' device).  ZeRO-3 with CPU
         #: offload on an accelerator sets the accelerator: the pieces and the rule stay on the
@@ -310,6 +328,19 @@ class MicroGroupRuntime:
         (run_pipelined if self.config.pipelined else run_blocking)(tasks)
         return self.stats
 
+    def _outgoing(self, i: int, grad: Tensor, dtype: torch.dtype) -> Tensor:
+        """What this rank sends its host for matrix i: its gradient piece, or (element-wise state
+        kept with the pieces) ``rule.pre_direction`` of it, which updates that state."""
+        g = grad.detach().reshape(-1).to(dtype)
+        m = self.matrices[i]
+        if m.name not in self._piecewise:
+            return g
+        st = self.piece_state.get(m.name)
+        if st is None:
+            st = self.piece_state[m.name] = {k: torch.zeros(g.numel(), dtype=g.dtype, device=g.device)
+                                             for k in self.rule.elementwise_state}
+        return self.rule.pre_direction(g, st).reshape(-1)
+
     def _a2a(self, out: Tensor, inp: Tensor, out_splits: list[int], in_splits: list[int]):
         self.stats.count("all_to_all_single", (inp.numel() - in_splits[self.tp_rank]) * inp.element_size())
         return dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group, async_op=self.config.pipelined)
@@ -324,7 +355,7 @@ class MicroGroupRuntime:
         gdtype = _common_dtype([grads[i] for i, _ in group.tasks])
         device = grads[group.tasks[0][0]].device
         comm = device if self.comm_device is None else self.comm_device
-        send = torch.cat([grads[i].detach().reshape(-1).to(gdtype) for i in send_order]).to(comm)
+        send = torch.cat([self._outgoing(i, grads[i], gdtype) for i in send_order]).to(comm)
         in_splits = [sum(self.matrices[i].local_numel(me) for i in by_host[r]) for r in range(tp)]
         out_splits = [sum(self.matrices[i].local_numel(r) for i in mine) for r in range(tp)]
         recv = torch.empty(sum(out_splits), dtype=gdtype, device=comm)
@@ -346,7 +377,14 @@ class MicroGroupRuntime:
                 shards.append(pieces[r][cursors[r]:cursors[r] + n])
                 cursors[r] += n
             G = m.assemble(shards).to(grads[i].dtype)
-            D = self.rule.direction(G, rule_state(self.state, m.name, self.rule, m.info, like=G), m.info, step)
+            if m.name in self._piecewise:  # G is pre_direction's result, the element-wise state is with the pieces
+                state = self.state.get(m.name)
+                if state is None:
+                    state = self.state[m.name] = {k: v for k, v in self.rule.init_state(m.info, like=G).items()
+                                                  if k not in self.rule.elementwise_state}
+                D = self.rule.direction_from(G, state, m.info, step)
+            else:
+                D = self.rule.direction(G, rule_state(self.state, m.name, self.rule, m.info, like=G), m.info, step)
             if D.dtype != ddtype:
                 raise RuntimeError(f"rule {self.rule.name!r} returned a {D.dtype} direction for {m.name!r}; its "
                                    f"direction_dtype({gdtype}) says {ddtype}")

@@ -96,13 +96,17 @@ def summarize(model, world_size: int, optimizer=None, layout=None) -> PlanSummar
         out.plan_source = "computed with planning.plan_dp(cost='flops'); the run's optimizer has no plan"
     layout = layout if layout is not None else plan.nonempty_first().layout()
     flops = rank_costs(plan, "flops", model_cost)
+    # rule state where the update runs: the owner, or a hosted matrix's host (mixed layout)
+    computed = [[i for i, h in enumerate(plan.host) if h == r] for r in range(world_size)] if plan.mixed \
+        else plan.rank_params
     state = [sum(task_cost(plan.specs[i], "memory", model_cost) - plan.specs[i].numel * MASTER_GRAD_BYTES
-                 for i in plan.rank_params[r]) for r in range(world_size)]
+                 for i in computed[r]) for r in range(world_size)]
     memory = [layout.shard_numel * MASTER_GRAD_BYTES + state[r] + aux[r] * AUX_BYTES_PER_ELEMENT
               for r in range(world_size)]
     numel = [plan.rank_numel[r] + aux[r] for r in range(world_size)]
     out.layouts.append(LayoutLoad(f"canzona ({plan.planner}, cost={plan.cost_model})", flops, memory, numel,
-                                  padding_fraction=layout.padding_fraction))
+                                  padding_fraction=layout.padding_fraction,
+                                  note=f"{len(plan.hosted)} matrices hosted over DP" if plan.mixed else ""))
     return out
 
 

@@ -1,0 +1,145 @@
+"""DeepSpeed MoE (``deepspeed.moe.layer.MoE``, Megatron-DeepSpeed's MoE): which parameters are
+experts, which expert group each belongs to, and each one's name in the whole model.
+
+DeepSpeed marks an expert parameter with ``allreduce = False`` and ``group_name`` (the expert
+group, ``"ep_size_<n>"``); an MoE layer with ``num_experts`` E over ``ep_size`` ranks holds
+``E / ep_size`` local experts, ``...deepspeed_moe.experts.deepspeed_experts.<local id>.*``, and
+local expert ``j`` on expert-parallel rank ``k`` is global expert ``k * E/ep_size + j`` (the
+numbering DeepSpeed's expert checkpoint files use)::
+
+    world 4, ep_size 2          expert-parallel groups {0,1} {2,3}: different experts
+    rank 0: experts 0,1         expert-data-parallel groups {0,2} {1,3}: the same experts,
+    rank 1: experts 2,3         their gradients averaged (divided by the DP size, summed over
+    rank 2: experts 0,1         the expert-DP group), their ownership planned over it
+    rank 3: experts 2,3
+
+:class:`MoEInfo` is what the optimizer build and gradient clipping need: the partition of every
+expert parameter (its expert group's name) and the whole model's parameter order with every
+expert in it (the order ``torch.nn.utils.clip_grad_norm_`` stacks per-parameter norms in, for a
+single-process model holding every expert).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from ..parallel import ParallelGroups
+
+EXPERTS = ".deepspeed_moe.experts.deepspeed_experts."
+
+
+@dataclass(frozen=True)
+class MoEInfo:
+    #: expert parameter name -> its expert group name ("ep_size_2")
+    partitions: dict = field(default_factory=dict)
+    #: local parameter name -> its name in the whole model (experts renumbered globally)
+    global_names: dict = field(default_factory=dict)
+    #: every trainable parameter of the whole model, in its order (all experts of every layer)
+    global_order: tuple = ()
+
+    @property
+    def active(self) -> bool:
+        return bool(self.partitions)
+
+
+def is_expert(param) -> bool:
+    """DeepSpeed's own test (``deepspeed.moe.utils.is_moe_param``)."""
+    return hasattr(param, "allreduce") and not param.allreduce
+
+
+def expert_partitions(named: list) -> dict[str, str]:
+    """Expert parameter name -> its expert group name."""
+    out = {}
+    for n, p in named:
+        if is_expert(p):
+            group = getattr(p, "group_name", None)
+            if not isinstance(group, str):
+                raise ValueError(f"Expert parameter {n!r} (allreduce=False) has no DeepSpeed expert group_name; "
+                                 "build MoE layers with deepspeed.moe.layer.MoE.")
+            out[n] = group
+    return out
+
+
+def moe_layers(modules: list) -> dict[str, tuple[int, str]]:
+    """Experts prefix (``<layer>.deepspeed_moe.experts.deepspeed_experts.``) -> (num_experts,
+    expert group name) of every ``deepspeed.moe.layer.MoE`` in ``modules`` ((module, its named
+    parameters) pairs, names relative to that module)."""
+    from deepspeed.moe.layer import MoE
+
+    out = {}
+    for module, _ in modules:
+        for path, m in module.named_modules():
+            if isinstance(m, MoE):
+                out[(path + EXPERTS) if path else EXPERTS[1:]] = (int(m.num_experts), m.expert_group_name)
+    return out
+
+
+def moe_info(named: list, modules: list, groups: ParallelGroups) -> MoEInfo:
+    """The partitions and whole-model names of ``named``'s expert parameters (see the module
+    docstring); every expert parameter must lie inside a ``deepspeed.moe.layer.MoE``."""
+    partitions = expert_partitions(named)
+    if not partitions:
+        return MoEInfo(global_names={n: n for n, _ in named}, global_order=tuple(n for n, _ in named))
+    layers = moe_layers(modules)
+    # the model's order (DeepSpeed's MoE param groups list the dense parameters first)
+    given = dict(named)
+    in_model = [n for module, _ in modules for n, _ in module.named_parameters() if n in given]
+    named = [(n, given[n]) for n in in_model] + [(n, p) for n, p in named if n not in set(in_model)]
+    pattern = re.compile(r"(\d+)(\..*)")
+    global_names, order, done = {}, [], set()
+    blocks: dict[str, list] = {}
+    for n, _ in named:
+        if n not in partitions:
+            continue
+        prefix = next((pre for pre in layers if n.startswith(pre)), None)
+        m = pattern.fullmatch(n[len(prefix):]) if prefix else None
+        if m is None:
+            raise ValueError(f"Expert parameter {n!r} (DeepSpeed group {partitions[n]!r}) is not an expert of a "
+                             "deepspeed.moe.layer.MoE; expert parallelism supports DeepSpeed's MoE layers only.")
+        blocks.setdefault(prefix, []).append((int(m.group(1)), m.group(2), n))
+    for prefix, items in blocks.items():
+        num_experts, group_name = layers[prefix]
+        eg = groups.expert(group_name)
+        local = num_experts // eg.ep_size
+        for j, suffix, n in items:
+            if partitions[n] != group_name:
+                raise ValueError(f"Expert parameter {n!r} is in group {partitions[n]!r}, its layer in {group_name!r}.")
+            global_names[n] = f"{prefix}{eg.ep_rank * local + j}{suffix}"
+    for n, _ in named:
+        if n not in partitions:
+            global_names[n] = n
+            order.append(n)
+            continue
+        prefix = next(pre for pre in layers if n.startswith(pre))
+        if prefix in done:
+            continue
+        done.add(prefix)
+        suffixes = [suffix for j, suffix, _ in blocks[prefix] if j == 0]
+        order += [f"{prefix}{e}{suffix}" for e in range(layers[prefix][0]) for suffix in suffixes]
+    if len(set(order)) != len(order) or not set(global_names.values()) <= set(order):
+        raise RuntimeError("MoE: the whole-model parameter order does not cover this rank's parameters.")
+    return MoEInfo(partitions, global_names, tuple(order))
+
+
+def check_moe(settings, groups: ParallelGroups, zero: dict) -> None:
+    """Refuse, by name, what DeepSpeed MoE cannot combine with and what canzona-ds does not
+    support with expert parallelism yet."""
+    name = settings.optimizer_type
+    if settings.zero_stage == 3:
+        raise ValueError(f"{name}: DeepSpeed MoE layers (deepspeed.moe.layer.MoE) do not run under "
+                         "zero_optimization.stage=3 (DeepSpeed refuses native MoE at stage 3). Use stage 0, 1 or 2.")
+    if groups.tp_size > 1:
+        raise ValueError(f"{name}: MoE with tensor parallelism (tp_size={groups.tp_size}) is not supported yet. "
+                         "Use MoE with data/expert parallelism only.")
+    if groups.pp_size > 1:
+        raise ValueError(f"{name}: MoE with pipeline parallelism (pp_size={groups.pp_size}) is not supported yet.")
+    if settings.zero_stage in (1, 2):
+        if settings.offload_optimizer:
+            raise ValueError(f"{name}: MoE with zero_optimization.offload_optimizer (device="
+                             f"{settings.offload_device!r}) is not supported yet. Set offload_optimizer.device "
+                             "to 'none'.")
+        if not zero.get("reduce_scatter", True):
+            raise ValueError(f"{name}: DeepSpeed MoE needs zero_optimization.reduce_scatter=true (got false).")
+        if settings.zero_stage == 2 and not zero.get("contiguous_gradients", True):
+            raise ValueError(f"{name}: DeepSpeed MoE at ZeRO stage 2 needs zero_optimization.contiguous_gradients="
+                             "true (got false).")

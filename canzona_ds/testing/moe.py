@@ -1,0 +1,232 @@
+"""A tiny DeepSpeed MoE model (``deepspeed.moe.layer.MoE``) and its single-process reference.
+
+``TinyMoE``: embedding, a dense matrix (``proj`` + bias), LayerNorm, one MoE layer (top-1 gate
+``wg`` [E, D], E experts ``Linear(D, H) -> GELU -> Linear(H, D)`` with biases) and an lm_head;
+loss = cross entropy + ``AUX_COEF`` x the gate's load-balancing loss.  Routing is
+deterministic: no random token selection, no noise, and a capacity factor of E (capacity =
+every token of a rank), so no token is dropped.  Every parameter is initialised from its
+*whole-model* name (experts numbered globally), so a model at any ep_size holds the same
+weights.
+
+:func:`reference_run` computes, in one process, exactly what the distributed run computes::
+
+    per rank s:   dense copy s -> gate -> dispatched_s [E, C, D]       (DeepSpeed's own gating,
+                                                                         slots, encode, decode)
+    per expert-parallel group G (ranks r0 < r1 < ... holding different experts):
+        expert-parallel rank k's input = cat(dispatched_s[k*L:(k+1)*L] for s in G)
+                                         -> [ep, L, C, D] -> chunk per local expert  (= all_to_all)
+        its experts run on G's own copy of the expert weights; the outputs go back the same way
+    backward of sum_s loss_s once: dense copy s gets rank s's gradient, expert copy G what
+    G's holders get (one GEMM over all of G's tokens, as on the ranks)
+    ZeRO's average: dense = sum_s g_s / dp (rank order), expert e = sum_G g_G / dp (expert-DP
+    order); optionally torch's clip_grad_norm_ over the whole model; ReferenceOptimizer
+
+Bit-identical to the ranks wherever the sums have two terms (dp <= 2, or an expert-DP group of
+2); a 4-rank dense sum is associated in gloo's own order.
+"""
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .models import HP, VOCAB, batches
+
+D, H, NUM_EXPERTS = 16, 24, 4
+AUX_COEF = 0.01
+MOE = "moe.deepspeed_moe."
+EXPERTS = MOE + "experts.deepspeed_experts."
+EXPERT_PARAMS = ("0.weight", "0.bias", "2.weight", "2.bias")
+
+
+def _init(name: str, shape: tuple, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    scale = 0.02 if name.endswith("bias") or name.endswith("norm.bias") else (1.0 / shape[-1]) ** 0.5
+    return torch.randn(shape, generator=g) * scale
+
+
+class TinyMoE(nn.Module):
+    def __init__(self, ep_size: int, ep_rank: int, num_experts: int = NUM_EXPERTS, seed: int = 0) -> None:
+        from deepspeed.moe.layer import MoE
+
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, D)
+        self.proj = nn.Linear(D, D)
+        self.norm = nn.LayerNorm(D)
+        expert = nn.Sequential(nn.Linear(D, H), nn.GELU(), nn.Linear(H, D))
+        self.moe = MoE(hidden_size=D, expert=expert, num_experts=num_experts, ep_size=ep_size, k=1,
+                       capacity_factor=float(num_experts), eval_capacity_factor=float(num_experts), min_capacity=0,
+                       drop_tokens=True, use_rts=False)
+        self.lm_head = nn.Linear(D, VOCAB, bias=False)
+        local = num_experts // ep_size
+        with torch.no_grad():
+            for n, p in self.named_parameters():
+                p.copy_(_init(global_name(n, ep_rank, local), tuple(p.shape), seed))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        h = h + self.proj(self.norm(h))
+        out, l_aux, _ = self.moe(h)
+        h = h + out
+        return F.cross_entropy(self.lm_head(h).flatten(0, 1).float(), y.flatten()) + AUX_COEF * l_aux
+
+
+def global_name(name: str, ep_rank: int, local: int) -> str:
+    """A rank's parameter name in the whole model (local expert j on expert-parallel rank k is
+    global expert k * local + j)."""
+    if not name.startswith(EXPERTS):
+        return name
+    j, rest = name[len(EXPERTS):].split(".", 1)
+    return f"{EXPERTS}{ep_rank * local + int(j)}.{rest}"
+
+
+def whole_names(num_experts: int = NUM_EXPERTS) -> list[str]:
+    """The whole model's parameter names, in its order (every expert)."""
+    dense_before = ["embed.weight", "proj.weight", "proj.bias", "norm.weight", "norm.bias", MOE + "gate.wg.weight"]
+    experts = [f"{EXPERTS}{e}.{s}" for e in range(num_experts) for s in EXPERT_PARAMS]
+    return dense_before + experts + ["lm_head.weight"]
+
+
+def ep_layout(world: int, ep_size: int) -> list[list[int]]:
+    """DeepSpeed's expert-parallel groups (use_data_before_expert_parallel_=False): consecutive
+    ranks; the expert-DP groups are the same position across them."""
+    return [list(range(g, g + ep_size)) for g in range(0, world, ep_size)]
+
+
+def moe_ds_config(dp: int, optimizer: str = "CanzonaMuon", stage: int = 1, micro: int = 2, **extra) -> dict:
+    from .models import ds_config
+
+    return ds_config(dp, micro=micro, optimizer=optimizer, stage=stage, **extra)
+
+
+def reference_run(world: int, ep_size: int, steps: int, optimizer: str = "CanzonaMuon", micro: int = 2,
+                  clip: float = 0.0, seed: int = 0, params: dict | None = None, num_experts: int = NUM_EXPERTS,
+                  data: list | None = None) -> dict:
+    """The whole model's parameters after ``steps`` (module docstring); call inside a worker."""
+    from deepspeed.moe.sharded_moe import _route_slots, _sparse_decode, _sparse_encode, top1gating
+
+    from ..optim.config import CanzonaConfig
+    from ..optim.reference import ReferenceOptimizer
+
+    torch.set_num_threads(1)
+    cfg = CanzonaConfig.from_ds(optimizer, dict(HP[optimizer] if params is None else params))
+    names = whole_names(num_experts)
+    shapes = _shapes(num_experts)
+    master = {n: nn.Parameter(_init(n, shapes[n], seed)) for n in names}
+    opt = ReferenceOptimizer([(n, master[n]) for n in names], cfg)
+    local = num_experts // ep_size
+    ep_groups = ep_layout(world, ep_size)
+    data = data if data is not None else batches(steps, micro * world)
+    dense_names = [n for n in names if not n.startswith(EXPERTS)]
+    expert_names = [n for n in names if n.startswith(EXPERTS)]
+    for x_all, y_all in data[:steps]:
+        dense = [{n: master[n].detach().clone().requires_grad_(True) for n in dense_names} for _ in range(world)]
+        experts = [{n: master[n].detach().clone().requires_grad_(True) for n in expert_names} for _ in ep_groups]
+        total = None
+        losses = {}
+        routed = {}
+        for s in range(world):
+            P = dense[s]
+            x, y = x_all[s * micro:(s + 1) * micro], y_all[s * micro:(s + 1) * micro]
+            h = F.embedding(x, P["embed.weight"])
+            h = h + F.linear(F.layer_norm(h, (D,), P["norm.weight"], P["norm.bias"]), P["proj.weight"], P["proj.bias"])
+            flat = h.reshape(-1, D)
+            # TopKGate.forward's arithmetic with this rank's gate weight
+            logits = F.linear(flat.float(), weight=P[MOE + "gate.wg.weight"].float(), bias=None)
+            l_aux, C, E, indices, locations, gates, _ = top1gating(
+                logits, float(num_experts), 0, None, None, True, False, None, sparse_routes=True, use_tutel=False)
+            C = int(C)
+            slots = _route_slots(indices, locations, E, C)
+            routed[s] = (h, y, l_aux, C, E, slots, gates, _sparse_encode(flat, slots, E, C))
+        back: dict[int, list] = {s: [None] * ep_size for s in range(world)}
+        for g, G in enumerate(ep_groups):
+            X = experts[g]
+            for k, holder in enumerate(G):  # expert-parallel rank k of group G
+                received = torch.cat([routed[s][7][k * local:(k + 1) * local] for s in G])  # all_to_all
+                received = received.reshape(ep_size, local, -1, D)
+                outs = []
+                for j, chunk in enumerate(received.chunk(local, dim=1)):
+                    e = k * local + j
+                    w = [X[f"{EXPERTS}{e}.{p}"] for p in EXPERT_PARAMS]
+                    outs.append(F.linear(F.gelu(F.linear(chunk, w[0], w[1])), w[2], w[3]))
+                out = torch.cat(outs, dim=1).reshape(ep_size * local, -1, D)
+                for i, s in enumerate(G):  # the second all_to_all: back to the source ranks
+                    back[s][k] = out[i * local:(i + 1) * local]
+        for s in range(world):
+            h, y, l_aux, C, E, slots, gates, _ = routed[s]
+            expert_out = torch.cat(back[s])
+            combined = _sparse_decode(expert_out.view(E * C, D), slots, gates, h.shape[0] * h.shape[1])
+            hs = h + combined.reshape(h.shape)
+            loss = F.cross_entropy(F.linear(hs, dense[s]["lm_head.weight"]).flatten(0, 1).float(), y.flatten()) \
+                + AUX_COEF * l_aux
+            losses[s] = loss
+            total = loss if total is None else total + loss
+        total.backward()
+        grads = {}
+        for n in dense_names:  # ZeRO: each rank's gradient / dp, summed in rank order
+            acc = torch.zeros_like(master[n])
+            for s in range(world):
+                g = dense[s][n].grad
+                acc += (g if g is not None else torch.zeros_like(acc)) / world
+            grads[n] = acc
+        for n in expert_names:  # over the expert-DP group: the copies of the expert, / dp
+            acc = torch.zeros_like(master[n])
+            for g in range(len(ep_groups)):
+                gr = experts[g][n].grad
+                acc += (gr if gr is not None else torch.zeros_like(acc)) / world
+            grads[n] = acc
+        for n in names:
+            master[n].grad = grads[n]
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_([master[n] for n in names], clip)
+        opt.step()
+    return {n: master[n].detach().numpy().copy() for n in names}
+
+
+def _shapes(num_experts: int) -> dict:
+    shapes = {"embed.weight": (VOCAB, D), "proj.weight": (D, D), "proj.bias": (D,), "norm.weight": (D,),
+              "norm.bias": (D,), MOE + "gate.wg.weight": (num_experts, D), "lm_head.weight": (VOCAB, D)}
+    for e in range(num_experts):
+        shapes.update({f"{EXPERTS}{e}.0.weight": (H, D), f"{EXPERTS}{e}.0.bias": (H,),
+                       f"{EXPERTS}{e}.2.weight": (D, H), f"{EXPERTS}{e}.2.bias": (D,)})
+    return shapes
+
+
+def run_moe_engine(rank: int, world: int, ep_size: int, cfg: dict, steps: int, micro: int = 2, seed: int = 0,
+                   groups: bool = False, after_init=None, data: list | None = None, after_step=None, mpu=None):
+    """Train the tiny MoE model on a DeepSpeed engine; return (whole-model-named parameters of
+    this rank, losses, engine).  ``groups``: pass DeepSpeed's own MoE param groups
+    (split_params_into_different_moe_groups_for_optimizer) instead of the parameters (which
+    deepspeed.initialize splits the same way itself); ``after_step(step, parameters)``; ``mpu``: a
+    Megatron mpu passed to deepspeed.initialize (Megatron-DeepSpeed's configuration)."""
+    import canzona_ds  # noqa: F401 - registers the Canzona types
+    import deepspeed
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    ep_rank = rank % ep_size
+    model = TinyMoE(ep_size, ep_rank, seed=seed)
+    params = split_params_into_different_moe_groups_for_optimizer(
+        {"params": list(model.parameters()), "name": "dense"}) if groups else list(model.parameters())
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=cfg, mpu=mpu)
+    if after_init is not None:
+        after_init(engine)
+    losses = []
+    local = NUM_EXPERTS // ep_size
+
+    def whole():
+        return {global_name(n, ep_rank, local): p.detach().float().numpy().copy()
+                for n, p in engine.module.named_parameters()}
+
+    for step, (x, y) in enumerate((data if data is not None else batches(steps, micro * world))[:steps], start=1):
+        x, y = x[rank * micro:(rank + 1) * micro], y[rank * micro:(rank + 1) * micro]
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        if after_step is not None:
+            after_step(step, whole())
+    return whole(), losses, engine

@@ -1,0 +1,398 @@
+"""DeepSpeed MoE (``deepspeed.moe.layer.MoE``, 4 experts, ep_size=2) with expert parallelism
+under ZeRO 0/1/2, every Canzona type, on real gloo processes, against the single-process
+reference of ``canzona_ds.testing.moe`` (the whole model, every expert, the rule applied to
+each expert matrix; the ranks' forward and backward reproduced exactly, then ZeRO's averages:
+dense over DP, experts over their expert-DP group, both divided by the DP size).
+
+Tolerances (fp32):
+  * world 2, ep_size 2 (expert-DP groups of one rank, dense sums of two terms): bit-exact
+    (rtol=atol=0) for every type at ZeRO 1 and 2, through DeepSpeed's own MoE grouping and the
+    model.parameters() path, with a Megatron-style mpu (TP=1), and with gradient clipping
+    active (torch's clip_grad_norm_ over the whole model); ZeRO 0 likewise.  bf16: each
+    owner's updates replayed bit for bit, losses within 0.02 of the fp32 run's.
+  * world 4, ep_size 2: the expert-DP sums have two terms, the dense sums four (gloo's order,
+    ~1 ulp): after the first step every expert matrix is bit-exact; over 3 steps each owner's
+    updates replay bit for bit in one process (MatrixStepRecorder), Muon stays within 1e-6 of
+    the reference end to end (Shampoo's and SOAP's preconditioners amplify the ulps: printed).
+  * the inner optimizer's step makes no collective call (CommCounter); every matrix is owned
+    by exactly one rank of its group (dense: the DP group; experts: their expert-DP group).
+
+One ``run_distributed`` per world size; each scenario runs in its own ``try``, so one failing
+scenario fails one test.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+from functools import lru_cache
+
+import numpy as np
+import pytest
+
+from canzona_ds.testing.dist import run_distributed
+from canzona_ds.testing.models import TYPES
+
+STEPS = 3  # Shampoo/SOAP in HP refresh every 2 steps
+CLIP = 0.05  # well below the gradient norm (~1): every step clips
+EP = 2
+
+# world 2: (stage, type, options)
+SCENARIOS_2 = {f"z{stage}_{t}": (stage, t, {}) for stage in (1, 2) for t in TYPES}
+SCENARIOS_2.update({
+    "z1_muon_ds_groups": (1, "CanzonaMuon", {"groups": True}),   # the user's own MoE param groups
+    "z2_shampoo_mpu": (2, "CanzonaShampoo", {"mpu": True}),       # Megatron-DeepSpeed: an mpu at TP=1
+    "z1_muon_bf16": (1, "CanzonaMuon", {"bf16": True}),           # replayed bit for bit, losses near fp32's
+    "z2_soap_clip": (2, "CanzonaSOAP", {"clip": CLIP}),
+    "z1_muon_clip": (1, "CanzonaMuon", {"clip": CLIP}),
+    "z0_muon_clip": (0, "CanzonaMuon", {"clip": CLIP}),
+    "z0_shampoo": (0, "CanzonaShampoo", {}),
+})
+SCENARIOS_4 = {f"z{stage}_{t}": (stage, t, {}) for stage in (1, 2) for t in TYPES}
+SCENARIOS_4["z1_muon_clip"] = (1, "CanzonaMuon", {"clip": CLIP})
+
+
+def _train(rank, world, stage, opt_type, options):
+    from canzona_ds.testing.comm import CommCounter
+    from canzona_ds.testing.models import MatrixStepRecorder
+    from canzona_ds.testing.moe import moe_ds_config, run_moe_engine
+
+    inner_calls, recorder, first = [], [], {}
+
+    def attach(engine):
+        inner = engine.optimizer.optimizer if stage else engine.optimizer
+        stock = inner.step
+
+        def counted(*a, **k):
+            with CommCounter() as c:
+                out = stock(*a, **k)
+            inner_calls.append(c.count("torch") + c.count("deepspeed"))
+            return out
+
+        inner.step = counted
+        if stage:
+            recorder.append(MatrixStepRecorder(inner))
+
+    def after_step(step, params):
+        if step == 1:
+            first.update(params)
+
+    mpu = None
+    if options.get("mpu"):
+        from canzona_ds.testing import megatron_standin
+
+        megatron_standin.initialize_model_parallel(1)
+        mpu = megatron_standin.mpu
+    extra = {"bf16": {"enabled": True}} if options.get("bf16") else {}
+    cfg = moe_ds_config(world, optimizer=opt_type, stage=stage, gradient_clipping=options.get("clip", 0.0), **extra)
+    params, losses, engine = run_moe_engine(rank, world, EP, cfg, STEPS, groups=options.get("groups", False),
+                                            after_init=attach, after_step=after_step, mpu=mpu)
+    inner = engine.optimizer.optimizer if stage else engine.optimizer
+    source = inner.groups.source
+    parts = {name: [g.get("canzona_role"), g.get("moe", False)] for name, g in
+             zip(["g%d" % i for i in range(len(inner.param_groups))], inner.param_groups)}
+    return dict(params=params, first=first, losses=losses, inner_calls=inner_calls, groups=parts,
+                owned=sorted(inner.handled_names()) if stage else [],
+                replay=recorder[0].summary() if recorder else None,
+                plans={str(k): v.world_size for k, v in inner.plans.items()},
+                zero_class=type(engine.optimizer).__name__, source=source)
+
+
+def _world_worker(rank, world, scenarios):
+    from canzona_ds.testing.moe import reference_run
+
+    out = {}
+    refs: dict = {}
+    for name, (stage, opt_type, options) in scenarios.items():
+        try:
+            res = _train(rank, world, stage, opt_type, options)
+            if rank == 0:
+                key = (opt_type, options.get("clip", 0.0))
+                if key not in refs:
+                    refs[key] = (reference_run(world, EP, STEPS, opt_type, clip=key[1]),
+                                 reference_run(world, EP, 1, opt_type, clip=key[1]))
+                res["ref"], res["ref_first"] = refs[key]
+            out[name] = res
+        except Exception:  # noqa: BLE001 - reported per scenario
+            out[name] = traceback.format_exc()
+    return out
+
+
+@lru_cache(maxsize=None)
+def _run(world: int) -> list:
+    return run_distributed(_world_worker, world, SCENARIOS_2 if world == 2 else SCENARIOS_4, timeout=900)
+
+
+def _results(world: int, name: str) -> list:
+    res = [r[name] for r in _run(world)]
+    for r in res:
+        if isinstance(r, str):
+            pytest.fail(r)
+    return res
+
+
+def _check_structure(res: list, world: int, stage: int) -> None:
+    for r in res:
+        assert r["inner_calls"] and set(r["inner_calls"]) == {0}, r["inner_calls"]  # no collective in the step
+        if stage:
+            assert r["zero_class"] == "CanzonaZeroOptimizer"
+            # one matrix + one AdamW group for the dense parameters and for the expert group
+            assert list(r["groups"].values()) == [["matrix", False], ["aux", False], ["matrix", True], ["aux", True]]
+            assert r["plans"] == {"None": world, "ep_size_2": world // EP}  # dense over DP, experts over EDP
+    if not stage:
+        return
+    # dense matrices: each owned by one rank of the DP group; expert matrices by one rank of
+    # each expert-DP group ({0, 2} and {1, 3} at world 4; {0} and {1} at world 2)
+    dense = [n for r in res for n in r["owned"] if ".experts." not in n]
+    assert sorted(dense) == sorted(set(dense)) == ["moe.deepspeed_moe.gate.wg.weight", "proj.weight"]
+    for k in range(EP):
+        edp = [n for r in res[k::EP] for n in r["owned"] if ".experts." in n]
+        assert len(edp) == len(set(edp)) == 4, edp  # 2 local experts x 2 matrices, each once
+        for r in res[k::EP]:
+            assert len([n for n in r["owned"] if ".experts." in n]) == 4 // (world // EP)
+
+
+def _assert_equal(got: dict, ref: dict, what: str) -> None:
+    assert set(got) <= set(ref)
+    for n in got:
+        np.testing.assert_array_equal(got[n], ref[n], err_msg=f"{what}: {n}")
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS_2))
+def test_world2_ep2_bit_exact(name):
+    stage = SCENARIOS_2[name][0]
+    res = _results(2, name)
+    ref = res[0]["ref"]
+    for r in res:
+        if SCENARIOS_2[name][2].get("bf16"):  # bf16 weights: the machinery exact, the losses near fp32's
+            assert r["replay"]["replay_max_diff"] == 0.0 and r["replay"]["steps"] == STEPS, r["replay"]
+            continue
+        _assert_equal(r["params"], ref, name)
+        assert r["source"] == ("mpu" if SCENARIOS_2[name][2].get("mpu") else "dp")
+    _check_structure(res, 2, stage)
+    if SCENARIOS_2[name][2].get("bf16"):
+        fp32 = _results(2, "z1_CanzonaMuon")
+        dev = max(abs(a - b) for r, f in zip(res, fp32) for a, b in zip(r["losses"], f["losses"]))
+        print(f"{name}: max |loss - fp32 loss| = {dev:.3g}")
+        assert dev < 0.02
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS_4))
+def test_world4_ep2(name):
+    stage, opt_type, _ = SCENARIOS_4[name]
+    res = _results(4, name)
+    ref, ref_first = res[0]["ref"], res[0]["ref_first"]
+    for r in res:  # after one step the experts (two-term expert-DP sums) are bit-exact
+        _assert_equal({n: v for n, v in r["first"].items() if ".experts." in n}, ref_first, f"{name} step 1")
+        assert r["replay"]["replay_max_diff"] == 0.0 and r["replay"]["steps"] == STEPS, r["replay"]
+    dev = max(float(np.abs(r["params"][n] - ref[n]).max()) for r in res for n in r["params"])
+    print(f"{name} world 4: max |param - reference| after {STEPS} steps = {dev:.3g}")
+    if opt_type == "CanzonaMuon":
+        assert dev <= 1e-6
+    _check_structure(res, 4, stage)
+
+
+def _two_groups_worker(rank, world):
+    """Two MoE layers of different ep_size (1 and 2): three partitions, three plans."""
+    import deepspeed
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from deepspeed.moe.layer import MoE
+
+    import canzona_ds  # noqa: F401
+    from canzona_ds.testing.comm import CommCounter
+    from canzona_ds.testing.models import VOCAB, MatrixStepRecorder, batches
+    from canzona_ds.testing.moe import moe_ds_config
+
+    torch.manual_seed(0)
+
+    class TwoMoE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, 16)
+            expert = nn.Sequential(nn.Linear(16, 24), nn.GELU(), nn.Linear(24, 16))
+            self.m1 = MoE(16, expert, num_experts=2, ep_size=1, k=1, capacity_factor=2.0, min_capacity=0,
+                          use_rts=False)
+            self.m2 = MoE(16, expert, num_experts=4, ep_size=EP, k=1, capacity_factor=4.0, min_capacity=0,
+                          use_rts=False)
+            self.head = nn.Linear(16, VOCAB, bias=False)
+
+        def forward(self, x, y):
+            h = self.embed(x)
+            out1, aux1, _ = self.m1(h)
+            h = h + out1
+            out2, aux2, _ = self.m2(h)
+            h = h + out2
+            return F.cross_entropy(self.head(h).flatten(0, 1), y.flatten()) + 0.01 * (aux1 + aux2)
+
+    model = TwoMoE()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=moe_ds_config(world, stage=2, gradient_clipping=CLIP))
+    inner = engine.optimizer.optimizer
+    recorder = MatrixStepRecorder(inner)
+    calls = []
+    for x, y in batches(STEPS, 2 * world):
+        loss = engine(x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2])
+        engine.backward(loss)
+        stock = inner.step
+
+        def counted(*a, **k):
+            with CommCounter() as c:
+                out = stock(*a, **k)
+            calls.append(c.count("torch") + c.count("deepspeed"))
+            return out
+
+        inner.step = counted
+        engine.step()
+        inner.step = stock
+    return dict(groups=[(g["canzona_role"], g.get("name")) for g in inner.param_groups],
+                plans={str(k): v.world_size for k, v in inner.plans.items()}, owned=sorted(inner.handled_names()),
+                replay=recorder.summary(), calls=calls, ep=(inner.groups.ep_size, inner.groups.ep_rank))
+
+
+def test_two_expert_groups():
+    """ep_size 1 and 2 in one model at world 4: the ep_size_1 experts are planned over all 4 ranks,
+    the ep_size_2 ones over their expert-DP pairs; the machinery replays bit for bit, with clipping."""
+    res = run_distributed(_two_groups_worker, 4)
+    for rank, r in enumerate(res):
+        assert [n for _, n in r["groups"]] == [None, None, "ep_size_1", "ep_size_1", "ep_size_2", "ep_size_2"]
+        assert r["plans"] == {"None": 4, "ep_size_1": 4, "ep_size_2": 2}
+        assert r["replay"]["replay_max_diff"] == 0.0 and r["replay"]["steps"] == STEPS
+        assert r["calls"] and set(r["calls"]) == {0} and r["ep"] == (EP, rank % EP)  # no collective in the step
+    m1 = [n for r in res for n in r["owned"] if n.startswith("m1.deepspeed_moe.experts.")]
+    assert sorted(m1) == sorted(set(m1)) and len(m1) == 4  # 2 experts x 2 matrices over the 4 ranks
+    for k in range(EP):
+        m2 = [n for r in res[k::EP] for n in r["owned"] if n.startswith("m2.deepspeed_moe.experts.")]
+        assert sorted(m2) == sorted(set(m2)) and len(m2) == 4
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def _checkpoint_worker(rank, world, ckpt, opt_type, stage=2):
+    """Train 2 steps, save, train 1 more; a fresh engine loads and trains the same step."""
+    import torch
+
+    from canzona_ds.testing.moe import moe_ds_config, run_moe_engine
+    from canzona_ds.testing.models import batches
+
+    data = batches(3, 2 * world)
+    cfg = moe_ds_config(world, optimizer=opt_type, stage=stage)
+    saved = {}
+
+    def after_step(step, params):
+        if step == 2:
+            saved["engine"].save_checkpoint(ckpt, tag="two")
+
+    def keep(engine):
+        saved["engine"] = engine
+
+    straight, _, engine = run_moe_engine(rank, world, EP, cfg, 3, after_init=keep, after_step=after_step, data=data)
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    state = {n: {k: v.clone() for k, v in st.items()} for n, st in inner.matrix_state.items()}
+    files = sorted(os.listdir(os.path.join(ckpt, "two")))
+
+    def load(engine):
+        engine.load_checkpoint(ckpt, tag="two")
+
+    resumed, _, engine2 = run_moe_engine(rank, world, EP, cfg, 1, after_init=load, data=data[2:])
+    state2 = getattr(engine2.optimizer, "optimizer", engine2.optimizer).matrix_state
+    same_state = state.keys() == state2.keys() and all(torch.equal(state[n][k], state2[n][k])
+                                                        for n in state for k in state[n])
+    return dict(straight=straight, resumed=resumed, same_state=same_state, files=files,
+                experts=sorted(n for n in state if ".experts." in n))
+
+
+def _resize_worker(rank, world, ckpt):
+    from canzona_ds.integration.elastic import ElasticError
+    from canzona_ds.testing.moe import moe_ds_config, run_moe_engine
+
+    def load(engine):
+        engine.load_checkpoint(ckpt, tag="two")
+
+    try:
+        run_moe_engine(rank, world, EP, moe_ds_config(world, stage=2), 1, after_init=load)
+    except ElasticError as e:
+        return str(e)
+    return None
+
+
+def test_checkpoint_round_trip_and_resize_refused():
+    """ZeRO-2, world 2, ep_size 2: DeepSpeed writes the experts' weights to their own files and
+    each rank's optimizer partition (dense and expert groups, the rule state of the matrices it
+    owns) to its ZeRO file; a resumed run continues bit for bit.  Resuming at world 4 (expert-DP
+    groups of 2) is refused by name."""
+    with tempfile.TemporaryDirectory() as ckpt:
+        res = run_distributed(_checkpoint_worker, 2, ckpt, "CanzonaSOAP")
+        for r in res:
+            _assert_equal(r["resumed"], r["straight"], "resumed")
+            assert r["same_state"]
+        assert any("expert" in f for f in res[0]["files"]), res[0]["files"]  # DeepSpeed's expert files
+        for r in res:  # expert-DP groups of one rank: each rank keeps the state of its 2 local experts' matrices
+            assert len(r["experts"]) == 4, r["experts"]
+        errors = run_distributed(_resize_worker, 4, ckpt)
+    for e in errors:
+        assert e is not None and "MoE expert groups" in e and "another DP or expert-parallel size" in e, e
+
+
+def test_checkpoint_round_trip_stage0():
+    """ZeRO stage 0: DeepSpeed writes each expert-parallel rank's whole optimizer state (dense and
+    its experts' rule state) to expp_rank_<k> files; a resumed run continues bit for bit."""
+    with tempfile.TemporaryDirectory() as ckpt:
+        res = run_distributed(_checkpoint_worker, 2, ckpt, "CanzonaShampoo", 0)
+    for r in res:
+        _assert_equal(r["resumed"], r["straight"], "resumed")
+        assert r["same_state"] and len(r["experts"]) == 4
+    assert "expp_rank_1_mp_rank_00_optim_states.pt" in res[0]["files"], res[0]["files"]
+
+
+# ---------------------------------------------------------------------------- refusals
+REFUSALS = {
+    "zero3": ({"zero_optimization": {"stage": 3}}, "stage=3"),
+    "stage2_no_contiguous": ({"zero_optimization": {"stage": 2, "contiguous_gradients": False}},
+                             "contiguous_gradients"),
+    "no_reduce_scatter": ({"zero_optimization": {"stage": 1, "reduce_scatter": False}}, "reduce_scatter"),
+    "offload": ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, "offload_optimizer"),
+    "group_settings": ({"zero_optimization": {"stage": 1}, "_groups": "weight_decay"}, "'weight_decay'"),
+    "moe_group_with_dense": ({"zero_optimization": {"stage": 1}, "_groups": "bad_moe"}, "non-expert parameters"),
+    # Megatron-DeepSpeed's stage-0 client optimizer is built before DeepSpeed creates the expert groups
+    "megatron_stage0_client": ({"zero_optimization": {"stage": 0}, "_groups": "client"}, "stage-0 client"),
+}
+
+
+def _refusal_worker(rank, world):
+    import deepspeed
+
+    import canzona_ds  # noqa: F401
+    from canzona_ds.testing.moe import TinyMoE, moe_ds_config
+
+    out = {}
+    for name, (extra, _) in REFUSALS.items():
+        extra = dict(extra)
+        groups = extra.pop("_groups", None)
+        model = TinyMoE(EP, rank % EP)
+        params = list(model.parameters())
+        if groups == "weight_decay":
+            params = [{"params": params, "name": "dense", "weight_decay": 0.0}]
+        elif groups == "bad_moe":
+            params = [{"params": params, "name": "ep_size_2", "moe": True}]
+        try:
+            if groups == "client":
+                from canzona_ds.integration.megatron import build_tp_optimizer
+
+                build_tp_optimizer(model, moe_ds_config(world, **extra))
+            deepspeed.initialize(model=model, model_parameters=params, config=moe_ds_config(world, **extra))
+            out[name] = None
+        except Exception as e:  # noqa: BLE001
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+@lru_cache(maxsize=None)
+def _refusals() -> dict:
+    return run_distributed(_refusal_worker, 2)[0]
+
+
+@pytest.mark.parametrize("name", sorted(REFUSALS))
+def test_refused_by_name(name):
+    got = _refusals()[name]
+    assert got is not None and REFUSALS[name][1] in got, got
