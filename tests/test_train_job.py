@@ -226,7 +226,8 @@ def test_shipped_zero3_config_trains_and_resumes_exactly(tmp_path):
     a = rows(full / "metrics.jsonl")
     assert [x["step"] for x in a] == list(range(1, 9)) and a[-1]["loss"] < a[0]["loss"] - 0.5
     plan = json.loads((full / "plan_summary.json").read_text())
-    assert plan["layouts"][-1]["name"].startswith("canzona zero3") and all(f > 0 for f in plan["layouts"][-1]["rank_flops"])
+    hosts = plan["layouts"][-1]
+    assert hosts["name"].startswith("canzona zero3") and all(f > 0 for f in hosts["rank_flops"])
     shutil.copytree(full / "ckpt" / "step4", resumed / "ckpt" / "step4")
     (resumed / "ckpt" / "latest").write_text("step4")
     r = launch([*common, "--set", f"log_dir={resumed}", "--set", f"checkpoint_dir={resumed}/ckpt", "--resume"])

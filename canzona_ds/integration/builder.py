@@ -111,8 +111,9 @@ def check_settings(s: RunSettings, cfg: CanzonaConfig) -> None:
         raise ValueError(f"{name} supports zero_optimization.stage 0, 1, 2 or 3; got stage={s.zero_stage}.")
     if s.zero_stage == 0 and (s.bf16 or s.fp16):
         kind = "bf16" if s.bf16 else "fp16"
-        raise ValueError(f"{name} with {kind}.enabled=true needs zero_optimization.stage 1, 2 or 3 (at stage 0 DeepSpeed "
-                         f"wraps the optimizer in its {kind.upper()} optimizer, which flattens the matrices).")
+        raise ValueError(f"{name} with {kind}.enabled=true needs zero_optimization.stage 1, 2 or 3 (at stage 0 "
+                         f"DeepSpeed wraps the optimizer in its {kind.upper()} optimizer, which flattens the "
+                         "matrices).")
     if s.zero_stage and s.round_robin_gradients:
         raise ValueError(f"{name} does not support zero_optimization.round_robin_gradients=true (it reorders "
                          "parameters, breaking the ownership plan). Set it to false.")

@@ -34,9 +34,9 @@ offload and the loss scaler are DeepSpeed's.  Further overrides, each small:
 
 A checkpoint written at another DP size resumes through :func:`resize_load` (the registry's
 ``load_checkpoint`` sends it there): DeepSpeed's own load without optimizer state (module, lr
-scheduler, counters, client state), then every fp32 parameter and AdamW moment rebuilt whole
-from the saved partitions and cut at the new size, and every matrix's rule state handed to its
-new host by name.
+scheduler, counters, client state), then this rank's new piece of every fp32 parameter and AdamW
+moment read from the saved pieces it overlaps, and every matrix's rule state handed to its new
+host by name.
 """
 from __future__ import annotations
 
@@ -344,17 +344,18 @@ def saved_zero3_fingerprint(load_dir: str, tag: str) -> str | None:
     return meta.get("fingerprint") if meta.get("kind") == "zero3" else None
 
 
-def _whole(flats: list, names: list[str], numels: dict, dp: int) -> dict:
-    """Per parameter name, the whole flat tensor rebuilt from every rank's flat sub-group
-    partition (``flats[r]``: rank r's flat of one sub-group, parameters in ``names`` order, each
-    ``ceil(numel / dp)`` elements, the padding tail excluded)."""
-    out, off = {}, 0
-    for name in names:
-        n = numels[name]
-        P = -(-n // dp)
-        out[name] = torch.cat([flats[r].narrow(0, off, max(0, min(P, n - r * P))) for r in range(dp)])
-        off += P
-    return out
+def _slice(flats: list, off: int, n: int, dp: int, start: int, length: int) -> torch.Tensor:
+    """Elements ``[start, start + length)`` of a parameter of ``n`` elements that was saved as
+    ``dp`` pieces (``ceil(n / dp)`` each, padding tail excluded) at offset ``off`` of every rank's
+    flat partition ``flats[r]``; only the overlapping pieces are read (memory-mapped files stay
+    on disk elsewhere)."""
+    P = -(-n // dp)
+    parts = []
+    for r in range(dp):
+        lo, hi = max(start, r * P), min(start + length, n, (r + 1) * P)
+        if lo < hi:
+            parts.append(flats[r].narrow(0, off + lo - r * P, hi - lo))
+    return torch.cat(parts) if parts else flats[0].new_empty(0)
 
 
 def resize_load(engine, stock_load, load_dir: str, tag: str | None, load_module_strict: bool = True,
@@ -407,49 +408,56 @@ def resize_load(engine, stock_load, load_dir: str, tag: str | None, load_module_
         del engine._get_all_ckpt_names  # the class's method again
     if load_path is None:
         return load_path, client
-    # 2. fp32 master pieces and AdamW moments: rebuilt whole per parameter, cut at the new size
+    # 2. fp32 master pieces and AdamW moments: this rank's share of every parameter, read from the
+    #    saved pieces it overlaps
     numels = meta["numels"]
-    weights, moments, step_of = {}, {}, {}
-    for s, names in enumerate(meta["sub_groups"]):
-        weights.update(_whole([sd["fp32_flat_groups"][s] for sd in saved], names, numels, old_dp))
     base = [sd["optimizer_state_dict"] for sd in saved]
     flat_index = {}  # saved sub-group -> index of its flat in the saved torch state (param group order)
     for g, group in enumerate(base[0]["param_groups"]):
         subs = [s for s, pg in enumerate(meta["sub_group_param_group"]) if pg == g]
         for s, idx in zip(subs, group["params"]):
             flat_index[s] = idx
+    where = {}  # parameter name -> (saved sub-group, offset in its flats)
     for s, names in enumerate(meta["sub_groups"]):
-        idx = flat_index.get(s)
-        st = base[0]["state"].get(idx) if idx is not None else None
-        if not st:
-            continue
-        for key in ("exp_avg", "exp_avg_sq"):
-            moments.setdefault(key, {}).update(
-                _whole([b["state"][idx][key] for b in base], names, numels, old_dp))
+        off = 0
         for name in names:
-            step_of[name] = st["step"]
+            where[name] = (s, off)
+            off += -(-numels[name] // old_dp)
+
+    def flats(key: str, s: int) -> list | None:
+        if key == "param":
+            return [sd["fp32_flat_groups"][s] for sd in saved]
+        idx = flat_index.get(s)
+        if idx is None or not base[0]["state"].get(idx):
+            return None  # no AdamW state saved for this sub-group (the matrices', or before step 1)
+        return [b["state"][idx][key] for b in base]
+
     rank = dist_rank(zopt)
-    dp = zopt.partition_count
     names_of = {id(p): n for n, p in zopt.module.named_parameters()}
     with torch.no_grad():
         for i, group in enumerate(zopt.fp16_groups):
             flat = zopt.fp32_partitioned_groups_flat[i]
-            pieces = {"param": flat}
             names = [names_of[id(p)] for p in group]
-            has_moments = all(n in step_of for n in names) and moments
-            if has_moments:
-                state = {"step": step_of[names[0]].clone(), "exp_avg": torch.zeros_like(flat),
+            sources = {"param": flat}
+            first = where[names[0]][0]
+            if flats("exp_avg", first) is not None:
+                saved_state = base[0]["state"][flat_index[first]]
+                state = {"step": saved_state["step"].clone(), "exp_avg": torch.zeros_like(flat),
                          "exp_avg_sq": torch.zeros_like(flat)}
                 zopt.optimizer.state[flat] = state
-                pieces.update(exp_avg=state["exp_avg"], exp_avg_sq=state["exp_avg_sq"])
+                sources.update(exp_avg=state["exp_avg"], exp_avg_sq=state["exp_avg_sq"])
             off = 0
             for name, p in zip(names, group):
                 P = p.partition_numel()
                 n = max(0, min(P, p.ds_numel - rank * P))
-                for key, dst in pieces.items():
-                    src = weights[name] if key == "param" else moments[key][name]
+                s, saved_off = where[name]
+                for key, dst in sources.items():
+                    src = flats(key, s)
+                    if src is None:
+                        raise ValueError(f"{folder}: {name!r} has no saved {key} (its sub-group's AdamW state is "
+                                         "missing); cannot resume it at another DP size.")
                     dst.narrow(0, off, P).zero_()
-                    dst.narrow(0, off, n).copy_(src.narrow(0, rank * P, n))
+                    dst.narrow(0, off, n).copy_(_slice(src, saved_off, numels[name], old_dp, rank * P, n))
                 off += P
             zopt.fp16_partitioned_groups_flat[i].data.copy_(flat.data)
             zopt._unflatten_partitioned_parameters(i)
