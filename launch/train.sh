@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Main job launcher: DeepSpeed ZeRO-1 on NUM_RANKS CPU processes (gloo).
+# Main job launcher: DeepSpeed ZeRO (stage 1 by default, 3 with the zero3 ds_config) on NUM_RANKS
+# CPU processes (gloo).
 #   launch/train.sh                        # tiny preset, 2 ranks, configs/run_tiny.yaml
 #   NUM_RANKS=4 launch/train.sh --set steps=50
 #   NUM_RANKS=4 launch/train.sh --set pp=2    # 2 pipeline stages x 2 DP ranks
+#   DS_CONFIG=configs/ds_cpu_canzona_zero3.json launch/train.sh   # ZeRO stage 3 (docs/zero3.md)
 #   launch/train.sh --resume               # continue from the latest intact checkpoint
 #   launch/train.sh --compare              # CanzonaMuon vs Muon vs AdamW + exact reference
 # Extra arguments go to canzona_ds.cli.train (see its --help).

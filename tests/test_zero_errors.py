@@ -13,7 +13,8 @@ from canzona_ds.testing.models import HP, ds_config, make_model, run_engine, run
 MUON = HP["CanzonaMuon"]
 # name: (ds_config overrides, text the message must contain)
 BAD_CONFIGS = {
-    "stage3": (dict(zero_optimization={"stage": 3}), "stage 0, 1 or 2"),
+    "stage3_ratio": (dict(zero_optimization={"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}),
+                     "offload_optimizer.ratio=0.3"),
     "stage0_bf16": (dict(zero_optimization={"stage": 0}, bf16={"enabled": True}), "bf16.enabled=true needs"),
     "round_robin": (dict(zero_optimization={"stage": 1, "round_robin_gradients": True}), "round_robin_gradients"),
     "offload_nvme": (dict(zero_optimization={"stage": 1, "offload_optimizer": {"device": "nvme",

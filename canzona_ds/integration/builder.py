@@ -11,7 +11,8 @@ Every path runs the same steps, in this order::
     check_settings(settings)                           # refuse what cannot work, by name
     require_tp_group(...)                              # TP-tagged params need a TP group
     tag_heads(...)   if per_head_muon                  # DeepSpeed's own head resolution
-    CanzonaOptimizer(named, config, groups, placement="owned" at ZeRO 1/2 else "local")
+    CanzonaOptimizer(named, config, groups, placement="owned" at ZeRO 1/2, "sharded" at ZeRO 3,
+                     else "local")
 
 What must agree, and over which ranks: the ds_config side (optimizer type and resolved config,
 ZeRO stage, precisions, offload, clipping, accumulation, the parallel degrees) on every rank;
@@ -51,11 +52,19 @@ class RunSettings:
     moe: bool
     gradient_clipping: float
     gradient_accumulation_steps: int
+    # ZeRO-3 settings (integration/zero3.py)
+    offload_param_device: str = "none"
+    partial_offload: float = 1.0
+    super_offload: bool = False
+    zero_hpz_partition_size: int = 1
+    elastic_checkpoint: bool = False
 
     @classmethod
     def from_engine(cls, engine) -> "RunSettings":
         model_dtype, grad_accum_dtype = engine.get_data_types()
         device = engine.zero_offload_optimizer().device if engine.zero_use_cpu_optimizer() else "none"
+        offload_param = engine.zero_offload_param()
+        param_device = getattr(offload_param, "device", None) if offload_param is not None else None
         return cls(optimizer_type=engine.optimizer_name(), zero_stage=int(engine.zero_optimization_stage()),
                    model_dtype=str(model_dtype), grad_accum_dtype=str(grad_accum_dtype),
                    bf16=bool(engine.bfloat16_enabled()), fp16=bool(engine.fp16_enabled()),
@@ -64,7 +73,12 @@ class RunSettings:
                    round_robin_gradients=bool(engine.zero_round_robin_gradients()),
                    zenflow=bool(getattr(engine, "zenflow", False)), moe=bool(engine.has_moe_layers),
                    gradient_clipping=float(engine.gradient_clipping()),
-                   gradient_accumulation_steps=int(engine.gradient_accumulation_steps()))
+                   gradient_accumulation_steps=int(engine.gradient_accumulation_steps()),
+                   offload_param_device=str(getattr(param_device, "value", param_device) or "none"),
+                   partial_offload=float(engine.zero_partial_offload() or 1.0),
+                   super_offload=bool(engine.super_offload()),
+                   zero_hpz_partition_size=int(engine.zero_hpz_partition_size() or 1),
+                   elastic_checkpoint=bool(engine.zero_elastic_checkpoint()))
 
     @classmethod
     def from_ds_config(cls, ds: Mapping[str, Any]) -> "RunSettings":
@@ -72,6 +86,7 @@ class RunSettings:
         zero = ds.get("zero_optimization") or {}
         offload = zero.get("offload_optimizer") or {}
         device = str(offload.get("device", "none"))
+        param_device = str((zero.get("offload_param") or {}).get("device", "none"))
         bf16 = bool((ds.get("bf16") or ds.get("bfloat16") or {}).get("enabled", False))
         fp16 = bool((ds.get("fp16") or {}).get("enabled", False))
         dtype = "torch.bfloat16" if bf16 else "torch.float16" if fp16 else "torch.float32"
@@ -81,23 +96,27 @@ class RunSettings:
                    round_robin_gradients=bool(zero.get("round_robin_gradients", False)),
                    zenflow=bool(zero.get("zenflow")), moe=False,
                    gradient_clipping=float(ds.get("gradient_clipping", 1.0)),
-                   gradient_accumulation_steps=int(ds.get("gradient_accumulation_steps", 1) or 1))
+                   gradient_accumulation_steps=int(ds.get("gradient_accumulation_steps", 1) or 1),
+                   offload_param_device=param_device, partial_offload=float(offload.get("ratio", 1.0)),
+                   super_offload=bool(offload.get("super_offload", False)),
+                   zero_hpz_partition_size=int(zero.get("zero_hpz_partition_size", 1) or 1),
+                   elastic_checkpoint=bool(zero.get("elastic_checkpoint", False)))
 
 
 def check_settings(s: RunSettings, cfg: CanzonaConfig) -> None:
     """Refuse DeepSpeed settings the Canzona optimizers do not support, naming the setting."""
     name = s.optimizer_type
-    if s.zero_stage not in (0, 1, 2):
-        raise ValueError(f"{name} supports zero_optimization.stage 0, 1 or 2; got stage={s.zero_stage}. Stage 3 "
-                         "(whole-matrix updates hosted over the ZeRO-3 partitions) is not implemented yet: use "
-                         "stage 1 or 2.")
+    if s.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"{name} supports zero_optimization.stage 0, 1, 2 or 3; got stage={s.zero_stage}.")
     if s.zero_stage == 0 and (s.bf16 or s.fp16):
         kind = "bf16" if s.bf16 else "fp16"
-        raise ValueError(f"{name} with {kind}.enabled=true needs zero_optimization.stage 1 or 2 (at stage 0 DeepSpeed "
+        raise ValueError(f"{name} with {kind}.enabled=true needs zero_optimization.stage 1, 2 or 3 (at stage 0 DeepSpeed "
                          f"wraps the optimizer in its {kind.upper()} optimizer, which flattens the matrices).")
     if s.zero_stage and s.round_robin_gradients:
         raise ValueError(f"{name} does not support zero_optimization.round_robin_gradients=true (it reorders "
                          "parameters, breaking the ownership plan). Set it to false.")
+    if s.zero_stage == 3:
+        check_zero3_settings(s)
     if s.zero_stage and s.offload_optimizer and not s.cpu_offload:
         raise ValueError(f"{name} does not support zero_optimization.offload_optimizer.device={s.offload_device!r}. "
                          "Allowed: 'cpu', 'none' (NVMe offload of per-matrix optimizer state is not implemented).")
@@ -105,6 +124,31 @@ def check_settings(s: RunSettings, cfg: CanzonaConfig) -> None:
         raise ValueError(f"{name} does not support zero_optimization.zenflow.")
     if s.moe:
         raise ValueError(f"{name} does not support MoE layers yet.")
+
+
+def check_zero3_settings(s: RunSettings) -> None:
+    """What stage 3 cannot run with a Canzona optimizer, named."""
+    name = s.optimizer_type
+    if s.offload_optimizer and not s.cpu_offload:
+        raise ValueError(f"{name} at zero_optimization.stage 3 does not support offload_optimizer.device="
+                         f"{s.offload_device!r} (NVMe swapping of the fp32 partitions and per-matrix rule state is not "
+                         "implemented). Allowed: 'cpu', 'none'.")
+    if s.offload_param_device not in ("none", "", "cpu"):
+        raise ValueError(f"{name} at zero_optimization.stage 3 does not support offload_param.device="
+                         f"{s.offload_param_device!r}. Allowed: 'cpu', 'none'.")
+    if s.partial_offload != 1.0:
+        raise ValueError(f"{name} does not support zero_optimization.offload_optimizer.ratio={s.partial_offload} "
+                         "(partial offload steps part of the sub-groups with DeepSpeedCPUAdam). Remove it or set 1.0.")
+    if s.super_offload:
+        raise ValueError(f"{name} does not support zero_optimization.super_offload (its optimizer is DeepSpeed's CPU "
+                         "Adam). Set it to false.")
+    if s.zero_hpz_partition_size > 1:
+        raise ValueError(f"{name} does not support zero_optimization.zero_hpz_partition_size="
+                         f"{s.zero_hpz_partition_size} (hierarchical partitioning: the pieces of a matrix live in a "
+                         "sub-group of the DP group). Set it to 1.")
+    if s.elastic_checkpoint:
+        raise ValueError(f"{name} at stage 3 does not support zero_optimization.elastic_checkpoint=true (DeepSpeed "
+                         "refuses it at stage 3 too). Set it to false.")
 
 
 #: RunSettings field -> the name a user knows it by (agreement messages)
@@ -126,7 +170,7 @@ def agreement_settings(s: RunSettings, cfg: CanzonaConfig, named: list, groups: 
     settings = asdict(s)
     out.update({key: settings[field] for field, key in _DS_KEYS.items()})
     out.update({f"parallel.{k}": v for k, v in groups.degrees.items()})
-    shapes = json.dumps([(n, list(p.shape)) for n, p in named])
+    shapes = json.dumps([(n, list(getattr(p, "ds_shape", p.shape))) for n, p in named])
     digest = hashlib.sha256(shapes.encode()).hexdigest()[:16]
     stage = f" of pipeline stage {groups.pp_rank}" if groups.pp_size > 1 else ""
     out["model parameters (sha256 of names and shapes)"] = {"scope": groups.pp_rank, "value": digest,
@@ -138,15 +182,22 @@ def build_optimizer(named: list, cfg: CanzonaConfig, groups: ParallelGroups, set
                     modules: list | None = None) -> CanzonaOptimizer:
     """Every check, then the optimizer.  ``named``: (name, parameter) in the model's order;
     ``modules``: (module, its named parameters) pairs for per-head resolution (one per model
-    chunk; names relative to that module)."""
+    chunk; names relative to that module).  A parameter ZeRO-3 already partitioned
+    (``deepspeed.zero.Init``) has its whole shape in ``ds_shape``."""
+    shapes = {n: tuple(p.ds_shape) for n, p in named if hasattr(p, "ds_shape")}
     # before anything a rank could wait in: ranks with different settings meet here and fail
     check_agreement(agreement_settings(settings, cfg, named, groups))
     check_settings(settings, cfg)
+    if settings.zero_stage == 3 and (groups.tp_size > 1 or groups.pp_size > 1):
+        kind, size = ("tensor parallelism (tp_size", groups.tp_size) if groups.tp_size > 1 else \
+            ("pipeline parallelism (pp_size", groups.pp_size)
+        raise ValueError(f"{settings.optimizer_type} at zero_optimization.stage 3 with {kind}={size}) is not "
+                         "implemented; use ZeRO stage 1 with tensor or pipeline parallelism.")
     require_tp_group(named, groups, settings.optimizer_type)
     if cfg.per_head_muon and modules:
         from .heads import tag_heads
 
         for module, module_named in modules:
             tag_heads(module, module_named, groups.tp_size)
-    placement = "owned" if settings.zero_stage in (1, 2) else "local"
-    return CanzonaOptimizer(named, cfg, groups=groups, placement=placement)
+    placement = {1: "owned", 2: "owned", 3: "sharded"}.get(settings.zero_stage, "local")
+    return CanzonaOptimizer(named, cfg, groups=groups, placement=placement, shapes=shapes)

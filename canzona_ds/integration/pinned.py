@@ -53,6 +53,19 @@ CLASS_MEMBERS: tuple[tuple[str, str], ...] = (
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.scaled_global_norm"),
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.unscale_and_clip_grads"),
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.get_param_id"),
+    # ZeRO-3 (integration/zero3.py): the class engine.py imports at _configure_zero_optimizer, the
+    # methods the subclass overrides or calls, the engine accessors of its settings
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3._create_fp16_sub_groups"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3._get_sub_group_process_group"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.unscale_and_clip_grads"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.state_dict"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.load_state_dict"),
+    ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3.get_param_id"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine.zero_offload_param"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine.zero_partial_offload"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine.super_offload"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine.zero_hpz_partition_size"),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine.zero_elastic_checkpoint"),
     # exact-type list of ZeRO-supported optimizers
     ("deepspeed.runtime.zero.utils", "ZERO_SUPPORTED_OPTIMIZERS"),
     # per_head_muon: DeepSpeed's own head resolution (same semantics as its Muon)

@@ -83,6 +83,9 @@ def elastic_needed(engine, load_dir, tag) -> bool:
     from .zero import LAYOUT_KEY
 
     opt = canzona_optimizer(engine)
+    if opt is not None and engine.zero_optimization_stage() == 3:
+        _refuse_zero3_resize(engine, opt, load_dir, tag)
+        return False
     if opt is None or engine.zero_optimization_stage() not in (1, 2):
         return False
     if tag is None:
@@ -128,6 +131,42 @@ def elastic_needed(engine, load_dir, tag) -> bool:
     return True
 
 
+def micro_group_section(ds: dict, zero_stage: int):
+    """The ds_config's ``canzona_tp`` section (the micro-group runtime); at ZeRO stage 3, where
+    the runtime hosts every matrix over the DP group, the load it balances defaults to the
+    rule's FLOPs ("cost": "flops") instead of the element count."""
+    section = ds.get(DS_CONFIG_TP_KEY)
+    if zero_stage != 3 or (section is not None and not isinstance(section, dict)):
+        return section
+    return {"cost": "flops", **(section or {})}
+
+
+def _refuse_zero3_resize(engine, opt, load_dir, tag) -> None:
+    """A ZeRO-3 checkpoint resumes only at the DP size it was written at (resizing is not
+    implemented): refused naming both sizes, before DeepSpeed reads any file."""
+    import os
+
+    from .elastic import ElasticError, checkpoint_size
+
+    if tag is None:
+        latest = os.path.join(load_dir, "latest")
+        if not os.path.isfile(latest):
+            return
+        with open(latest) as f:
+            tag = f.read().strip()
+    if not os.path.isdir(os.path.join(load_dir, tag)):
+        return
+    try:
+        dp, _ = checkpoint_size(load_dir, tag)
+    except ElasticError:
+        return
+    if dp != opt.groups.dp_size:
+        raise ValueError(f"{os.path.join(load_dir, tag)} was written by {opt.rule.name} at ZeRO stage 3 with DP={dp}; "
+                         f"this run has DP={opt.groups.dp_size}. Resuming a ZeRO-3 run at another DP size is not "
+                         f"implemented yet: resume at DP={dp}, or load the weights only (load_optimizer_states=False, "
+                         "load_module_only=True) and start the optimizer afresh.")
+
+
 def _named_parameters(engine, model_parameters) -> list:
     names = {id(p): n for n, p in engine.module.named_parameters()}
     params = []
@@ -151,10 +190,10 @@ def _named_parameters(engine, model_parameters) -> list:
         raise ValueError(f"{len(missing)} of model_parameters are not parameters of the model given to "
                          f"deepspeed.initialize; {engine.optimizer_name()} needs their names.")
     zero_init = [names[id(p)] for p in params if hasattr(p, "ds_id") or hasattr(p, "ds_status")]
-    if zero_init:
+    if zero_init and engine.zero_optimization_stage() != 3:
         raise ValueError(f"{engine.optimizer_name()} cannot use parameters built under deepspeed.zero.Init (e.g. "
                          f"{zero_init[0]!r} is partitioned, ZeRO-3 style, with shape {tuple(params[0].shape)}): build "
-                         "the model without zero.Init for ZeRO stage 0/1/2.")
+                         "the model without zero.Init for ZeRO stage 0/1/2, or use zero_optimization.stage 3.")
     return [(names[id(p)], p) for p in params]
 
 
@@ -166,7 +205,8 @@ def build_optimizer(engine, model_parameters) -> CanzonaOptimizer:
     from .groups import groups_from_engine
 
     ds = engine._config._param_dict
-    cfg = CanzonaConfig.from_ds(engine.optimizer_name(), engine.optimizer_params(), ds.get(DS_CONFIG_TP_KEY))
+    cfg = CanzonaConfig.from_ds(engine.optimizer_name(), engine.optimizer_params(),
+                                micro_group_section(ds, int(engine.zero_optimization_stage())))
     named = _named_parameters(engine, model_parameters)
     return build(named, cfg, groups_from_engine(engine), RunSettings.from_engine(engine),
                  modules=[(engine.module, named)])
@@ -218,6 +258,19 @@ def install() -> None:
         from .builder import RunSettings, check_settings
 
         check_settings(RunSettings.from_engine(self), optimizer.config)
+        if self.zero_optimization_stage() == 3:
+            import deepspeed.runtime.zero.stage3 as stage3_mod
+
+            from .zero3 import zero3_optimizer_class
+
+            # engine.py imports the class from its module at this call: swap it for this one call
+            cls = zero3_optimizer_class()
+            stock_cls3 = stage3_mod.DeepSpeedZeroOptimizer_Stage3
+            stage3_mod.DeepSpeedZeroOptimizer_Stage3 = cls
+            try:
+                return stock_zero(self, optimizer)
+            finally:
+                stage3_mod.DeepSpeedZeroOptimizer_Stage3 = stock_cls3
         if optimizer.plan is None and optimizer.groups.pp_size == 1:  # no matrices: plain AdamW, stock ZeRO
             return stock_zero(self, optimizer)
         # (under pipeline parallelism a stage without matrices runs our subclass too: every stage

@@ -75,7 +75,8 @@ class PlacementConfig:
 
 @dataclass(frozen=True)
 class TPConfig:
-    """ds_config section ``"canzona_tp"``: the tensor-parallel micro-group runtime."""
+    """ds_config section ``"canzona_tp"``: the micro-group runtime (matrices split by tensor
+    parallelism, and every matrix at ZeRO stage 3)."""
 
     #: micro-group scheduler: "lpt_rollback" (paper Algorithms 2-4), "no_fusion" (one matrix per
     #: all-to-all), "round_robin" (no load balancing)
@@ -83,7 +84,8 @@ class TPConfig:
     #: per-host cost cap of one micro-group, in `cost` units of FULL matrices (> 0); null = the
     #: largest single task (smallest groups)
     c_max: float | None = None
-    #: load the scheduler balances: "numel", "flops", "memory"
+    #: load the scheduler balances: "numel", "flops", "memory" (at ZeRO stage 3 the default is
+    #: "flops": the registry fills it in when the section does not set it)
     cost: str = "numel"
     #: overlap micro-group k's compute with the all-to-alls of k-1 and k+1 (false: one at a time)
     pipelined: bool = True
@@ -386,7 +388,8 @@ def markdown() -> str:
         lines += ["| key | default | meaning |", "|---|---|---|"]
         for d in field_docs(cls):
             lines.append(f"| `{d.key}` | `{_fmt(d.default)}` | {d.doc} |")
-    lines += ["", "## `canzona_tp` (top-level ds_config section, tensor parallelism)", "",
+    lines += ["", "## `canzona_tp` (top-level ds_config section, the micro-group runtime: tensor parallelism "
+              "and ZeRO stage 3)", "",
               "| key | default | meaning |", "|---|---|---|"]
     for d in field_docs(TPConfig):
         lines.append(f"| `{d.key}` | `{_fmt(d.default)}` | {d.doc} |")

@@ -8,6 +8,10 @@ runs it::
     placement="owned"  ZeRO stage 1/2: the DP ownership plan (planning/dp.py) over
                        ``groups.dp_size``; ZeRO lays the matrix group out by it and binds this
                        rank's flat fp32 partition (:meth:`bind_partition`); no collective
+    placement="sharded" ZeRO stage 3: every matrix in flat pieces over the DP group
+                       (``groups.dp_group``); ZeRO binds this rank's flat fp32 partition and
+                       the pieces (:meth:`bind_sharded`); per micro-group the pieces go to a
+                       planned host, which runs the rule on the whole matrix (placement/sharded.py)
     + hosted           matrices split by tensor parallelism (``groups.tp_size`` > 1; Megatron
                        ``tensor_model_parallel``, AutoTP) go through the micro-group runtime
 
@@ -64,11 +68,14 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         config: a :class:`CanzonaConfig` (``CanzonaConfig.from_ds(type, params)``).
         groups: the process groups (default: one process).  ``dp_size`` is what the
             "owned" plan balances over; ``tp_group``/``tp_size`` host the TP-split matrices.
-        placement: "local" or "owned" (module docstring).
+        placement: "local", "owned" or "sharded" (module docstring).
+        shapes: the whole shape of parameters whose tensor does not show it (ZeRO-3 partitions
+            parameters built under ``deepspeed.zero.Init``), by name.
     """
 
     def __init__(self, named_parameters: Iterable[tuple[str, Tensor]], config: CanzonaConfig,
-                 groups: ParallelGroups | None = None, placement: str = "local") -> None:
+                 groups: ParallelGroups | None = None, placement: str = "local",
+                 shapes: Mapping[str, tuple[int, ...]] | None = None) -> None:
         if not isinstance(config, CanzonaConfig):
             raise TypeError(f"config must be a CanzonaConfig, got {type(config).__name__}")
         groups = ParallelGroups.single() if groups is None else groups
@@ -77,6 +84,8 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         if placement not in HOLDING:
             raise ValueError(f"Invalid placement={placement!r}. Allowed: {sorted(HOLDING)}.")
         named = [(n, p) for n, p in named_parameters if p.requires_grad]
+        shapes = dict(shapes or {})
+        shape_of = {n: tuple(shapes.get(n, tuple(p.shape))) for n, p in named}
         if not named:
             raise ValueError("CanzonaOptimizer got no trainable parameters.")
         if len({id(p) for _, p in named}) != len(named):
@@ -89,8 +98,8 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         self.param_order = [n for n, _ in named]
         matrices, aux = [], []
         for n, p in named:
-            (matrices if config.is_matrix(n, tuple(p.shape), getattr(p, "use_muon", None)) else aux).append((n, p))
-        stacks = [(n, tuple(p.shape)) for n, p in matrices if expert_stack(n, tuple(p.shape))]
+            (matrices if config.is_matrix(n, shape_of[n], getattr(p, "use_muon", None)) else aux).append((n, p))
+        stacks = [(n, shape_of[n]) for n, p in matrices if expert_stack(n, shape_of[n])]
         if stacks:
             n, shape = stacks[0]
             raise ValueError(
@@ -104,7 +113,14 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         #: TP-split matrices (name -> TPMatrix), hosted over the TP group
         self.tp_matrices: dict = {}
         specs = []
+        if placement == "sharded" and groups.tp_size > 1:
+            raise ValueError(f"placement='sharded' (ZeRO stage 3) with tp_size={groups.tp_size}: ZeRO-3 x tensor "
+                             "parallelism is not implemented; use ZeRO stage 1 with TP.")
         for n, p in matrices:
+            if placement == "sharded":  # ZeRO-3: the whole shape, pieces over DP (no TP split)
+                heads = getattr(p, "muon_num_heads", None) if config.per_head_muon else None
+                self.infos[n] = MatrixInfo(n, shape_of[n], heads)
+                continue
             spec, info, tpm = describe_matrix(n, p, groups.tp_size, config.per_head_muon)
             specs.append(spec)
             self.infos[n] = info
@@ -135,6 +151,8 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         super().__init__(param_groups, {})
         #: rule state by matrix name (this rank's owned/local matrices and hosted TP matrices)
         self.matrix_state: dict[str, dict[str, Tensor]] = {}
+        #: whole shape of every trainable parameter, by name
+        self.shapes = shape_of
         self.placement = HOLDING[placement](self.matrix_names)
         if placement == "local":
             self.placement.hosted = self._hosted(self.matrix_names)
@@ -173,6 +191,29 @@ class CanzonaOptimizer(torch.optim.Optimizer):
                                "stage 1/2 needs placement='owned'.")
         self.placement.bind(flat_param, views, make_hosted=self._hosted)
 
+    def bind_sharded(self, partition_numel: int, pieces: Iterable, splits: Iterable, group=None) -> None:
+        """ZeRO-3: the matrix group's flat fp32 partition (``partition_numel`` elements) holds
+        ``pieces`` (:class:`~canzona_ds.placement.FlatPiece`, in ``matrix_names`` order); every
+        matrix is cut over ``group`` (default: the DP group) as ``splits``
+        (:class:`~canzona_ds.tp.FlatSplit`)."""
+        if self.placement.kind != "sharded":
+            raise RuntimeError(f"bind_sharded on a CanzonaOptimizer with placement={self.placement.kind!r}; ZeRO "
+                               "stage 3 needs placement='sharded'.")
+        self.placement.bind(partition_numel, list(pieces), list(splits), self.rule,
+                            self.groups.dp_group if group is None else group, self.config.tp, self.matrix_state)
+
+    @property
+    def step_stats(self):
+        """What the last step's hosted runtime did on this rank (``StepStats``: collectives,
+        bytes_sent, flops), or None without hosted matrices."""
+        runtime = self.tp_runtime
+        return None if runtime is None else runtime.stats
+
+    def expected_collectives(self) -> dict[str, int]:
+        """Collectives one step of the hosted runtime issues, from its plan alone."""
+        runtime = self.tp_runtime
+        return {} if runtime is None else runtime.expected_collectives()
+
     def handled_names(self) -> list[str]:
         """Matrices whose rule state this rank keeps: owned/local ones that are not TP-split,
         and the TP-split ones it hosts."""
@@ -186,6 +227,8 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
+            if not group["params"]:  # ZeRO-3 steps one sub-group at a time, the other groups empty
+                continue
             if group["canzona_role"] == MATRIX:
                 self._matrix_step(group)
             else:

@@ -152,7 +152,8 @@ def specs_from_named_shapes(named_shapes: Iterable[tuple[str, tuple[int, ...]]],
 def specs_from_module(module, tp_size: int = 1, **matrix_kw) -> list[ParamSpec]:
     """Specs of a torch module's trainable parameters (duck-typed: no torch import here).
 
-    Reads DeepSpeed's ``use_muon`` / ``muon_num_heads`` tags and Megatron's TP attributes
+    Reads DeepSpeed's ``use_muon`` / ``muon_num_heads`` tags and ZeRO-3's ``ds_shape`` (the whole
+    shape of a partitioned parameter), and Megatron's TP attributes
     (``tensor_model_parallel``, ``partition_dim``); ``tp_size`` is the TP group's size
     (parameters do not carry it).
     """
@@ -160,7 +161,7 @@ def specs_from_module(module, tp_size: int = 1, **matrix_kw) -> list[ParamSpec]:
     for name, p in module.named_parameters():
         if not p.requires_grad:
             continue
-        shape = tuple(p.shape)
+        shape = tuple(getattr(p, "ds_shape", None) or p.shape)  # ZeRO-3 partitioned: the whole shape
         role: Role = "matrix" if is_matrix(name, shape, use_muon=getattr(p, "use_muon", None), **matrix_kw) else "aux"
         split = getattr(p, "tensor_model_parallel", False) and tp_size > 1
         pdim = getattr(p, "partition_dim", None) if split else None

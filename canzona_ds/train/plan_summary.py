@@ -82,6 +82,12 @@ def summarize(model, world_size: int, optimizer=None, layout=None) -> PlanSummar
         [m + a * AUX_BYTES_PER_ELEMENT for m, a in zip(rank_costs(stock, "memory", model_cost), aux)],
         [n + a for n, a in zip(stock.rank_numel, aux)], stock.padding_fraction,
         note="straddling matrices updated on every rank they touch"))
+    runtime = getattr(optimizer, "tp_runtime", None)
+    if optimizer is not None and optimizer.placement.kind == "sharded" and runtime is not None:
+        out.plan_source = (f"hosts of the run's optimizer (ZeRO-3: every matrix in pieces over dp, the rule on its "
+                           f"host; {type(optimizer).__name__}, rule {model_cost.name})")
+        out.layouts.append(_sharded_layout(matrices, runtime.plan, world_size, model_cost, aux))
+        return out
     plan = getattr(optimizer, "plan", None)
     if plan is not None:
         out.plan_source = f"plan of the run's optimizer ({type(optimizer).__name__}, rule {model_cost.name})"
@@ -98,6 +104,24 @@ def summarize(model, world_size: int, optimizer=None, layout=None) -> PlanSummar
     out.layouts.append(LayoutLoad(f"canzona ({plan.planner}, cost={plan.cost_model})", flops, memory, numel,
                                   padding_fraction=layout.padding_fraction))
     return out
+
+
+def _sharded_layout(matrices, hosts, world_size: int, model_cost, aux: list[int]) -> LayoutLoad:
+    """ZeRO-3: every rank holds 1/dp of every matrix (master + gradient), a host the whole-matrix
+    rule work and rule state of the matrices it hosts (``hosts``: the micro-group plan)."""
+    host = {s.name: h for s, h in zip(hosts.specs, hosts.host)}
+    flops = [0.0] * world_size
+    state = [0.0] * world_size
+    for m in matrices:
+        h = host[m.name]
+        flops[h] += task_cost(m, "flops", model_cost)
+        state[h] += task_cost(m, "memory", model_cost) - m.numel * MASTER_GRAD_BYTES
+    piece = [sum(-(-m.numel // world_size) for m in matrices)] * world_size
+    memory = [piece[r] * MASTER_GRAD_BYTES + state[r] + aux[r] * AUX_BYTES_PER_ELEMENT for r in range(world_size)]
+    padding = sum(-(-m.numel // world_size) * world_size - m.numel for m in matrices) / max(
+        1, sum(-(-m.numel // world_size) * world_size for m in matrices))
+    return LayoutLoad(f"canzona zero3 ({hosts.scheduler}, cost={hosts.cost_model}, {len(hosts.groups)} micro-groups)",
+                      flops, memory, [piece[r] + aux[r] for r in range(world_size)], padding_fraction=padding)
 
 
 def format_plan(plan: dict) -> list[str]:

@@ -305,7 +305,7 @@ def train(cfg: RunConfig, name: str | None = None, progress: bool = True) -> Run
     rank = data_parallel_rank(engine) if dp < world else (dist.get_rank() if dist.is_initialized() else 0)
     tap = TimerTap(engine)
     plan = summarize(engine.module, dp, canzona_optimizer(engine), realised_layout(engine)).to_dict()
-    n_params = sum(p.numel() for p in engine.module.parameters())
+    n_params = sum(int(getattr(p, "ds_numel", p.numel())) for p in engine.module.parameters())  # ZeRO-3: whole
     if pipe:  # one plan per stage, each over its own DP group; rank 0 (stage 0) gets them all
         stages, n_params = stage_plans(engine, plan)
         plan = {"pipeline_stages": cfg.pp, "world_size": dp, "rule": plan["rule"],

@@ -1,0 +1,118 @@
+"""ZeRO stage 3 test kit: a stage-3 ds_config for the tiny model, the whole parameters of a
+partitioned engine, a training loop over given batches, and a recorder that replays every
+hosted matrix update in one process.
+
+``zero3_config`` sets ``stage3_param_persistence_threshold: 0`` so that every parameter of the
+tiny model is really partitioned (DeepSpeed keeps parameters below the threshold whole on
+every rank, which would hide partitioning bugs).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .models import ds_config, params_of
+
+
+def zero3_config(dp: int, **kwargs) -> dict:
+    """``models.ds_config`` at ZeRO stage 3, every parameter partitioned; ``zero_optimization``
+    entries in kwargs are merged in."""
+    zero = {"stage": 3, "stage3_param_persistence_threshold": 0, **kwargs.pop("zero_optimization", {})}
+    return ds_config(dp, zero_optimization=zero, **kwargs)
+
+
+def gathered_params(module: nn.Module) -> dict:
+    """The whole parameters of a ZeRO-3 module as float32 numpy arrays (every rank calls)."""
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(module.parameters())):
+        return params_of(module)
+
+
+def train(engine, rank: int, data: list, micro: int = 2, gas: int = 1) -> list[float]:
+    """Forward/backward/step over global batches ``data`` (one entry per micro-step; rank r
+    takes rows [r*micro, (r+1)*micro)); returns the losses."""
+    losses = []
+    for x, y in data:
+        x, y = x[rank * micro:(rank + 1) * micro], y[rank * micro:(rank + 1) * micro]
+        loss = engine(x.to(engine.device), y.to(engine.device))
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+class ShardedStepRecorder:
+    """Records, on every rank, the piece of every matrix a ZeRO-3 Canzona step saw (its gradient
+    piece and its fp32 piece before and after); :meth:`replay` (every rank calls it: it gathers
+    the pieces) reassembles the whole matrices and reruns the rule on them in one process from
+    the same gradients, returning the largest difference from what the sharded step produced
+    (rank 0; None elsewhere).  It checks the machinery bit for bit where the gradients cannot be
+    reproduced in one process (4-rank summation order, bf16)."""
+
+    def __init__(self, optimizer) -> None:
+        self.opt = optimizer
+        self.steps: list[dict] = []
+        group = next(g for g in optimizer.param_groups if g["canzona_role"] == "matrix")
+        self.start_step = group["step"]
+        placement = optimizer.placement
+        stock_items, stock_step = placement.items, optimizer._matrix_step
+        pending: dict = {}
+
+        def items(group):
+            out = stock_items(group)
+            pending.clear()
+            pending.update({n: (g.detach().clone(), p.detach().clone(), p) for n, p, g in out})
+            return out
+
+        def step(group):
+            stock_step(group)
+            self.steps.append({"lr": group["lr"], "weight_decay": group["weight_decay"], "step": group["step"],
+                               "pieces": {n: (g, before, after.detach().clone())
+                                          for n, (g, before, after) in pending.items()}})
+
+        placement.items, optimizer._matrix_step = items, step
+
+    def replay(self) -> float | None:
+        import torch.distributed as dist
+
+        from ..optim.rule import rule_step
+
+        opt = self.opt
+        group = opt.placement.hosted.runtime.group
+        world = dist.get_world_size(group)
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, self.steps, group=group)
+        if dist.get_rank(group) != 0:
+            return None
+        splits = opt.placement.hosted.split
+        state: dict = {}
+        worst = 0.0
+        for t, rec in enumerate(self.steps):
+            for name, split in splits.items():
+                grad, before, after = (split.assemble([gathered[r][t]["pieces"][name][k] for r in range(world)])
+                                       for k in range(3))
+                W = before.clone()
+                rule_step(opt.rule, W, grad.clone(), state, opt.infos[name], rec["step"], rec["lr"],
+                          rec["weight_decay"])
+                worst = max(worst, float((W - after).abs().max()))
+        return worst
+
+
+def count_rule_calls(optimizer) -> list[int]:
+    """A one-element list counting ``rule.direction`` calls of the hosted runtime (the host's
+    whole-matrix update); the count goes up by the matrices this rank hosts per step."""
+    runtime = optimizer.placement.hosted.runtime
+    rule, calls = runtime.rule, [0]
+    stock = rule.direction
+
+    def direction(*args, **kwargs):
+        calls[0] += 1
+        return stock(*args, **kwargs)
+
+    object.__setattr__(rule, "direction", direction)
+    return calls
+
+
+def as_tensors(params: dict) -> dict:
+    return {n: torch.from_numpy(v) for n, v in params.items()}
