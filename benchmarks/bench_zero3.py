@@ -23,7 +23,15 @@ norms AdamW)::
     zero3_adamw    stock DeepSpeed stage 3 with AdamW (reduce_scatter on): the collectives
                    every ZeRO-3 engine issues whatever its optimizer (parameter all-gathers in
                    forward and backward, gradient reduce-scatter); no rule.
-    hosted/<rule>  (engine-free) the hosted step a Canzona ZeRO-3 engine runs:
+    engine/<rule>  the Canzona ZeRO-3 engine: ``deepspeed.initialize`` with CanzonaMuon /
+                   CanzonaShampoo / CanzonaSOAP at stage 3 (integration/zero3.py,
+                   placement/sharded.py): stock ZeRO-3 reduce-scatter, then per micro-group one
+                   all-to-all of gradient pieces to the planned host, the rule on the whole
+                   matrix there, one all-to-all of direction pieces back.  Rule work = thread
+                   CPU time inside the optimizer's ``rule.direction``; bytes = DeepSpeed's
+                   collectives (backend layer) + the runtime's all-to-alls (its StepStats,
+                   checked against the torch-layer count).
+    hosted/<rule>  (engine-free cross-check) the same hosted step without the engine:
                    ``tp.MicroGroupRuntime`` over ``FlatSplit.even`` pieces of every matrix
                    (ZeRO-3's ceil(numel/DP) cut) on the DP group: per micro-group one
                    all-to-all brings the gradient pieces to the planned host (plan: LPT
@@ -42,9 +50,9 @@ norms AdamW)::
 
 The hosted/replicated kinds take their gradients from a plain replica of the model
 (forward/backward on the rank's micro-batch, then an uncounted all-reduce standing in for
-ZeRO-3's gradient reduce-scatter, whose bytes ``zero3_adamw`` measures).  A Canzona ZeRO-3
-engine (issue 16) would run exactly this hosted step; until it exists this is the
-measurement of its optimizer step, labelled as such.
+ZeRO-3's gradient reduce-scatter, whose bytes ``zero3_adamw`` measures).  They measure the
+optimizer step the engine runs without the engine around it (``--no-engine`` for a run
+without the engine kinds; ``--no-hosted`` without these).
 
     python benchmarks/bench_zero3.py                 # -> results/bench_zero3.{md,json}
     python benchmarks/bench_zero3.py --dp 2 --steps 2 --warmup 1 --out /tmp/z3.md   # quick look
@@ -80,6 +88,9 @@ RULE_PARAMS = {
 DS_MUON = {"type": "Muon", "params": dict(MUON, ns_method="standard", torch_adam=True)}
 ADAMW = {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1,
                                      "torch_adam": True}}
+#: every engine clips (DeepSpeed's default value, stated): the Canzona engine's torch-exact norm
+#: moves every gradient piece to a norm host (one all-to-all), DeepSpeed's sums partition norms
+GRADIENT_CLIPPING = 1.0
 #: TP/DP micro-group runtime settings of the hosted kinds
 TP_SETTINGS = dict(cost="flops")
 
@@ -87,7 +98,7 @@ TP_SETTINGS = dict(cost="flops")
 def ds_config(optimizer: dict, dp: int, micro: int, reduce_scatter: bool) -> dict:
     return {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "train_batch_size": micro * dp,
             "zero_optimization": {"stage": 3, "reduce_scatter": reduce_scatter}, "optimizer": optimizer,
-            "steps_per_print": 10 ** 9}
+            "gradient_clipping": GRADIENT_CLIPPING, "steps_per_print": 10 ** 9}
 
 
 class RuleTimer:
@@ -159,8 +170,8 @@ class Hosted:
         pieces = [m.piece(grads[m.name], self.rank) for m in self.mats]
         with CommCounter() as c:
             stats = self.runtime.step(self.params, pieces, lr=self.lr, weight_decay=self.wd, step=t)
-        return {"bytes": stats.bytes_sent, "collectives": dict(stats.collectives),
-                "counted": {op: n for op, (n, _, _) in c.by_op("torch").items()},
+        return {"bytes": c.wire_bytes("direct"), "collectives": dict(stats.collectives),
+                "runtime_bytes": stats.bytes_sent, "counted": {op: n for op, (n, _, _) in c.by_op("direct").items()},
                 "hosted": len(self.runtime.hosted())}
 
 
@@ -198,14 +209,45 @@ class Replicated:
             off += per
             D = self.rule.direction(G, rule_state(self.state, m.name, self.rule, m.info, like=G), m.info, t)
             apply_rule_update(self.params[i], m.piece(D, self.rank), self.rule, m.info, t, self.lr, self.wd)
-        return {"bytes": c.wire_bytes("torch"), "counted": {op: n for op, (n, _, _) in c.by_op("torch").items()}}
+        return {"bytes": c.wire_bytes("direct"), "counted": {op: n for op, (n, _, _) in c.by_op("direct").items()}}
+
+
+def engine_step(engine, x, y, timer: RuleTimer) -> dict:
+    """One forward/backward/step of a DeepSpeed engine, counted: DeepSpeed's collectives at its
+    backend, plus the torch.distributed calls made outside it (a Canzona engine's hosted
+    all-to-alls and its torch-exact gradient norm); the hosted runtime's own StepStats beside."""
+    from canzona_ds.testing.comm import CommCounter
+
+    with CommCounter() as c:
+        engine.backward(engine(x, y)[1])
+        engine.step()
+    out = {"bytes": c.wire_bytes("backend") + c.wire_bytes("direct"),
+           "counted": {op: n for op, (n, _, _) in c.by_op("backend").items()},
+           "wire_by_op": {op: w for op, (_, _, w) in c.by_op("backend").items()},
+           "direct_counted": {op: n for op, (n, _, _) in c.by_op("direct").items()},
+           "direct_wire_by_op": {op: w for op, (_, _, w) in c.by_op("direct").items()}}
+    canzona = _canzona_of(engine)
+    if canzona is not None:
+        stats = canzona.step_stats
+        out["collectives"] = dict(stats.collectives)
+        out["runtime_bytes"] = stats.bytes_sent
+    return out
+
+
+def _canzona_of(engine):
+    from canzona_ds.optim.optimizer import CanzonaOptimizer
+
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    return inner if isinstance(inner, CanzonaOptimizer) else None
 
 
 def _worker(rank: int, dp: int, model_kw: dict, rules: list, steps: int, warmup: int, micro: int, seq: int,
-            with_ds: bool) -> dict:
+            with_ds: bool, with_engine: bool = True, with_hosted: bool = True) -> dict:
     import deepspeed
     import torch.distributed as dist
     from deepspeed.runtime.zero.muon import original_muon
+
+    import canzona_ds  # noqa: F401  (registers the Canzona optimizer types)
 
     from canzona_ds.models.qwen3 import Qwen3Config, build_model
     from canzona_ds.testing.comm import CommCounter
@@ -216,12 +258,21 @@ def _worker(rank: int, dp: int, model_kw: dict, rules: list, steps: int, warmup:
     # stage3.py imports muon_update from this module at call time: the wrapper is what it calls
     original_muon.muon_update = timer.wrap(original_muon.muon_update)
     engines = {}
+    builds = [("ds_muon", DS_MUON, False), ("zero3_adamw", ADAMW, True)] if with_ds else []
+    if with_engine:
+        builds += [(f"engine/{r}", {"type": RULE_PARAMS[r][0], "params": RULE_PARAMS[r][1]}, True) for r in rules]
+    for label, opt, rs in builds:
+        model = build_model(cfg, seed=0)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=ds_config(opt, dp, micro, rs))
+        canzona = _canzona_of(engine)
+        if label.startswith("engine/"):
+            if canzona is None or canzona.placement.kind != "sharded":
+                raise RuntimeError(f"{label}: expected a CanzonaOptimizer with the sharded placement, got "
+                                   f"{type(engine.optimizer).__name__}")
+            object.__setattr__(canzona.rule, "direction", timer.wrap(canzona.rule.direction))
+        engines[label] = engine
     if with_ds:
-        for label, opt, rs in (("ds_muon", DS_MUON, False), ("zero3_adamw", ADAMW, True)):
-            model = build_model(cfg, seed=0)
-            engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                              config=ds_config(opt, dp, micro, rs))
-            engines[label] = engine
         ds_matrices = sorted(n for n, p in engines["ds_muon"].module.named_parameters() if getattr(p, "use_muon", 0))
     replica = build_model(cfg, seed=0)
     mat_shapes = matrices_of(replica)
@@ -231,7 +282,8 @@ def _worker(rank: int, dp: int, model_kw: dict, rules: list, steps: int, warmup:
     full = {n: p.detach().clone() for n, p in replica.named_parameters()}
     kinds = {}
     for r in rules:
-        kinds[f"hosted/{r}"] = Hosted(r, mats, full, rank, timer)
+        if with_hosted:
+            kinds[f"hosted/{r}"] = Hosted(r, mats, full, rank, timer)
         if r != "muon" or not with_ds:
             kinds[f"replicated/{r}"] = Replicated(r, mats, full, rank, dp, timer)
     labels = list(engines) + list(kinds)
@@ -257,13 +309,7 @@ def _worker(rank: int, dp: int, model_kw: dict, rules: list, steps: int, warmup:
             dist.barrier()
             timer.reset()
             if label in engines:
-                engine = engines[label]
-                with CommCounter() as c:
-                    engine.backward(engine(x, y)[1])
-                    engine.step()
-                out = {"bytes": c.wire_bytes("backend"),
-                       "counted": {op: n for op, (n, _, _) in c.by_op("backend").items()},
-                       "wire_by_op": {op: w for op, (_, _, w) in c.by_op("backend").items()}}
+                out = engine_step(engines[label], x, y, timer)
             else:
                 out = kinds[label].step(grads, s + 1)
             if s >= warmup:
@@ -272,6 +318,15 @@ def _worker(rank: int, dp: int, model_kw: dict, rules: list, steps: int, warmup:
                 r["bytes"].append(out["bytes"])
                 r["calls"].append(timer.calls)
                 extra[label] = {k: v for k, v in out.items() if k != "bytes"}
+    for label, engine in engines.items():
+        canzona = _canzona_of(engine)
+        if canzona is not None:
+            rt = canzona.tp_runtime
+            extra[label]["expected"] = canzona.expected_collectives()
+            extra[label]["plan_bytes"] = plan_bytes(rt, rank, 4)
+            extra[label]["groups"] = len(rt.plan.groups)
+            extra[label]["plan_load"] = list(rt.plan.rank_load)
+            extra[label]["hosted"] = len(rt.hosted())
     for label, k in kinds.items():
         if isinstance(k, Hosted):
             extra[label]["expected"] = k.runtime.expected_collectives()
@@ -301,19 +356,20 @@ def summarize(out: list[dict], dp: int) -> dict:
     for r in rows.values():
         # what the kind sends per step in a ZeRO-3 run: its own collectives, plus, for the
         # engine-free kinds, the stage-3 collectives they ride on (measured on zero3_adamw)
-        base = shared["own_bytes_per_rank"] if shared and not r["kind"].startswith(("ds_", "zero3_")) else None
+        base = shared["own_bytes_per_rank"] if shared and r["kind"].startswith(("hosted/", "replicated/")) else None
         r["bytes_per_rank"] = [a + (base[i] if base else 0.0) for i, a in enumerate(r["own_bytes_per_rank"])]
         r["bytes_busiest"] = max(r["bytes_per_rank"])
     return rows
 
 
 def measure(dps: list[int], rules: list[str], steps: int, warmup: int, micro: int, seq: int,
-            with_ds: bool = True) -> dict:
+            with_ds: bool = True, with_engine: bool = True, with_hosted: bool = True) -> dict:
     from canzona_ds.testing.dist import run_distributed
 
     rows: dict = {}
     for dp in dps:
-        out = run_distributed(_worker, dp, MODEL, rules, steps, warmup, micro, seq, with_ds, timeout=3600)
+        out = run_distributed(_worker, dp, MODEL, rules, steps, warmup, micro, seq, with_ds, with_engine,
+                              with_hosted, timeout=3600)
         dp_rows = summarize(out, dp)
         rows.update(dp_rows)
         for r in dp_rows.values():
@@ -328,15 +384,17 @@ def goals(rows: dict) -> dict:
     dps = sorted({r["dp"] for r in rows.values()})
     top = dps[-1]
     out: dict = {"dp": top}
-    ours, ds = rows.get(f"hosted/muon@dp{top}"), rows.get(f"ds_muon@dp{top}")
+    src = "engine" if f"engine/muon@dp{top}" in rows else "hosted"
+    out["source"] = src
+    ours, ds = rows.get(f"{src}/muon@dp{top}"), rows.get(f"ds_muon@dp{top}")
     if ours and ds:
         out["busiest_vs_ds_muon"] = ours["rule_cpu_busiest_ms"] / ds["rule_cpu_busiest_ms"]
         out["busiest_vs_own_mean"] = ours["rule_cpu_busiest_ms"] / ours["rule_cpu_mean_ms"]
         out["ds_busiest_vs_own_mean"] = ds["rule_cpu_busiest_ms"] / ds["rule_cpu_mean_ms"]
         out["bytes_vs_ds_muon"] = ours["bytes_busiest"] / ds["bytes_busiest"]
     for rule in RULE_PARAMS:
-        totals = {dp: rows[f"hosted/{rule}@dp{dp}"]["rule_cpu_total_ms"] for dp in dps
-                  if f"hosted/{rule}@dp{dp}" in rows}
+        totals = {dp: rows[f"{src}/{rule}@dp{dp}"]["rule_cpu_total_ms"] for dp in dps
+                  if f"{src}/{rule}@dp{dp}" in rows}
         if len(totals) > 1:
             out[f"{rule}_total_vs_dp{dps[0]}"] = {str(dp): v / totals[dps[0]] for dp, v in totals.items()}
     return out
@@ -350,13 +408,21 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--micro", type=int, default=2)
     ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--no-engine", action="store_true", help="skip the Canzona ZeRO-3 engine kinds")
+    ap.add_argument("--no-hosted", action="store_true", help="skip the engine-free hosted kinds")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     cmd = "python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:])
-    rows = measure(args.dp, args.rules, args.steps, args.warmup, args.micro, args.seq)
+    rows = measure(args.dp, args.rules, args.steps, args.warmup, args.micro, args.seq,
+                   with_engine=not args.no_engine, with_hosted=not args.no_hosted)
     out = Path(args.out or ROOT / "benchmarks" / "results" / "bench_zero3.md")
     out.parent.mkdir(parents=True, exist_ok=True)
-    data = {"command": cmd, "source": "engine-free hosted step (tp.MicroGroupRuntime over FlatSplit.even)",
+    source = ("the Canzona ZeRO-3 engine (deepspeed.initialize with CanzonaMuon / CanzonaShampoo / CanzonaSOAP at "
+              "zero_optimization.stage 3), measured end to end" if not args.no_engine else
+              "the engine-free hosted step (tp.MicroGroupRuntime over FlatSplit.even pieces on the DP group)")
+    if not args.no_engine and not args.no_hosted:
+        source += "; the engine-free hosted step (`hosted` rows) beside it as a cross-check"
+    data = {"command": cmd, "source": source,
             "machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}, gloo, 1 thread per rank",
             "model": MODEL, "steps": args.steps, "warmup": args.warmup, "micro": args.micro, "seq": args.seq,
             "rules": {k: {"type": t, "params": p} for k, (t, p) in RULE_PARAMS.items()},

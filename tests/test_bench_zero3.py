@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=1, num_heads=2, num_kv_heads=1,
             head_dim=32, max_seq_len=32)
 DP = 2
+RULES = ("muon", "shampoo")
 
 
 def _bench():
@@ -49,7 +50,7 @@ def _worker(rank: int, world: int) -> dict:
     import bench_zero3
 
     bench_zero3.MODEL = TINY
-    return bench_zero3._worker(rank, world, TINY, ["muon", "shampoo"], 1, 1, 1, 16, True)
+    return bench_zero3._worker(rank, world, TINY, list(RULES), 1, 1, 1, 16, True)
 
 
 def _matrices():
@@ -61,21 +62,49 @@ def _matrices():
 
 def test_hosted_step_sends_what_its_plan_predicts():
     _, out, rows = _run()
-    for rule in ("muon", "shampoo"):
+    for rule in RULES:
         for rank, extra in enumerate(rows[f"hosted/{rule}@dp{DP}"]["extra_per_rank"]):
             assert extra["collectives"] == extra["expected"] == extra["counted"], (rule, rank, extra)
             assert out[rank]["res"][f"hosted/{rule}"]["bytes"] == [extra["plan_bytes"]], (rule, rank)
-            assert extra["plan_bytes"] > 0
+            assert extra["runtime_bytes"] == extra["plan_bytes"] > 0
 
 
-def test_hosted_step_runs_the_rule_once_per_matrix():
+def test_engine_hosted_all_to_alls_are_the_plans():
+    """The Canzona ZeRO-3 engine: the runtime's collectives and bytes equal its plan's (the
+    benchmark also checks the torch-layer count of all_to_all_single against them every step)."""
+    _, _, rows = _run()
+    for rule in RULES:
+        for rank, extra in enumerate(rows[f"engine/{rule}@dp{DP}"]["extra_per_rank"]):
+            assert extra["collectives"] == extra["expected"], (rule, rank, extra)
+            assert extra["runtime_bytes"] == extra["plan_bytes"] > 0, (rule, rank, extra)
+
+
+@pytest.mark.parametrize("kind", ["hosted", "engine"])
+def test_the_rule_runs_once_per_matrix_on_its_host(kind):
     _, _, rows = _run()
     n = len(_matrices())
-    for rule in ("muon", "shampoo"):
-        r = rows[f"hosted/{rule}@dp{DP}"]
+    for rule in RULES:
+        r = rows[f"{kind}/{rule}@dp{DP}"]
         assert sum(r["rule_calls_per_rank"]) == n, (rule, r["rule_calls_per_rank"])
         assert sum(e["hosted"] for e in r["extra_per_rank"]) == n
         assert all(c > 0 for c in r["rule_calls_per_rank"]), "both ranks host"
+
+
+def test_engine_bytes_are_stock_zero3_plus_the_hosted_all_to_alls_and_the_norm():
+    """Same model, same ZeRO-3 settings: the engine's DeepSpeed collectives are stock ZeRO-3's
+    (parameter all-gathers, gradient reduce-scatter) without DeepSpeed's norm all-reduce; outside
+    DeepSpeed it issues the hosted all-to-alls and the torch-exact norm (one all-to-all of the
+    gradient pieces, one all-reduce of the norms): nothing else."""
+    _, _, rows = _run()
+    for rule in RULES:
+        eng, stock = rows[f"engine/{rule}@dp{DP}"], rows[f"zero3_adamw@dp{DP}"]
+        for rank in range(DP):
+            e, z = eng["extra_per_rank"][rank], stock["extra_per_rank"][rank]
+            ds_norm = {op: n - (op == "all_reduce") for op, n in z["counted"].items()}
+            assert e["counted"] == {op: n for op, n in ds_norm.items() if n}, (rule, rank, e["counted"], z["counted"])
+            assert e["direct_counted"] == {"all_to_all_single": e["expected"]["all_to_all_single"] + 1,
+                                           "all_reduce": 1}, (rule, rank, e)
+            assert e["runtime_bytes"] <= e["direct_wire_by_op"]["all_to_all_single"]
 
 
 def test_replicated_baseline_runs_every_matrix_on_every_rank_after_one_all_gather():

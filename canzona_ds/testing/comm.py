@@ -18,8 +18,11 @@ ZeRO-3's parameter gathers do), and its torch backend calls ``torch.distributed`
 arguments and through stored references (``all_gather_function``).  The third layer,
 ``"backend"``, wraps the methods of DeepSpeed's communication backend object
 (``deepspeed.comm.comm.cdb``), through which every DeepSpeed collective passes exactly once;
-arguments are bound by name.  ZeRO-3 measurements count ``"backend"``.  All-to-alls with
-split sizes are counted exactly there (the bytes leaving this rank), not by the formula.  ``by_group()`` splits counts by group size, ``by_group_ranks()`` by the
+arguments are bound by name.  The fourth, ``"direct"``, records the ``torch.distributed``
+calls made outside that backend (canzona-ds's own all-to-alls and norms, user code), also
+bound by name.  ``"backend"`` + ``"direct"`` is every collective once: what ZeRO-3
+measurements count.  All-to-alls are counted exactly in both (the bytes leaving this rank:
+the input minus this rank's own split), not by the formula.  ``by_group()`` splits counts by group size, ``by_group_ranks()`` by the
 group's global ranks (the TP group vs the DP group of a DP x TP run).
 """
 from __future__ import annotations
@@ -82,6 +85,29 @@ def _backend_signature(fn) -> tuple[inspect.Signature, bool]:
     return inspect.signature(f), has_self
 
 
+#: torch.distributed function -> (argument holding the payload, how its bytes are counted), for
+#: the "direct" layer (same conventions as BACKEND_OPS)
+DIRECT_OPS = {
+    "all_reduce": ("tensor", "allreduce"), "reduce": ("tensor", "ring"), "reduce_scatter": ("input_list", "ring"),
+    "reduce_scatter_tensor": ("input", "ring"), "broadcast": ("tensor", "broadcast"),
+    "all_gather": ("tensor_list", "ring"), "all_gather_into_tensor": ("output_tensor", "ring"),
+    "all_to_all_single": ("input", "a2a"), "all_to_all": ("input_tensor_list", "a2a"),
+}
+
+
+def _bound_record(layer: str, op: str, bound: dict, spec: tuple[str, str]) -> Record:
+    """A Record from arguments bound by name (``spec``: payload argument, byte rule)."""
+    p, ranks = _group(bound.get("group"))
+    name, kind = spec
+    payload = _nbytes(bound.get(name))
+    if kind == "a2a":
+        wire = _a2a_sent(op, bound, p) if p > 1 else 0.0
+    else:
+        wire = payload * {"allreduce": _FACTOR["all_reduce"](p), "broadcast": _FACTOR["broadcast"](p),
+                          "ring": (p - 1) / p}[kind]
+    return Record(layer, op, p, payload, wire, ranks)
+
+
 def _a2a_sent(op: str, bound: dict, p: int) -> float:
     """Bytes an all-to-all sends off this rank (its own chunk stays)."""
     import torch.distributed as tdist
@@ -118,6 +144,7 @@ class CommCounter:
         import torch.distributed as tdist
 
         self._saved = []
+        self._depth = 0  # > 0 while inside a DeepSpeed backend call (its torch calls are not "direct")
         modules = [("torch", tdist)]
         try:
             import deepspeed.comm as dcomm
@@ -151,16 +178,12 @@ class CommCounter:
 
         def wrapped(*args, **kwargs):
             bound = sig.bind_partial(*(((None,) if has_self else ()) + args), **kwargs).arguments
-            p, ranks = _group(bound.get("group"))
-            name, kind = BACKEND_OPS[op]
-            payload = _nbytes(bound.get(name))
-            if kind == "a2a" and p > 1:
-                wire = _a2a_sent(op, bound, p)
-            else:
-                wire = payload * {"allreduce": _FACTOR["all_reduce"](p), "broadcast": _FACTOR["broadcast"](p),
-                                  "ring": (p - 1) / p, "a2a": 0.0}[kind]
-            self.records.append(Record("backend", op, p, payload, wire, ranks))
-            return fn(*args, **kwargs)
+            self.records.append(_bound_record("backend", op, bound, BACKEND_OPS[op]))
+            self._depth += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._depth -= 1
 
         wrapped.__wrapped__ = fn
         return wrapped
@@ -172,6 +195,13 @@ class CommCounter:
             sig = None
 
         def wrapped(*args, **kwargs):
+            if layer == "torch" and self._depth == 0 and op in DIRECT_OPS and sig is not None:
+                try:
+                    bound = sig.bind_partial(*args, **kwargs).arguments
+                except TypeError:
+                    bound = None
+                if bound is not None:
+                    self.records.append(_bound_record("direct", op, bound, DIRECT_OPS[op]))
             group = kwargs.get("group")
             if group is None and sig is not None:
                 try:
