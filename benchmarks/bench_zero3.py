@@ -242,7 +242,10 @@ def _canzona_of(engine):
 
 
 def _worker(rank: int, dp: int, model_kw: dict, rules: list, steps: int, warmup: int, micro: int, seq: int,
-            with_ds: bool, with_engine: bool = True, with_hosted: bool = True) -> dict:
+            with_ds: bool, with_engine: bool = True, with_hosted: bool = True,
+            replicated: list | None = None) -> dict:
+    """One rank: every kind, interleaved.  ``replicated``: the rules of the replicated baseline
+    (default: every rule but Muon, whose baseline is DeepSpeed's Muon; every rule without it)."""
     import deepspeed
     import torch.distributed as dist
     from deepspeed.runtime.zero.muon import original_muon
@@ -281,10 +284,15 @@ def _worker(rank: int, dp: int, model_kw: dict, rules: list, steps: int, warmup:
     mats = [FlatSplit.even(n, s, dp) for n, s in mat_shapes]
     full = {n: p.detach().clone() for n, p in replica.named_parameters()}
     kinds = {}
+    if replicated is None:
+        replicated = [r for r in rules if r != "muon" or not with_ds]
     for r in rules:
         if with_hosted:
             kinds[f"hosted/{r}"] = Hosted(r, mats, full, rank, timer)
-        if r != "muon" or not with_ds:
+        if r in replicated:
+            kinds[f"replicated/{r}"] = Replicated(r, mats, full, rank, dp, timer)
+    for r in replicated:
+        if f"replicated/{r}" not in kinds:
             kinds[f"replicated/{r}"] = Replicated(r, mats, full, rank, dp, timer)
     labels = list(engines) + list(kinds)
     res = {label: {"rule_cpu": [], "bytes": [], "calls": []} for label in labels}
@@ -411,11 +419,20 @@ def main() -> None:
     ap.add_argument("--no-engine", action="store_true", help="skip the Canzona ZeRO-3 engine kinds")
     ap.add_argument("--no-hosted", action="store_true", help="skip the engine-free hosted kinds")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--render", action="store_true",
+                    help="only rewrite the markdown from the results JSON (no measurement)")
     args = ap.parse_args()
+    out = Path(args.out or ROOT / "benchmarks" / "results" / "bench_zero3.md")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import tables
+
+    if args.render:
+        out.write_text(tables.bench_zero3_markdown(json.loads(out.with_suffix(".json").read_text())))
+        print(out.read_text())
+        return
     cmd = "python " + " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:])
     rows = measure(args.dp, args.rules, args.steps, args.warmup, args.micro, args.seq,
                    with_engine=not args.no_engine, with_hosted=not args.no_hosted)
-    out = Path(args.out or ROOT / "benchmarks" / "results" / "bench_zero3.md")
     out.parent.mkdir(parents=True, exist_ok=True)
     source = ("the Canzona ZeRO-3 engine (deepspeed.initialize with CanzonaMuon / CanzonaShampoo / CanzonaSOAP at "
               "zero_optimization.stage 3), measured end to end" if not args.no_engine else
@@ -428,9 +445,6 @@ def main() -> None:
             "rules": {k: {"type": t, "params": p} for k, (t, p) in RULE_PARAMS.items()},
             "ds_muon": DS_MUON, "tp_settings": TP_SETTINGS, "rows": rows, "goals": goals(rows)}
     out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import tables
-
     out.write_text(tables.bench_zero3_markdown(data))
     print(out.read_text())
 

@@ -447,10 +447,10 @@ def _zero3_rows(d: Data) -> list[tuple[str, dict, dict | None]]:
             base = rows_in.get(base_key)
             if base:
                 out.append((rule, base, None))
-            for kind in ("engine", "hosted"):
-                r = rows_in.get(f"{kind}/{rule}@dp{dp}")
-                if r:
-                    out.append((rule, r, base))
+            kind = "engine" if f"engine/{rule}@dp{dp}" in rows_in else "hosted"
+            r = rows_in.get(f"{kind}/{rule}@dp{dp}")
+            if r:
+                out.append((rule, r, base))
     return out
 
 
@@ -469,6 +469,22 @@ def bench_zero3(d: Data) -> str:
                    "bytes vs baseline"], rows)
 
 
+def bench_zero3_hosted(d: Data) -> str:
+    """bench_zero3: the engine-free hosted step beside the engine (a cross-check of the engine's
+    rule work; its bytes = stock ZeRO-3's + the hosted all-to-alls, no clipping norm)."""
+    rows_in, rows = d["rows"], []
+    for key, h in rows_in.items():
+        if not h["kind"].startswith("hosted/"):
+            continue
+        e = rows_in.get(key.replace("hosted/", "engine/"))
+        rows.append([str(h["dp"]), h["kind"].split("/")[1], f"{h['rule_cpu_busiest_ms']:.1f}",
+                     f"{e['rule_cpu_busiest_ms']:.1f}" if e else "-", f"{h['rule_cpu_total_ms']:.1f}",
+                     f"{e['rule_cpu_total_ms']:.1f}" if e else "-", f"{h['bytes_busiest'] / 1e6:.2f}",
+                     f"{e['bytes_busiest'] / 1e6:.2f}" if e else "-"])
+    return _table(["DP", "rule", "hosted step: rule CPU ms, busiest", "engine: busiest", "hosted: total over ranks",
+                   "engine: total", "hosted: MB / step, busiest", "engine: MB / step, busiest"], rows)
+
+
 def bench_zero3_goals(d: Data) -> str:
     """bench_zero3: issue 16's goals at the largest DP, measured."""
     g, rows_in = d["goals"], d["rows"]
@@ -484,12 +500,18 @@ def bench_zero3_goals(d: Data) -> str:
         ratios = g.get(f"{rule}_total_vs_dp{low}")
         if not ratios:
             continue
-        calls = {r["dp"]: sum(r["rule_calls_per_rank"]) for r in rows_in.values() if r["kind"].endswith(f"/{rule}")
-                 and r["kind"].split("/")[0] in ("hosted", "engine")}
-        constant = len(set(calls.values())) == 1
-        rows.append([f"{rule}: total rule work does not grow with DP", "rule calls per step constant",
-                     f"{next(iter(calls.values())):.0f} calls at every DP; CPU total vs DP={low}: "
-                     + ", ".join(f"{v:.2f}x (DP={k})" for k, v in ratios.items() if int(k) != low),
+        src = g.get("source", "hosted")
+        ours = [r for r in rows_in.values() if r["kind"] == f"{src}/{rule}"]
+        calls = {sum(r["rule_calls_per_rank"]) for r in ours}
+        flops = {round(sum(r["extra_per_rank"][0]["plan_load"]) / 1e9, 2) for r in ours}
+        constant = len(calls) == 1 and len(flops) == 1
+        cpu = ", ".join(f"{v:.2f}x (DP={k})" for k, v in ratios.items() if int(k) != low)
+        if rule == "muon":
+            ds = {r["dp"]: r["rule_cpu_total_ms"] for r in rows_in.values() if r["kind"] == "ds_muon"}
+            if low in ds and top in ds:
+                cpu += f"; DeepSpeed Muon (same calls): {ds[top] / ds[low]:.2f}x (DP={top})"
+        rows.append([f"{rule}: total rule work does not grow with DP", "rule calls and planned FLOPs per step constant",
+                     f"{min(calls):.0f} calls, {min(flops):g} GFLOP planned (amortised) at every DP; CPU total vs DP={low}: {cpu}",
                      "yes" if constant else "no"])
     if "bytes_vs_ds_muon" in g:
         rows.append([f"bytes per step vs DeepSpeed Muon stage 3, DP={top}", "<= 0.8x", f"{g['bytes_vs_ds_muon']:.2f}x",
@@ -507,12 +529,16 @@ def bench_zero3_markdown(d: Data) -> str:
         f"SwiGLU {m['intermediate_size']}, {m['num_heads']} query heads x {m['head_dim']}, {m['num_kv_heads']} "
         f"key/value heads, vocab {m['vocab_size']}; micro-batch {d['micro']} x seq {d['seq']} per rank; "
         f"{d['steps']} timed steps after {d['warmup']} warm-up, every kind in the same processes, interleaved.", "",
+        "Code measured: " + "; ".join(f"{k}: {v}" for k, v in d.get("code", {}).items()) + ".", "",
         "Rule CPU = thread CPU time of the matrix rule's work on a rank per optimizer step (DeepSpeed's "
         "`muon_update` calls; Canzona's `rule.direction` calls), mean over the timed steps (refresh steps "
         "included). Bytes = what a rank sends per step over every collective of the step (forward, backward, "
         "optimizer): DeepSpeed's own collectives counted at its communication backend (ring bytes for "
         "all-reduce / all-gather / reduce-scatter), the hosted all-to-alls exactly.", "",
         bench_zero3(d), "", bench_zero3_goals(d), "",
+        "The engine-free hosted step (the same micro-group runtime over `FlatSplit.even` pieces, without "
+        "DeepSpeed around it; its bytes = stock ZeRO-3's + its all-to-alls) beside the engine:", "",
+        bench_zero3_hosted(d), "",
         "Baselines: Muon against DeepSpeed 0.19.8's own Muon at stage 3 (`\"type\": \"Muon\"`, "
         "`\"reduce_scatter\": false`, which it requires): full gradients all-reduced, then gradients and momenta "
         "all-gathered, matrices dealt round-robin, updates and momenta all-gathered. Shampoo and SOAP against "
@@ -637,6 +663,7 @@ TABLES: dict[str, tuple[str, Callable[[Data], str]]] = {
     "bench_scaling": ("bench_scaling", bench_scaling),
     "bench_zero3": ("bench_zero3", bench_zero3),
     "bench_zero3_goals": ("bench_zero3", bench_zero3_goals),
+    "bench_zero3_hosted": ("bench_zero3", bench_zero3_hosted),
     "config_fuzz": ("config_fuzz", config_fuzz),
     "faults": ("faults", _fault_table_entry),
     "dp_exactness": ("dp_exactness", dp_exactness),
