@@ -70,8 +70,11 @@ def _worker(rank: int, world: int, rule_name: str, cut: str, c_max: float) -> di
         stats = rt.step(params, g, lr=LR, weight_decay=WD, step=t)
     # the reference runs in a worker too: BLAS results depend on the process's thread count
     ref = _reference(rule_name) if rank == 0 else None
-    return {"params": params, "hosted": rt.hosted_names(), "counted": dict(stats.collectives),
-            "expected": rt.expected_collectives(), "reference": ref}
+    # numpy, not tensors: a tensor crosses the queue as a shared-memory fd, which the parent cannot
+    # receive once this process has exited (ConnectionResetError under load)
+    return {"params": [p.numpy().copy() for p in params], "hosted": rt.hosted_names(),
+            "counted": dict(stats.collectives), "expected": rt.expected_collectives(),
+            "reference": None if ref is None else {n: t.numpy().copy() for n, t in ref.items()}}
 
 
 def _reference(rule_name: str) -> dict[str, torch.Tensor]:
@@ -94,8 +97,9 @@ def test_flat_split_runtime_is_bit_exact(rule_name, world, cut, c_max):
     hosted = sorted(n for r in range(world) for n in res[r]["hosted"])
     assert hosted == sorted(SHAPES), "every matrix is hosted exactly once"
     for m in mats:
-        got = torch.cat([res[r]["params"][mats.index(m)] for r in range(world)])
-        torch.testing.assert_close(got, ref[m.name].reshape(-1), rtol=0, atol=0, msg=lambda s: f"{m.name}: {s}")
+        got = torch.cat([torch.from_numpy(res[r]["params"][mats.index(m)]) for r in range(world)])
+        torch.testing.assert_close(got, torch.from_numpy(ref[m.name]).reshape(-1), rtol=0, atol=0,
+                                   msg=lambda s: f"{m.name}: {s}")
     for r in range(world):
         assert res[r]["counted"] == res[r]["expected"], (r, res[r])
 

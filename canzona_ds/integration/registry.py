@@ -84,8 +84,7 @@ def elastic_needed(engine, load_dir, tag) -> bool:
 
     opt = canzona_optimizer(engine)
     if opt is not None and engine.zero_optimization_stage() == 3:
-        _refuse_zero3_resize(engine, opt, load_dir, tag)
-        return False
+        return False  # another DP size at stage 3: zero3_resize_needed
     if opt is None or engine.zero_optimization_stage() not in (1, 2):
         return False
     if tag is None:
@@ -141,30 +140,30 @@ def micro_group_section(ds: dict, zero_stage: int):
     return {"cost": "flops", **(section or {})}
 
 
-def _refuse_zero3_resize(engine, opt, load_dir, tag) -> None:
-    """A ZeRO-3 checkpoint resumes only at the DP size it was written at (resizing is not
-    implemented): refused naming both sizes, before DeepSpeed reads any file."""
+def zero3_resize_needed(engine, load_dir, tag) -> bool:
+    """True when ``engine`` runs a Canzona optimizer at ZeRO stage 3 and the checkpoint was written
+    at another DP size (from its file names: the same verdict on every rank)."""
     import os
 
-    from .elastic import ElasticError, checkpoint_size
+    from .runtime_info import canzona_optimizer
+    from .zero3 import saved_dp_size, saved_zero3_fingerprint
 
+    opt = canzona_optimizer(engine)
+    if opt is None or engine.zero_optimization_stage() != 3:
+        return False
     if tag is None:
         latest = os.path.join(load_dir, "latest")
         if not os.path.isfile(latest):
-            return
+            return False
         with open(latest) as f:
             tag = f.read().strip()
-    if not os.path.isdir(os.path.join(load_dir, tag)):
-        return
-    try:
-        dp, _ = checkpoint_size(load_dir, tag)
-    except ElasticError:
-        return
+    dp = saved_dp_size(load_dir, tag)
+    if dp is None:
+        return False
     if dp != opt.groups.dp_size:
-        raise ValueError(f"{os.path.join(load_dir, tag)} was written by {opt.rule.name} at ZeRO stage 3 with DP={dp}; "
-                         f"this run has DP={opt.groups.dp_size}. Resuming a ZeRO-3 run at another DP size is not "
-                         f"implemented yet: resume at DP={dp}, or load the weights only (load_optimizer_states=False, "
-                         "load_module_only=True) and start the optimizer afresh.")
+        return True
+    # same size: another hosting plan (e.g. other canzona_tp settings) moves rule state too
+    return saved_zero3_fingerprint(load_dir, tag) not in (None, engine.optimizer.canzona_layout_meta()["fingerprint"])
 
 
 def _named_parameters(engine, model_parameters) -> list:
@@ -334,6 +333,11 @@ def install() -> None:
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
         # a Canzona checkpoint written at another DP/TP size (or with another plan) resumes
         # through integration/elastic.py; everything else is DeepSpeed's own load
+        if load_optimizer_states and not load_module_only and custom_load_fn is None \
+                and zero3_resize_needed(self, load_dir, tag):
+            from .zero3 import resize_load
+
+            return resize_load(self, stock_load, load_dir, tag, load_module_strict, load_lr_scheduler_states)
         if (load_optimizer_states and not load_module_only and custom_load_fn is None
                 and elastic_needed(self, load_dir, tag)):
             from . import elastic

@@ -29,14 +29,21 @@ offload and the loss scaler are DeepSpeed's.  Further overrides, each small:
   ``coef = clamp(max_norm / (total + 1e-6), max=1)``, one multiply.  DeepSpeed's own norm sums
   squared partition norms over the ranks: the same math, other roundings, which a matrix rule
   amplifies (optim/clip.py says why);
-* ``state_dict`` / ``load_state_dict`` - record the DP size and the hosting plan, and refuse
-  a checkpoint written with another (the rule state lives on the host the plan names).
+* ``state_dict`` / ``load_state_dict`` - record the DP size, the hosting plan and the
+  sub-groups' parameters, and refuse a checkpoint written with another plan at the same size.
+
+A checkpoint written at another DP size resumes through :func:`resize_load` (the registry's
+``load_checkpoint`` sends it there): DeepSpeed's own load without optimizer state (module, lr
+scheduler, counters, client state), then every fp32 parameter and AdamW moment rebuilt whole
+from the saved partitions and cut at the new size, and every matrix's rule state handed to its
+new host by name.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import math
+import os
 from typing import Any
 
 import torch
@@ -52,7 +59,7 @@ LAYOUT_KEY = "canzona_layout"
 ZERO3_INSTANCE_ATTRS: tuple[str, ...] = (
     "fp16_groups", "fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat_numel", "sub_group_to_group_id",
     "grad_position", "clip_grad", "loss_scale", "dp_process_group", "offload_optimizer", "swap_optimizer",
-    "use_muon", "partition_count",
+    "use_muon", "partition_count", "averaged_gradients", "module",
 )
 
 
@@ -130,6 +137,9 @@ def _make_zero3_class():
                                    f"elements, the pieces span {offset}.")
             self._canzona_sub_group = i
             opt.bind_sharded(numel, pieces, splits, group=pg)
+            self._canzona_comm_device = _comm_device(self)
+            if opt.tp_runtime is not None:
+                opt.tp_runtime.comm_device = self._canzona_comm_device
 
         def canzona_layout_meta(self) -> dict:
             """What the rule state's placement depends on (recorded in checkpoints)."""
@@ -137,10 +147,16 @@ def _make_zero3_class():
             runtime = opt.tp_runtime
             payload = {"dp": self.partition_count, "runtime": None if runtime is None else runtime.fingerprint(),
                        "matrices": list(opt.matrix_names), "rule": opt.rule.name}
+            names = {id(p): n for n, p in self.module.named_parameters()}
             return {"kind": "zero3", "world_size": self.partition_count,
                     "fingerprint": hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16],
                     "matrix_names": list(opt.matrix_names), "rule": opt.rule.name,
-                    "hosted": sorted(opt.handled_names()), "dp_rank": dist.get_rank(group=self.dp_process_group)}
+                    "hosted": sorted(opt.handled_names()), "dp_rank": dist.get_rank(group=self.dp_process_group),
+                    # what a resume at another DP size needs to cut the flat partitions back into
+                    # parameters: every sub-group's parameters (in flat order) and its param group
+                    "sub_groups": [[names[id(p)] for p in g] for g in self.fp16_groups],
+                    "sub_group_param_group": [int(self.sub_group_to_group_id[i]) for i in range(len(self.fp16_groups))],
+                    "numels": {names[id(p)]: int(p.ds_numel) for g in self.fp16_groups for p in g}}
 
         # -- gradient clipping ----------------------------------------------------------
         def _get_norm_groups(self):
@@ -187,12 +203,24 @@ def _make_zero3_class():
                         f"Canzona ZeRO-3 checkpoint layout differs from this run: saved at DP={saved['world_size']} "
                         f"with rule {saved['rule']!r} over {len(saved['matrix_names'])} matrices, now DP="
                         f"{current['world_size']} with {current['rule']!r} over {len(current['matrix_names'])}. "
-                        "Resuming a ZeRO-3 run at another DP size or plan is not implemented: resume at the DP size "
-                        "and optimizer settings it was saved with.")
+                        "engine.load_checkpoint() after `import canzona_ds` resumes it (docs/zero3.md); this "
+                        "lower-level load needs the same DP size, rule and plan.")
             return super().load_state_dict(state_dict_list, load_optimizer_states, load_from_fp32_weights,
                                            checkpoint_folder, load_serial, param_shapes)
 
     return CanzonaZero3Optimizer
+
+
+def _comm_device(zopt):
+    """The device the DP group's collectives need: the accelerator where the fp32 partitions are
+    offloaded to host memory on a GPU run (NCCL carries device tensors only), else None (the
+    partitions' own device)."""
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    if zopt.offload_optimizer and accel.device_name() != "cpu":
+        return torch.device(accel.current_device_name())
+    return None
 
 
 class TorchNorm3:
@@ -254,8 +282,10 @@ class TorchNorm3:
         from ..optim.clip import per_tensor_norms, total_norm
 
         world, me = self.world, self.rank
+        comm = getattr(self.zopt, "_canzona_comm_device", None)
         pieces = [self._piece(i, p).float() for _, i, p in self.params]
-        device = pieces[0].device
+        device = pieces[0].device if comm is None else comm
+        pieces = [x.to(device) for x in pieces]
         send = torch.cat([pieces[k] for h in range(world) for k in range(len(pieces)) if self.host[k] == h])
         in_splits = [sum(self.lengths[k][me] for k in range(len(pieces)) if self.host[k] == h) for h in range(world)]
         mine = [k for k in range(len(pieces)) if self.host[k] == me]
@@ -288,3 +318,161 @@ def zero3_optimizer_class():
     if _ZERO3_CLASS is None:
         _ZERO3_CLASS = _make_zero3_class()
     return _ZERO3_CLASS
+
+
+# ---------------------------------------------------------------------------- resume at another DP size
+def saved_dp_size(load_dir: str, tag: str) -> int | None:
+    """The DP size a ZeRO checkpoint was written at (from its file names; None: not found)."""
+    from .elastic import ElasticError, checkpoint_size
+
+    if not os.path.isdir(os.path.join(load_dir, tag)):
+        return None
+    try:
+        return checkpoint_size(load_dir, tag)[0]
+    except ElasticError:
+        return None
+
+
+def saved_zero3_fingerprint(load_dir: str, tag: str) -> str | None:
+    """The hosting-plan fingerprint DP rank 0's optimizer file records (None: none recorded)."""
+    from .elastic import OPTIM_FILE, _load
+
+    folder = os.path.join(load_dir, tag)
+    first = sorted(f for f in os.listdir(folder) if OPTIM_FILE.search(f))
+    if not first:
+        return None
+    meta = _load(os.path.join(folder, first[0]), mmap=True)["optimizer_state_dict"].get(LAYOUT_KEY) or {}
+    return meta.get("fingerprint") if meta.get("kind") == "zero3" else None
+
+
+def _whole(flats: list, names: list[str], numels: dict, dp: int) -> dict:
+    """Per parameter name, the whole flat tensor rebuilt from every rank's flat sub-group
+    partition (``flats[r]``: rank r's flat of one sub-group, parameters in ``names`` order, each
+    ``ceil(numel / dp)`` elements, the padding tail excluded)."""
+    out, off = {}, 0
+    for name in names:
+        n = numels[name]
+        P = -(-n // dp)
+        out[name] = torch.cat([flats[r].narrow(0, off, max(0, min(P, n - r * P))) for r in range(dp)])
+        off += P
+    return out
+
+
+def resize_load(engine, stock_load, load_dir: str, tag: str | None, load_module_strict: bool = True,
+                load_lr_scheduler_states: bool = True):
+    """Resume a ZeRO-3 Canzona checkpoint written at another DP size (module docstring)."""
+    import deepspeed.runtime.engine as engine_mod
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from .elastic import OPTIM_FILE, _load
+
+    if tag is None:
+        with open(os.path.join(load_dir, "latest")) as f:
+            tag = f.read().strip()
+    folder = os.path.join(load_dir, tag)
+    files = sorted(((int(m.group(1)), f) for f in os.listdir(folder) if (m := OPTIM_FILE.search(f))
+                    and int(m.group(2)) == 0))
+    saved = [_load(os.path.join(folder, f), mmap=True)["optimizer_state_dict"] for _, f in files]
+    metas = [sd.get(LAYOUT_KEY) or {} for sd in saved]
+    zopt = engine.optimizer
+    opt = zopt._canzona
+    if any(m.get("kind") != "zero3" or "sub_groups" not in m for m in metas):
+        raise ValueError(f"{folder} was not written by a Canzona optimizer at ZeRO stage 3 with the layout record a "
+                         "resize needs; resume it at the DP size it was saved at.")
+    meta = metas[0]
+    old_dp = int(meta["world_size"])
+    if len(saved) != old_dp or meta["rule"] != opt.rule.name or meta["matrix_names"] != list(opt.matrix_names):
+        raise ValueError(f"{folder}: {len(saved)} optimizer files for DP={old_dp}, rule {meta['rule']!r} over "
+                         f"{len(meta['matrix_names'])} matrices; this run has {opt.rule.name!r} over "
+                         f"{len(opt.matrix_names)} matrices. Resume with the optimizer that wrote it.")
+    # 1. DeepSpeed's own load without optimizer state: module (fp32 weights consolidated from the
+    #    partitions of THIS tag; DeepSpeed's call would read `latest`), lr scheduler, counters
+    #    and every rank reads DP rank 0's model-states file (at stage 3 each DP rank wrote one, with
+    #    the same scheduler, counters and client state; a rank beyond the saved size has none)
+    stock_fp32 = engine_mod.get_fp32_state_dict_from_zero_checkpoint
+    engine_mod.get_fp32_state_dict_from_zero_checkpoint = \
+        lambda d, *a, **k: get_fp32_state_dict_from_zero_checkpoint(d, tag, *a, **k)
+
+    def rank0_model_states(path, t):
+        import glob
+
+        return sorted(glob.glob(engine._get_ckpt_name(path, t, mp_placeholder="*", pp_placeholder="0")))
+
+    engine._get_all_ckpt_names = rank0_model_states
+    try:
+        load_path, client = stock_load(engine, load_dir, tag, load_module_strict=load_module_strict,
+                                       load_optimizer_states=False, load_lr_scheduler_states=load_lr_scheduler_states,
+                                       load_module_only=False, custom_load_fn=None)
+    finally:
+        engine_mod.get_fp32_state_dict_from_zero_checkpoint = stock_fp32
+        del engine._get_all_ckpt_names  # the class's method again
+    if load_path is None:
+        return load_path, client
+    # 2. fp32 master pieces and AdamW moments: rebuilt whole per parameter, cut at the new size
+    numels = meta["numels"]
+    weights, moments, step_of = {}, {}, {}
+    for s, names in enumerate(meta["sub_groups"]):
+        weights.update(_whole([sd["fp32_flat_groups"][s] for sd in saved], names, numels, old_dp))
+    base = [sd["optimizer_state_dict"] for sd in saved]
+    flat_index = {}  # saved sub-group -> index of its flat in the saved torch state (param group order)
+    for g, group in enumerate(base[0]["param_groups"]):
+        subs = [s for s, pg in enumerate(meta["sub_group_param_group"]) if pg == g]
+        for s, idx in zip(subs, group["params"]):
+            flat_index[s] = idx
+    for s, names in enumerate(meta["sub_groups"]):
+        idx = flat_index.get(s)
+        st = base[0]["state"].get(idx) if idx is not None else None
+        if not st:
+            continue
+        for key in ("exp_avg", "exp_avg_sq"):
+            moments.setdefault(key, {}).update(
+                _whole([b["state"][idx][key] for b in base], names, numels, old_dp))
+        for name in names:
+            step_of[name] = st["step"]
+    rank = dist_rank(zopt)
+    dp = zopt.partition_count
+    names_of = {id(p): n for n, p in zopt.module.named_parameters()}
+    with torch.no_grad():
+        for i, group in enumerate(zopt.fp16_groups):
+            flat = zopt.fp32_partitioned_groups_flat[i]
+            pieces = {"param": flat}
+            names = [names_of[id(p)] for p in group]
+            has_moments = all(n in step_of for n in names) and moments
+            if has_moments:
+                state = {"step": step_of[names[0]].clone(), "exp_avg": torch.zeros_like(flat),
+                         "exp_avg_sq": torch.zeros_like(flat)}
+                zopt.optimizer.state[flat] = state
+                pieces.update(exp_avg=state["exp_avg"], exp_avg_sq=state["exp_avg_sq"])
+            off = 0
+            for name, p in zip(names, group):
+                P = p.partition_numel()
+                n = max(0, min(P, p.ds_numel - rank * P))
+                for key, dst in pieces.items():
+                    src = weights[name] if key == "param" else moments[key][name]
+                    dst.narrow(0, off, P).zero_()
+                    dst.narrow(0, off, n).copy_(src.narrow(0, rank * P, n))
+                off += P
+            zopt.fp16_partitioned_groups_flat[i].data.copy_(flat.data)
+            zopt._unflatten_partitioned_parameters(i)
+    # 3. every matrix's rule state to its new host (by name), the matrix group's step count
+    hosted = set(opt.handled_names())
+    states = {}
+    for b in base:
+        for name, st in ((b.get("canzona") or {}).get("matrix_state") or {}).items():
+            if name in hosted:
+                states[name] = {key: (v.clone() if torch.is_tensor(v) else v) for key, v in st.items()}
+    opt.matrix_state.clear()
+    opt.load_matrix_state(states)
+    for g, sg in zip(opt.param_groups, base[0]["param_groups"]):
+        if "step" in sg and g.get("canzona_role") == "matrix":
+            g["step"] = sg["step"]
+    zopt.loss_scaler = saved[0]["loss_scaler"]
+    zopt.dynamic_loss_scale = saved[0]["dynamic_loss_scale"]
+    zopt.overflow = saved[0]["overflow"]
+    return load_path, client
+
+
+def dist_rank(zopt) -> int:
+    from deepspeed import comm as dist
+
+    return dist.get_rank(group=zopt.dp_process_group)

@@ -260,6 +260,10 @@ class MicroGroupRuntime:
         #: rule state of the matrices this rank hosts, by name (shared with the optimizer)
         self.state: dict = {} if state is None else state
         self.stats = StepStats()
+        #: where the all-to-all buffers live (None: the gradients' device).  ZeRO-3 with CPU
+        #: offload on an accelerator sets the accelerator: the pieces and the rule stay on the
+        #: host memory, only the exchanged buffers visit the device NCCL needs.
+        self.comm_device: torch.device | None = None
         if verify:
             from .verify import verify_same_across_group
 
@@ -319,14 +323,16 @@ class MicroGroupRuntime:
         # stage 1: my gradient shards, grouped by destination host
         gdtype = _common_dtype([grads[i] for i, _ in group.tasks])
         device = grads[group.tasks[0][0]].device
-        send = torch.cat([grads[i].detach().reshape(-1).to(gdtype) for i in send_order])
+        comm = device if self.comm_device is None else self.comm_device
+        send = torch.cat([grads[i].detach().reshape(-1).to(gdtype) for i in send_order]).to(comm)
         in_splits = [sum(self.matrices[i].local_numel(me) for i in by_host[r]) for r in range(tp)]
         out_splits = [sum(self.matrices[i].local_numel(r) for i in mine) for r in range(tp)]
-        recv = torch.empty(sum(out_splits), dtype=gdtype, device=device)
+        recv = torch.empty(sum(out_splits), dtype=gdtype, device=comm)
         work = self._a2a(recv, send, out_splits, in_splits)
         yield
         if work is not None:
             work.wait()
+        recv = recv.to(device)
         # stage 2: hosts rebuild full gradients (TP layout), run the rule, slice direction shards
         ddtype = self.rule.direction_dtype(gdtype)
         pieces = list(recv.split(out_splits))
@@ -348,14 +354,15 @@ class MicroGroupRuntime:
             for r in range(tp):
                 send2_parts[r].append(m.piece(D, r))
         flat = [t for r in range(tp) for t in send2_parts[r]]
-        send2 = torch.cat(flat) if flat else torch.empty(0, dtype=ddtype, device=device)
+        send2 = (torch.cat(flat) if flat else torch.empty(0, dtype=ddtype, device=device)).to(comm)
         in2 = [sum(self.matrices[i].local_numel(r) for i in mine) for r in range(tp)]
         out2 = [sum(self.matrices[i].local_numel(me) for i in by_host[r]) for r in range(tp)]
-        recv2 = torch.empty(sum(out2), dtype=ddtype, device=device)
+        recv2 = torch.empty(sum(out2), dtype=ddtype, device=comm)
         work2 = self._a2a(recv2, send2, out2, in2)
         yield
         if work2 is not None:
             work2.wait()
+        recv2 = recv2.to(device)
         # stage 3: apply my shard of every matrix in the group
         off = 0
         for i in send_order:

@@ -1,8 +1,9 @@
 """Hugging Face ``transformers.Trainer`` example: the main job's model and corpus trained
-by HF Trainer with DeepSpeed ZeRO-1 and ``"type": "CanzonaMuon"`` from a ds_config.
+by HF Trainer with DeepSpeed ZeRO-1 (or ZeRO-3) and ``"type": "CanzonaMuon"`` from a ds_config.
 
     pip install transformers accelerate          # ~25 s on the CI machine; not a dependency
     deepspeed --num_gpus 2 --module canzona_ds.train.hf_trainer --steps 20 --out runs/hf
+    deepspeed --num_gpus 2 --module canzona_ds.train.hf_trainer --ds-config configs/ds_cpu_canzona_zero3.json
 
 HF Trainer builds the engine itself (``deepspeed.initialize`` with the ds_config dict), so
 the only canzona-specific line is the registration, ``canzona_ds.integration.install()``.  HF shards the
