@@ -11,7 +11,8 @@ their ``precondition_frequency``).
 
 Kinds (the model: a 7-layer Qwen3ForCausalLM, hidden 320, SwiGLU 864, 4 query heads of 80,
 2 key/value heads; its 49 projection matrices take the matrix rule, embeddings, head and
-norms AdamW)::
+norms AdamW; every engine with ``gradient_clipping: 1.0`` and DeepSpeed's other stage-3
+defaults)::
 
     ds_muon        DeepSpeed 0.19.8's own Muon ("type": "Muon", ns_method "standard") at
                    zero_optimization.stage 3 with "reduce_scatter": false (DeepSpeed refuses
@@ -29,8 +30,9 @@ norms AdamW)::
                    all-to-all of gradient pieces to the planned host, the rule on the whole
                    matrix there, one all-to-all of direction pieces back.  Rule work = thread
                    CPU time inside the optimizer's ``rule.direction``; bytes = DeepSpeed's
-                   collectives (backend layer) + the runtime's all-to-alls (its StepStats,
-                   checked against the torch-layer count).
+                   collectives (CommCounter layer ``backend``) + the torch.distributed calls
+                   made outside DeepSpeed (layer ``direct``: the hosted all-to-alls and the
+                   torch-exact clipping norm's all-to-all and all-reduce).
     hosted/<rule>  (engine-free cross-check) the same hosted step without the engine:
                    ``tp.MicroGroupRuntime`` over ``FlatSplit.even`` pieces of every matrix
                    (ZeRO-3's ceil(numel/DP) cut) on the DP group: per micro-group one
@@ -55,7 +57,12 @@ optimizer step the engine runs without the engine around it (``--no-engine`` for
 without the engine kinds; ``--no-hosted`` without these).
 
     python benchmarks/bench_zero3.py                 # -> results/bench_zero3.{md,json}
-    python benchmarks/bench_zero3.py --dp 2 --steps 2 --warmup 1 --out /tmp/z3.md   # quick look
+    python benchmarks/bench_zero3.py --dp 2 --steps 2 --warmup 1 --out /tmp/bz3/r.md   # quick look
+    python benchmarks/bench_zero3.py --render         # rewrite the .md from the .json
+
+(Do not put ``--out`` in a directory that holds a folder named ``z3``: torch.compile imports
+the Z3 solver as ``z3`` and finds that folder instead, when the script's directory is on
+``sys.path``.)
 """
 from __future__ import annotations
 
