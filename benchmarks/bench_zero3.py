@@ -59,10 +59,6 @@ without the engine kinds; ``--no-hosted`` without these).
     python benchmarks/bench_zero3.py                 # -> results/bench_zero3.{md,json}
     python benchmarks/bench_zero3.py --dp 2 --steps 2 --warmup 1 --out /tmp/bz3/r.md   # quick look
     python benchmarks/bench_zero3.py --render         # rewrite the .md from the .json
-
-(Do not put ``--out`` in a directory that holds a folder named ``z3``: torch.compile imports
-the Z3 solver as ``z3`` and finds that folder instead, when the script's directory is on
-``sys.path``.)
 """
 from __future__ import annotations
 
