@@ -442,7 +442,17 @@ def main() -> None:
               "the engine-free hosted step (tp.MicroGroupRuntime over FlatSplit.even pieces on the DP group)")
     if not args.no_engine and not args.no_hosted:
         source += "; the engine-free hosted step (`hosted` rows) beside it as a cross-check"
-    data = {"command": cmd, "source": source,
+    import subprocess
+
+    def git(*a: str) -> str:
+        try:
+            return subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True, text=True).stdout.strip()
+        except OSError:
+            return ""
+
+    code = {"commit": git("rev-parse", "--short", "HEAD") or "unknown",
+            "uncommitted changes": "yes" if git("status", "--porcelain", "--untracked-files=no") else "no"}
+    data = {"command": cmd, "source": source, "code": code,
             "machine": f"{os.cpu_count()} CPU cores, torch {torch.__version__}, gloo, 1 thread per rank",
             "model": MODEL, "steps": args.steps, "warmup": args.warmup, "micro": args.micro, "seq": args.seq,
             "rules": {k: {"type": t, "params": p} for k, (t, p) in RULE_PARAMS.items()},
