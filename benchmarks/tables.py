@@ -432,6 +432,122 @@ def bench_scaling(d: Data) -> str:
                    "busiest vs DeepSpeed Muon"], rows)
 
 
+#: bench_zero3 kinds -> how the tables name them
+ZERO3_KINDS = {"ds_muon": "DeepSpeed Muon, stage 3", "hosted": "Canzona hosted step",
+               "engine": "Canzona ZeRO-3 engine", "replicated": "replicated, stage 3"}
+
+
+def _zero3_rows(d: Data) -> list[tuple[str, dict, dict | None]]:
+    """(rule, row, baseline row) per DP and rule: Muon against DeepSpeed's Muon, the others
+    against the replicated baseline; the baselines themselves with ``None``."""
+    rows_in, out = d["rows"], []
+    for dp in sorted({r["dp"] for r in rows_in.values()}):
+        for rule in d["rules"]:
+            base_key = f"ds_muon@dp{dp}" if rule == "muon" else f"replicated/{rule}@dp{dp}"
+            base = rows_in.get(base_key)
+            if base:
+                out.append((rule, base, None))
+            kind = "engine" if f"engine/{rule}@dp{dp}" in rows_in else "hosted"
+            r = rows_in.get(f"{kind}/{rule}@dp{dp}")
+            if r:
+                out.append((rule, r, base))
+    return out
+
+
+def bench_zero3(d: Data) -> str:
+    """bench_zero3: rule work and bytes per optimizer step at ZeRO stage 3, DP 2/4/8."""
+    rows = []
+    for rule, r, base in _zero3_rows(d):
+        kind = ZERO3_KINDS[r["kind"].split("/")[0]]
+        rows.append([str(r["dp"]), rule, kind, f"{r['rule_cpu_busiest_ms']:.1f}", f"{r['rule_cpu_mean_ms']:.1f}",
+                     f"{r['rule_cpu_busiest_ms'] / r['rule_cpu_mean_ms']:.2f}x", f"{r['rule_cpu_total_ms']:.1f}",
+                     f"{r['rule_cpu_busiest_ms'] / base['rule_cpu_busiest_ms']:.2f}x" if base else "1.00x",
+                     f"{r['bytes_busiest'] / 1e6:.2f}",
+                     f"{r['bytes_busiest'] / base['bytes_busiest']:.2f}x" if base else "1.00x"])
+    return _table(["DP", "rule", "optimizer", "rule CPU ms / step, busiest rank", "mean over ranks",
+                   "busiest / mean", "total over ranks", "busiest vs baseline", "MB sent / step, busiest rank",
+                   "bytes vs baseline"], rows)
+
+
+def bench_zero3_hosted(d: Data) -> str:
+    """bench_zero3: the engine-free hosted step beside the engine (a cross-check of the engine's
+    rule work; its bytes = stock ZeRO-3's + the hosted all-to-alls, no clipping norm)."""
+    rows_in, rows = d["rows"], []
+    for key, h in rows_in.items():
+        if not h["kind"].startswith("hosted/"):
+            continue
+        e = rows_in.get(key.replace("hosted/", "engine/"))
+        rows.append([str(h["dp"]), h["kind"].split("/")[1], f"{h['rule_cpu_busiest_ms']:.1f}",
+                     f"{e['rule_cpu_busiest_ms']:.1f}" if e else "-", f"{h['rule_cpu_total_ms']:.1f}",
+                     f"{e['rule_cpu_total_ms']:.1f}" if e else "-", f"{h['bytes_busiest'] / 1e6:.2f}",
+                     f"{e['bytes_busiest'] / 1e6:.2f}" if e else "-"])
+    return _table(["DP", "rule", "hosted step: rule CPU ms, busiest", "engine: busiest", "hosted: total over ranks",
+                   "engine: total", "hosted: MB / step, busiest", "engine: MB / step, busiest"], rows)
+
+
+def bench_zero3_goals(d: Data) -> str:
+    """bench_zero3: issue 16's goals at the largest DP, measured."""
+    g, rows_in = d["goals"], d["rows"]
+    top, low = g["dp"], min(r["dp"] for r in rows_in.values())
+    rows = []
+    if "busiest_vs_ds_muon" in g:
+        rows.append([f"Muon busiest rank vs DeepSpeed Muon's busiest, DP={top}", "<= 0.92x",
+                     f"{g['busiest_vs_ds_muon']:.2f}x", "yes" if g["busiest_vs_ds_muon"] <= 0.92 else "no"])
+        rows.append([f"Muon busiest rank vs its own mean, DP={top}", "<= 1.05x",
+                     f"{g['busiest_vs_own_mean']:.2f}x (DeepSpeed Muon: {g['ds_busiest_vs_own_mean']:.2f}x)",
+                     "yes" if g["busiest_vs_own_mean"] <= 1.05 else "no"])
+    for rule in d["rules"]:
+        ratios = g.get(f"{rule}_total_vs_dp{low}")
+        if not ratios:
+            continue
+        src = g.get("source", "hosted")
+        ours = [r for r in rows_in.values() if r["kind"] == f"{src}/{rule}"]
+        calls = {sum(r["rule_calls_per_rank"]) for r in ours}
+        flops = {round(sum(r["extra_per_rank"][0]["plan_load"]) / 1e9, 2) for r in ours}
+        constant = len(calls) == 1 and len(flops) == 1
+        cpu = ", ".join(f"{v:.2f}x (DP={k})" for k, v in ratios.items() if int(k) != low)
+        if rule == "muon":
+            ds = {r["dp"]: r["rule_cpu_total_ms"] for r in rows_in.values() if r["kind"] == "ds_muon"}
+            if low in ds and top in ds:
+                cpu += f"; DeepSpeed Muon (same calls): {ds[top] / ds[low]:.2f}x (DP={top})"
+        rows.append([f"{rule}: total rule work does not grow with DP", "rule calls and planned FLOPs per step constant",
+                     f"{min(calls):.0f} calls, {min(flops):g} GFLOP planned (amortised) at every DP; CPU total vs DP={low}: {cpu}",
+                     "yes" if constant else "no"])
+    if "bytes_vs_ds_muon" in g:
+        rows.append([f"bytes per step vs DeepSpeed Muon stage 3, DP={top}", "<= 0.8x", f"{g['bytes_vs_ds_muon']:.2f}x",
+                     "yes" if g["bytes_vs_ds_muon"] <= 0.8 else "no"])
+    return _table(["goal (issue 16)", "target", "measured", "met"], rows)
+
+
+def bench_zero3_markdown(d: Data) -> str:
+    """benchmarks/results/bench_zero3.md, from its JSON."""
+    m = d["model"]
+    return "\n".join([
+        "# ZeRO stage 3: matrix-rule work and bytes per optimizer step (generated by `benchmarks/bench_zero3.py`)", "",
+        f"Command: `{d['command']}`. Source of the Canzona rows: {d['source']}.", "",
+        f"Machine: {d['machine']}. Model: Qwen3ForCausalLM, {m['num_layers']} layers, hidden {m['hidden_size']}, "
+        f"SwiGLU {m['intermediate_size']}, {m['num_heads']} query heads x {m['head_dim']}, {m['num_kv_heads']} "
+        f"key/value heads, vocab {m['vocab_size']}; micro-batch {d['micro']} x seq {d['seq']} per rank; "
+        f"{d['steps']} timed steps after {d['warmup']} warm-up, every kind in the same processes, interleaved.", "",
+        "Code measured: " + "; ".join(f"{k}: {v}" for k, v in d.get("code", {}).items()) + ".", "",
+        "Rule CPU = thread CPU time of the matrix rule's work on a rank per optimizer step (DeepSpeed's "
+        "`muon_update` calls; Canzona's `rule.direction` calls), mean over the timed steps (refresh steps "
+        "included). Bytes = what a rank sends per step over every collective of the step (forward, backward, "
+        "optimizer): DeepSpeed's own collectives counted at its communication backend (ring bytes for "
+        "all-reduce / all-gather / reduce-scatter), the hosted all-to-alls exactly.", "",
+        bench_zero3(d), "", bench_zero3_goals(d), "",
+        "The engine-free hosted step (the same micro-group runtime over `FlatSplit.even` pieces, without "
+        "DeepSpeed around it; its bytes = stock ZeRO-3's + its all-to-alls) beside the engine:", "",
+        bench_zero3_hosted(d), "",
+        "Baselines: Muon against DeepSpeed 0.19.8's own Muon at stage 3 (`\"type\": \"Muon\"`, "
+        "`\"reduce_scatter\": false`, which it requires): full gradients all-reduced, then gradients and momenta "
+        "all-gathered, matrices dealt round-robin, updates and momenta all-gathered. Shampoo and SOAP against "
+        "the stage-3 replicated baseline: every rank all-gathers every matrix's reduce-scattered gradient and "
+        "runs the rule on every whole matrix (rule state on every rank), keeping its piece of each update. "
+        f"Rules: {json.dumps(d['rules'])}.", "",
+    ])
+
+
 def config_fuzz(d: Data) -> str:
     """config_fuzz: generated invalid settings and rank mismatches, what happened."""
     rows = [[f"invalid optimizer settings ({d['invalid_settings']} generated from the config dataclasses)",
@@ -618,6 +734,9 @@ TABLES: dict[str, tuple[str, Callable[[Data], str]]] = {
     "bench_muon": ("bench_muon", bench_muon),
     "bench_muon_summary": ("bench_muon", bench_muon_summary),
     "bench_scaling": ("bench_scaling", bench_scaling),
+    "bench_zero3": ("bench_zero3", bench_zero3),
+    "bench_zero3_goals": ("bench_zero3", bench_zero3_goals),
+    "bench_zero3_hosted": ("bench_zero3", bench_zero3_hosted),
     "config_fuzz": ("config_fuzz", config_fuzz),
     "faults": ("faults", _fault_table_entry),
     "dp_exactness": ("dp_exactness", dp_exactness),
