@@ -14,8 +14,8 @@ expert parallelism (``compare(ep=...)``, ``canzona-plan --ep``): each expert-par
 holds E/ep experts of every stack, planned over its expert-data-parallel group (DP/ep ranks),
 the dense matrices over all DP ranks; a DP rank's load is its dense share plus its expert
 share, ratios max/mean over all DP ranks.  There ``per_expert`` is what the runtime realises
-(DeepSpeed MoE's experts are separate matrices) and ``whole`` an HF-style stack of E/ep per
-expert-parallel rank, kept whole.
+(DeepSpeed MoE's experts are separate matrices, planned by the default multi_lpt in the owned
+layout) and ``whole`` an HF-style stack of E/ep per expert-parallel rank, kept whole.
 
 Measured: the tiny transformers ``Qwen3MoeForCausalLM`` of ``canzona_ds.testing.hf_moe`` (4 layers,
 16 experts per stack: gate_up [16, 64, 64], down [16, 64, 32]) under ZeRO-1 at DP 2, 4, 8 with CanzonaMuon and
@@ -63,7 +63,8 @@ def planned() -> dict:
                     t = time.perf_counter()
                     s = compare(model, dp, cost_model=cost_model(rule), cost="flops", ep=ep).summary
                     x = s["expert_stacks"]
-                    rows.append({"dp": dp, "ep": x["ep"], "expert_dp": x["expert_dp"], "whole": x["whole"],
+                    rows.append({"dp": dp, "ep": x["ep"], "expert_dp": x["expert_dp"],
+                                 "per_expert_planner": x["per_expert_planner"], "whole": x["whole"],
                                  "per_expert": x["per_expert"], "stacks": x["stacks"],
                                  "experts_per_stack": x["experts_per_stack"],
                                  "largest_stack_numel": x["largest_stack_numel"],

@@ -699,7 +699,8 @@ def moe_planned(d: Data) -> str:
                              _pct(x["padding_fraction"])])
     return _table(["model", "rule", "DP", "EP", f"whole stacks, E/EP per stack ({p['planner']}): FLOPs / memory "
                    "max/mean", "padding", "bound (largest unit)",
-                   f"per expert ({p['per_expert_planner']}): FLOPs / memory", "padding"], rows)
+                   f"per expert ({p['per_expert_planner']} at EP 1, {p['planner']} at EP > 1): FLOPs / memory",
+                   "padding"], rows)
 
 
 def moe_measured(d: Data) -> str:

@@ -189,7 +189,8 @@ def plan_expert_parallel(mats, dp: int, ep: int, planner: str, cost: str, cost_m
     plans = {}
     for key, specs, world in (("dense", dense, dp), ("experts", experts, dp // ep)):
         if specs:
-            plans[key] = plan_dp(specs, world, planner=planner, cost=cost, model=cost_model)
+            # the runtime relabels ranks so that rank 0 owns a matrix (optim/optimizer.py _plan)
+            plans[key] = plan_dp(specs, world, planner=planner, cost=cost, model=cost_model).nonempty_first()
     out: dict = {"ep": ep, "expert_dp": dp // ep, "units": {"dense": len(dense), "experts_per_ep_rank": len(experts)}}
     held = useful = 0.0
     for key, plan in plans.items():
@@ -218,14 +219,15 @@ def _expert_stacks(whole: OwnershipPlan, mats, stacks, dp: int, planner: str, co
     """Stacks kept whole against each expert a unit of its own.  ep=1: one plan over the DP group
     (``whole`` is what the ZeRO-1/2 layout realises for HF stacks); ep > 1: DeepSpeed MoE's plans
     (:func:`plan_expert_parallel`), ``per_expert`` being what the runtime realises (its experts
-    are separate matrices) and ``whole`` an HF-style stack of E/ep per expert-parallel rank."""
+    are separate matrices, planned by the default planner, owned layout) and ``whole`` an
+    HF-style stack of E/ep per expert-parallel rank."""
     keys = ("flops_ratio", "memory_ratio", "flops_lower_bound", "padding_fraction")
     head = {"stacks": len(stacks), "experts_per_stack": sorted({s.num_experts for s in stacks}),
             "largest_stack_numel": max(s.numel for s in stacks), "ep": ep, "expert_dp": dp // ep,
-            "planner": planner, "per_expert_planner": PER_EXPERT_PLANNER}
-    if ep > 1:
+            "planner": planner, "per_expert_planner": PER_EXPERT_PLANNER if ep == 1 else planner}
+    if ep > 1:  # a few hundred experts per EP rank: the runtime's planner is quick
         w = plan_expert_parallel(mats, dp, ep, planner, cost, cost_model, per_expert=False)
-        x = plan_expert_parallel(mats, dp, ep, PER_EXPERT_PLANNER, cost, cost_model, per_expert=True)
+        x = plan_expert_parallel(mats, dp, ep, planner, cost, cost_model, per_expert=True)
         return {**head, "whole": {k: w[k] for k in keys}, "per_expert": {k: x[k] for k in keys}}
     # lpt: thousands of experts make multi_lpt slow (minutes at 12k units), and lpt already
     # balances them to within a percent
