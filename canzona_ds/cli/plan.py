@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ep", type=int, default=1,
                    help="expert-parallel size of a mixture-of-experts model (DeepSpeed MoE's ep_size; must divide "
                         "--dp and the number of experts): each EP rank holds E/ep experts of every stack, planned "
-                        "over its expert-data-parallel group of dp/ep ranks, the dense matrices over all dp ranks")
+                        "over its expert-data-parallel group of dp/ep ranks, the dense matrices over all dp ranks; it sets "
+                        "the 'Expert stacks' section (the DP planner tables plan every matrix over dp)")
     p.add_argument("--optimizer", default="muon", choices=["muon", "shampoo", "soap"],
                    help="whose FLOPs and state the cost models count (its default hyper-parameters; see "
                         "--precondition-frequency)")
@@ -150,11 +151,11 @@ def format_table(summary: dict) -> str:
                   f"{x['largest_stack_numel']:,} elements), {x['planner']}, ep={x['ep']}"
                   + (f" (experts over expert-DP groups of {x['expert_dp']} ranks, dense over {s['dp']}; "
                      f"max/avg over all {s['dp']} DP ranks)" if x["ep"] > 1 else ""),
-                  f"{'ownership unit':<20}{'FLOPs max/avg':>14}{'mem max/avg':>13}{'padding':>10}{'bound':>8}"]
+                  f"{'ownership unit':<24}{'FLOPs max/avg':>14}{'mem max/avg':>13}{'padding':>10}{'bound':>8}"]
         whole = "whole stack" if x["ep"] == 1 else f"stack of E/{x['ep']}"
         for unit, label in (("whole", whole), ("per_expert", f"per expert ({x['per_expert_planner']})")):
             r = x[unit]
-            lines.append(f"{label:<20}{r['flops_ratio']:>14.3f}{r['memory_ratio']:>13.3f}{r['padding_fraction']:>9.2%}"
+            lines.append(f"{label:<24}{r['flops_ratio']:>14.3f}{r['memory_ratio']:>13.3f}{r['padding_fraction']:>9.2%}"
                          f"{r['flops_lower_bound']:>8.3f}")
         lines.append("(ZeRO-1/2 keeps a stack whole on one owner; DeepSpeed MoE's experts are separate matrices "
                      "(per expert): docs/zero.md, 'Mixture of experts')")
