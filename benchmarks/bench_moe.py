@@ -9,7 +9,13 @@ cost "flops" (amortised) from each rule's own cost model.  ``whole``: the defaul
 (multi_lpt) with every expert stack one unit of ownership, which is what the ZeRO-1/2 layout
 realises; ``per_expert``: each expert a unit of its own (lpt), what splitting stacks across
 owners could reach; ``bound``: the largest stack's load over the mean (no whole-stack plan
-beats it).  ``ep`` is 1 (expert parallelism: DeepSpeed MoE, planned over the expert-DP group).
+beats it).  ``ep`` > 1 (rows for ep in EPS where ep divides DP and the experts): DeepSpeed MoE's
+expert parallelism (``compare(ep=...)``, ``canzona-plan --ep``): each expert-parallel rank
+holds E/ep experts of every stack, planned over its expert-data-parallel group (DP/ep ranks),
+the dense matrices over all DP ranks; a DP rank's load is its dense share plus its expert
+share, ratios max/mean over all DP ranks.  There ``per_expert`` is what the runtime realises
+(DeepSpeed MoE's experts are separate matrices, planned by the default multi_lpt in the owned
+layout) and ``whole`` an HF-style stack of E/ep per expert-parallel rank, kept whole.
 
 Measured: the tiny transformers ``Qwen3MoeForCausalLM`` of ``canzona_ds.testing.hf_moe`` (4 layers,
 16 experts per stack: gate_up [16, 64, 64], down [16, 64, 32]) under ZeRO-1 at DP 2, 4, 8 with CanzonaMuon and
@@ -35,6 +41,8 @@ sys.path.insert(0, str(ROOT))
 
 MODELS = ("qwen3-30b-a3b", "deepseek-v2-lite")
 DPS = (8, 16, 32, 64, 128)
+#: expert-parallel sizes (rows where ep divides DP and the number of experts)
+EPS = (1, 8, 32)
 RULES = ("muon", "shampoo", "soap")
 MEASURED_DPS = (2, 4, 8)
 STEPS, WARMUP = 8, 2
@@ -48,14 +56,19 @@ def planned() -> dict:
     for model in MODELS:
         for rule in RULES:
             rows = []
-            for dp in DPS:
-                t = time.perf_counter()
-                s = compare(model, dp, cost_model=cost_model(rule), cost="flops").summary
-                x = s["expert_stacks"]
-                rows.append({"dp": dp, "ep": x["ep"], "whole": x["whole"], "per_expert": x["per_expert"],
-                             "stacks": x["stacks"], "experts_per_stack": x["experts_per_stack"],
-                             "largest_stack_numel": x["largest_stack_numel"],
-                             "plan_s": round(time.perf_counter() - t, 2)})
+            for ep in EPS:
+                for dp in DPS:
+                    if dp % ep:
+                        continue
+                    t = time.perf_counter()
+                    s = compare(model, dp, cost_model=cost_model(rule), cost="flops", ep=ep).summary
+                    x = s["expert_stacks"]
+                    rows.append({"dp": dp, "ep": x["ep"], "expert_dp": x["expert_dp"],
+                                 "per_expert_planner": x["per_expert_planner"], "whole": x["whole"],
+                                 "per_expert": x["per_expert"], "stacks": x["stacks"],
+                                 "experts_per_stack": x["experts_per_stack"],
+                                 "largest_stack_numel": x["largest_stack_numel"],
+                                 "plan_s": round(time.perf_counter() - t, 2)})
             out.setdefault(model, {})[rule] = rows
     return {"models": out, "planner": "multi_lpt", "per_expert_planner": "lpt", "cost": "flops",
             "command": "python benchmarks/bench_moe.py"}

@@ -685,7 +685,8 @@ def layout_measured(d: Data) -> str:
 
 # ============================================================================ moe.json
 def moe_planned(d: Data) -> str:
-    """bench_moe planned: FLOPs / memory max/mean with stacks whole (ZeRO-1/2) vs per expert, ep=1."""
+    """bench_moe planned: FLOPs / memory max/mean with stacks whole vs per expert, at each EP size
+    (EP 1: one plan over DP; EP > 1: DeepSpeed MoE's plans, experts over the expert-DP group)."""
     p = d["planned"]
     rows = []
     for model, rules in p["models"].items():
@@ -694,10 +695,12 @@ def moe_planned(d: Data) -> str:
                 w, x = e["whole"], e["per_expert"]
                 rows.append([model, rule, str(e["dp"]), str(e["ep"]),
                              f"**{w['flops_ratio']:.3f}** / {w['memory_ratio']:.3f}", _pct(w["padding_fraction"]),
-                             f"{w['flops_lower_bound']:.3f}", f"{x['flops_ratio']:.3f} / {x['memory_ratio']:.3f}"])
-    return _table(["model", "rule", "DP", "EP", f"whole stacks ({p['planner']}): FLOPs / memory max/mean",
-                   "padding", "bound (largest unit)", f"per expert ({p['per_expert_planner']}): FLOPs / memory"],
-                  rows)
+                             f"{w['flops_lower_bound']:.3f}", f"**{x['flops_ratio']:.3f}** / {x['memory_ratio']:.3f}",
+                             _pct(x["padding_fraction"])])
+    return _table(["model", "rule", "DP", "EP", f"whole stacks, E/EP per stack ({p['planner']}): FLOPs / memory "
+                   "max/mean", "padding", "bound (largest unit)",
+                   f"per expert ({p['per_expert_planner']} at EP 1, {p['planner']} at EP > 1): FLOPs / memory",
+                   "padding"], rows)
 
 
 def moe_measured(d: Data) -> str:

@@ -129,3 +129,85 @@ def test_pipeline_stage_even_split():
         pipeline_stage(specs, 8, 8)
     with pytest.raises(ValueError, match="pp=2.0"):
         pipeline_stage(specs, 2.0, 0)
+
+
+# ------------------------------------------------------------------------- expert parallelism
+def test_expert_parallel_rank_load_is_dense_share_plus_expert_share():
+    """dp=4, ep=2 by hand: two dense 8x8 matrices over the 4 DP ranks (two ranks get one each),
+    a stack of 4 experts [4, 4]: each EP rank holds 2 of them, one per rank of its expert-DP group
+    of 2.  DP rank r (expert-DP rank r // 2) carries its dense share + one expert."""
+    from canzona_ds.optim import cost_model
+    from canzona_ds.planning.compare import local_experts, plan_expert_parallel
+    from canzona_ds.planning.cost import task_cost
+    from canzona_ds.planning.dp import plan_dp
+    from canzona_ds.planning.params import ParamSpec
+    from canzona_ds.planning.report import rank_costs
+
+    muon = cost_model("muon")
+    dense = [ParamSpec("d1", (8, 8)), ParamSpec("d2", (8, 8))]
+    mats = dense + [ParamSpec("experts.w", (4, 4, 4), num_experts=4)]
+    local = local_experts(mats, 2, per_expert=True)
+    assert [(s.name, s.shape, s.num_experts) for s in local] == [("experts.w[0]", (4, 4), None),
+                                                                 ("experts.w[1]", (4, 4), None)]
+    assert [(s.shape, s.num_experts) for s in local_experts(mats, 2, per_expert=False)] == [((2, 4, 4), 2)]
+    for metric in ("flops", "memory"):
+        a, b = task_cost(dense[0], metric, muon), task_cost(local[0], metric, muon)
+        out = plan_expert_parallel(mats, 4, 2, "lpt", "flops", muon, per_expert=True)
+        loads = out[f"rank_{metric}"]
+        assert sorted(loads) == pytest.approx(sorted([a + b, a + b, b, b]), rel=1e-12)
+        d = rank_costs(plan_dp(dense, 4, planner="lpt", cost="flops", model=muon), metric, muon)
+        e = rank_costs(plan_dp(local, 2, planner="lpt", cost="flops", model=muon), metric, muon)
+        assert loads == pytest.approx([d[r] + e[r // 2] for r in range(4)], rel=1e-12)
+        assert out[f"{metric}_ratio"] == pytest.approx((a + b) / ((2 * a + 4 * b) / 4), rel=1e-12)
+    assert out["ep"] == 2 and out["expert_dp"] == 2
+    assert out["units"] == {"dense": 2, "experts_per_ep_rank": 2}
+    # each EP rank's 2 experts as one stack [2, 4, 4]: it lands on expert-DP rank 0, which is DP ranks
+    # 0 and 1 (EP ranks 0 and 1 of the same expert-DP rank), where the dense matrices also are
+    whole = plan_expert_parallel(mats, 4, 2, "lpt", "flops", muon, per_expert=False)
+    a, b = task_cost(dense[0], "flops", muon), task_cost(local[0], "flops", muon)
+    assert whole["rank_flops"] == pytest.approx([a + 2 * b, a + 2 * b, 0.0, 0.0], rel=1e-12)
+    # held: dense 4 ranks x 64 elements, experts 2 EP ranks x 2 expert-DP ranks x 32 = 384 for 192 useful
+    assert whole["padding_fraction"] == pytest.approx(1.0)
+
+
+def test_expert_parallelism_lifts_the_whole_stack_bound_at_qwen3_30b_scale():
+    from canzona_ds.optim import cost_model
+    from canzona_ds.planning.compare import compare
+
+    x = compare("qwen3-30b-a3b", 128, cost_model=cost_model("muon"), cost="flops", ep=8).summary["expert_stacks"]
+    assert x["ep"] == 8 and x["expert_dp"] == 16
+    assert x["whole"]["flops_ratio"] < 1.05 and x["per_expert"]["flops_ratio"] < 1.05  # 2.1 at ep=1
+
+
+def test_ep_is_validated_by_name():
+    from canzona_ds.optim import cost_model
+    from canzona_ds.planning.compare import compare
+
+    muon = cost_model("muon")
+    with pytest.raises(ValueError, match=r"Invalid ep=3: it must divide the number of experts 128"):
+        compare("qwen3-30b-a3b", 96, cost_model=muon, ep=3)
+    with pytest.raises(ValueError, match=r"Invalid ep=16: it must divide dp=8"):
+        compare("qwen3-30b-a3b", 8, cost_model=muon, ep=16)
+    with pytest.raises(ValueError, match=r"Invalid ep=2: the model has no expert stacks"):
+        compare("qwen3-0.6b", 8, cost_model=muon, ep=2)
+    with pytest.raises(ValueError, match=r"Invalid ep=0"):
+        compare("qwen3-30b-a3b", 8, cost_model=muon, ep=0)
+
+
+def test_canzona_plan_ep_option(capsys):
+    import json as _json
+
+    from canzona_ds.cli.plan import main
+
+    assert main(["--model", "deepseek-v2-lite", "--dp", "16", "--ep", "8", "--cost", "flops"]) == 0
+    out = capsys.readouterr().out
+    assert "ep=8 (experts over expert-DP groups of 2 ranks, dense over 16" in out and "stack of E/8" in out
+    assert main(["--model", "deepseek-v2-lite", "--dp", "16", "--ep", "8", "--json"]) == 0
+    x = _json.loads(capsys.readouterr().out)["expert_stacks"]
+    assert x["ep"] == 8 and x["expert_dp"] == 2 and x["experts_per_stack"] == [64]
+    assert main(["--model", "deepseek-v2-lite", "--dp", "16", "--ep", "3"]) == 2
+    assert "Invalid ep=3: it must divide dp=16" in capsys.readouterr().err
+    assert main(["--model", "deepseek-v2-lite", "--dp", "32", "--ep", "128"]) == 2
+    assert "Invalid ep=128: it must divide dp=32" in capsys.readouterr().err
+    assert main(["--model", "deepseek-v2-lite", "--dp", "256", "--ep", "128"]) == 2
+    assert "Invalid ep=128: it must divide the number of experts 64" in capsys.readouterr().err

@@ -6,6 +6,7 @@
     canzona-plan --model qwen3-14b --dp 32 --tp 4 --optimizer soap --precondition-frequency 10
     canzona-plan --model qwen3-8b --dp 16 --tp 4 --plot loads.png     (needs matplotlib)
     canzona-plan --model qwen3-32b --dp 32 --tp 8 --bucket-numel 40000000   (Megatron's default buckets)
+    canzona-plan --model qwen3-30b-a3b --dp 128 --ep 8 --cost flops       (MoE with expert parallelism)
 
 DP planners (``--json``: ``dp_planners.<name>``): ``equal_chunk`` (DeepSpeed's stock
 slicing, cuts matrices), ``paper_naive`` (the paper's eq. 1 over buckets), ``naive_atomic``,
@@ -44,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="name in configs/models.yaml or path to an HF config.json")
     p.add_argument("--dp", type=int, required=True, help="data-parallel size")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel size of a mixture-of-experts model (DeepSpeed MoE's ep_size; must divide "
+                        "--dp and the number of experts): each EP rank holds E/ep experts of every stack, planned "
+                        "over its expert-data-parallel group of dp/ep ranks, the dense matrices over all dp ranks; it sets "
+                        "the 'Expert stacks' section (the DP planner tables plan every matrix over dp)")
     p.add_argument("--optimizer", default="muon", choices=["muon", "shampoo", "soap"],
                    help="whose FLOPs and state the cost models count (its default hyper-parameters; see "
                         "--precondition-frequency)")
@@ -142,13 +148,17 @@ def format_table(summary: dict) -> str:
     if "expert_stacks" in s:
         x = s["expert_stacks"]
         lines += ["", f"Expert stacks: {x['stacks']} stacks of {x['experts_per_stack']} experts (largest "
-                  f"{x['largest_stack_numel']:,} elements), {x['planner']}, ep={x['ep']}",
-                  f"{'ownership unit':<20}{'FLOPs max/avg':>14}{'mem max/avg':>13}{'padding':>10}{'bound':>8}"]
-        for unit, label in (("whole", "whole stack"), ("per_expert", f"per expert ({x['per_expert_planner']})")):
+                  f"{x['largest_stack_numel']:,} elements), {x['planner']}, ep={x['ep']}"
+                  + (f" (experts over expert-DP groups of {x['expert_dp']} ranks, dense over {s['dp']}; "
+                     f"max/avg over all {s['dp']} DP ranks)" if x["ep"] > 1 else ""),
+                  f"{'ownership unit':<24}{'FLOPs max/avg':>14}{'mem max/avg':>13}{'padding':>10}{'bound':>8}"]
+        whole = "whole stack" if x["ep"] == 1 else f"stack of E/{x['ep']}"
+        for unit, label in (("whole", whole), ("per_expert", f"per expert ({x['per_expert_planner']})")):
             r = x[unit]
-            lines.append(f"{label:<20}{r['flops_ratio']:>14.3f}{r['memory_ratio']:>13.3f}{r['padding_fraction']:>9.2%}"
+            lines.append(f"{label:<24}{r['flops_ratio']:>14.3f}{r['memory_ratio']:>13.3f}{r['padding_fraction']:>9.2%}"
                          f"{r['flops_lower_bound']:>8.3f}")
-        lines.append("(ZeRO-1/2 keeps a stack whole on one owner: docs/zero.md, 'Mixture of experts')")
+        lines.append("(ZeRO-1/2 keeps a stack whole on one owner; DeepSpeed MoE's experts are separate matrices "
+                     "(per expert): docs/zero.md, 'Mixture of experts')")
     return "\n".join(lines)
 
 
@@ -197,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         result = compare(
             args.model, args.dp, args.tp, cost_model=model, alpha=args.alpha, cost=args.cost,
             c_max=args.c_max, bucket_numel=args.bucket_numel or None,
-            dp_planner=args.dp_planner, tp_scheduler=args.tp_scheduler,
+            dp_planner=args.dp_planner, tp_scheduler=args.tp_scheduler, ep=args.ep,
         )
     except ValueError as e:
         print(f"canzona-plan: error: {e}", file=sys.stderr)

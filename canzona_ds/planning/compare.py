@@ -12,9 +12,12 @@ What is planned (shared by ``canzona-plan`` and ``benchmarks/plan_sweep.py``):
     experts  for a mixture-of-experts model, ``expert_stacks``: the default DP planner with
          every stack whole (one unit of ownership, as the ZeRO-1/2 layout keeps it) and with
          each expert a unit of its own (``per_expert``, planned by ``lpt``: what splitting
-         stacks across owners could reach), each with its FLOPs and memory max/avg.  ``ep`` is the expert-parallel
-         size the plan assumes: 1 here (DeepSpeed MoE expert parallelism plans experts over
-         their expert-data-parallel group; docs/zero.md).
+         stacks across owners could reach), each with its FLOPs and memory max/avg.  ``ep`` is the
+         expert-parallel size (``compare(ep=...)``, ``canzona-plan --ep``): with ``ep`` > 1 the plan
+         is DeepSpeed MoE's (:func:`plan_expert_parallel`): each expert-parallel rank holds E/ep
+         experts of every stack, planned over its expert-data-parallel group (dp/ep ranks), the
+         dense matrices over all dp ranks, and a DP rank's load is its dense share plus its
+         expert share.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from pathlib import Path
 from .dp import DEFAULT_DP_PLANNER, DEFAULT_BUCKET_NUMEL, DP_PLANNERS, OwnershipPlan, plan_dp
 from .models import matrix_specs, model_shape, model_specs
 from .params import split_experts
+from .cost import cost_vector
 from .report import dp_report, rank_costs, tp_report
 from .tp import DEFAULT_TP_SCHEDULER, TP_SCHEDULERS, plan_tp
 
@@ -48,6 +52,7 @@ def compare(
     bucket_numel: int | None = DEFAULT_BUCKET_NUMEL,
     dp_planner: str = DEFAULT_DP_PLANNER,
     tp_scheduler: str = DEFAULT_TP_SCHEDULER,
+    ep: int = 1,
 ) -> Comparison:
     if dp_planner not in DP_PLANNERS:
         raise ValueError(f"Unknown DP planner={dp_planner!r}. Allowed: {sorted(DP_PLANNERS)}")
@@ -58,6 +63,7 @@ def compare(
     optimizer = cost_model.name
     specs = model_specs(model, tp=tp)
     mats = matrix_specs(specs)
+    check_ep(ep, dp, mats)
     summary: dict = {
         "model": model_shape(model).name,
         "dp": dp,
@@ -87,7 +93,7 @@ def compare(
     default = out.dp_plans[dp_planner]
     stacks = [s for s in mats if s.num_experts is not None]
     if stacks:
-        summary["expert_stacks"] = _expert_stacks(default, mats, stacks, dp, dp_planner, cost, cost_model)
+        summary["expert_stacks"] = _expert_stacks(default, mats, stacks, dp, dp_planner, cost, cost_model, ep)
     flops = rank_costs(default, "flops", cost_model)
     busiest = max(range(dp), key=lambda r: (flops[r], -r))
     owned = [mats[i] for i in default.rank_params[busiest] if mats[i].is_tp_split]
@@ -134,17 +140,101 @@ def _layout_summary(mats, dp, planner, alpha, cost, cost_model, bucket_numel) ->
 PER_EXPERT_PLANNER = "lpt"
 
 
-def _expert_stacks(whole: OwnershipPlan, mats, stacks, dp: int, planner: str, cost: str, cost_model) -> dict:
-    """Stacks kept whole (the plan ZeRO-1/2 realises) against each expert a unit of its own."""
+def check_ep(ep: int, dp: int, mats) -> None:
+    """ValueError unless ``ep`` (expert-parallel size) divides ``dp`` and every stack's experts."""
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+        raise ValueError(f"Invalid ep={ep!r}: the expert-parallel size must be an int >= 1.")
+    if ep == 1:
+        return
+    experts = sorted({s.num_experts for s in mats if s.num_experts is not None})
+    if not experts:
+        raise ValueError(f"Invalid ep={ep}: the model has no expert stacks (ep must be 1).")
+    if dp % ep:
+        raise ValueError(f"Invalid ep={ep}: it must divide dp={dp} (expert-data-parallel group of dp/ep ranks).")
+    bad = [e for e in experts if e % ep]
+    if bad:
+        raise ValueError(f"Invalid ep={ep}: it must divide the number of experts {bad[0]} "
+                         f"(each expert-parallel rank holds E/ep experts of every stack).")
+
+
+def local_experts(mats, ep: int, per_expert: bool) -> list:
+    """The expert matrices of ONE expert-parallel rank (every rank holds the same shapes): each
+    stack's E/ep experts as separate 2-D matrices (``per_expert``, DeepSpeed MoE's separate
+    parameters) or as one stack of E/ep (an HF-style stack sharded by expert parallelism)."""
+    from .params import ParamSpec
+
+    out = []
+    for s in mats:
+        if s.num_experts is None:
+            continue
+        n = s.num_experts // ep
+        if per_expert:
+            out += [ParamSpec(f"{s.name}[{e}]", tuple(s.shape[1:]), "matrix", s.dtype_bytes) for e in range(n)]
+        else:
+            out.append(ParamSpec(s.name, (n,) + tuple(s.shape[1:]), "matrix", s.dtype_bytes, num_experts=n))
+    return out
+
+
+def plan_expert_parallel(mats, dp: int, ep: int, planner: str, cost: str, cost_model, per_expert: bool) -> dict:
+    """DeepSpeed MoE's plan at expert-parallel size ``ep``: the dense matrices planned over all
+    ``dp`` ranks, one expert-parallel rank's experts (:func:`local_experts`) over its
+    expert-data-parallel group of dp/ep ranks (every EP rank alike: one plan serves all).  DP rank
+    r is expert-parallel rank r % ep and expert-DP rank r // ep (DeepSpeed's groups: ranks
+    {0..ep-1} hold different experts), so its load is ``dense[r] + experts[r // ep]``.  Ratios are
+    max over the dp ranks / (useful total / dp); padding = (dense buffer + ep expert buffers) /
+    useful elements - 1; ``flops_lower_bound``: the largest unit over the mean rank."""
+    check_ep(ep, dp, mats)
+    dense = [s for s in mats if s.num_experts is None]
+    experts = local_experts(mats, ep, per_expert)
+    plans = {}
+    for key, specs, world in (("dense", dense, dp), ("experts", experts, dp // ep)):
+        if specs:
+            # the runtime relabels ranks so that rank 0 owns a matrix (optim/optimizer.py _plan)
+            plans[key] = plan_dp(specs, world, planner=planner, cost=cost, model=cost_model).nonempty_first()
+    out: dict = {"ep": ep, "expert_dp": dp // ep, "units": {"dense": len(dense), "experts_per_ep_rank": len(experts)}}
+    held = useful = 0.0
+    for key, plan in plans.items():
+        n = float(plan.total_numel) * (ep if key == "experts" else 1)
+        useful += n
+        held += n * (1.0 + plan.padding_fraction)
+    out["padding_fraction"] = held / useful - 1.0 if useful else 0.0
+    for metric in ("flops", "memory"):
+        part = {k: rank_costs(p, metric, cost_model) for k, p in plans.items()}
+        each = {k: cost_vector(p.specs, metric, cost_model) for k, p in plans.items()}
+        loads = [part["dense"][r] if "dense" in part else 0.0 for r in range(dp)]
+        if "experts" in part:
+            loads = [x + part["experts"][r // ep] for r, x in enumerate(loads)]
+        total = sum(each.get("dense", [])) + ep * sum(each.get("experts", []))
+        mean = total / dp
+        out[f"{metric}_ratio"] = max(loads) / mean if mean > 0 else 1.0
+        out[f"rank_{metric}"] = loads
+        if metric == "flops":
+            largest = max(max(v) for v in each.values() if v)
+            out["flops_lower_bound"] = max(1.0, largest / mean) if mean > 0 else 1.0
+    return out
+
+
+def _expert_stacks(whole: OwnershipPlan, mats, stacks, dp: int, planner: str, cost: str, cost_model,
+                   ep: int = 1) -> dict:
+    """Stacks kept whole against each expert a unit of its own.  ep=1: one plan over the DP group
+    (``whole`` is what the ZeRO-1/2 layout realises for HF stacks); ep > 1: DeepSpeed MoE's plans
+    (:func:`plan_expert_parallel`), ``per_expert`` being what the runtime realises (its experts
+    are separate matrices, planned by the default planner, owned layout) and ``whole`` an
+    HF-style stack of E/ep per expert-parallel rank."""
+    keys = ("flops_ratio", "memory_ratio", "flops_lower_bound", "padding_fraction")
+    head = {"stacks": len(stacks), "experts_per_stack": sorted({s.num_experts for s in stacks}),
+            "largest_stack_numel": max(s.numel for s in stacks), "ep": ep, "expert_dp": dp // ep,
+            "planner": planner, "per_expert_planner": PER_EXPERT_PLANNER if ep == 1 else planner}
+    if ep > 1:  # a few hundred experts per EP rank: the runtime's planner is quick
+        w = plan_expert_parallel(mats, dp, ep, planner, cost, cost_model, per_expert=False)
+        x = plan_expert_parallel(mats, dp, ep, planner, cost, cost_model, per_expert=True)
+        return {**head, "whole": {k: w[k] for k in keys}, "per_expert": {k: x[k] for k in keys}}
     # lpt: thousands of experts make multi_lpt slow (minutes at 12k units), and lpt already
     # balances them to within a percent
     split = plan_dp(split_experts(mats), dp, planner=PER_EXPERT_PLANNER, cost=cost, model=cost_model)
 
     def ratios(plan: OwnershipPlan) -> dict:
         r = dp_report(plan, cost_model).as_dict()
-        return {k: r[k] for k in ("flops_ratio", "memory_ratio", "flops_lower_bound", "padding_fraction")}
+        return {k: r[k] for k in keys}
 
-    return {"stacks": len(stacks), "experts_per_stack": sorted({s.num_experts for s in stacks}),
-            "largest_stack_numel": max(s.numel for s in stacks), "ep": 1, "planner": planner,
-            "per_expert_planner": PER_EXPERT_PLANNER,
-            "whole": ratios(whole), "per_expert": ratios(split)}
+    return {**head, "whole": ratios(whole), "per_expert": ratios(split)}
