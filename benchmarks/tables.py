@@ -967,7 +967,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.list:
         for name, (stem, fn) in TABLES.items():
-            print(f"{name:28s} {stem}.json  {(fn.__doc__ or '').strip().splitlines()[0]}")
+            print(f"{name:28s} {stem}.json  {((fn.__doc__ or '').strip().splitlines() or [''])[0]}")
         return 0
     if args.render:
         try:
