@@ -9,6 +9,7 @@ from __future__ import annotations
 import types
 
 import numpy as np
+import pytest
 import torch
 
 from canzona_ds.testing.dist import run_distributed
@@ -109,3 +110,19 @@ def test_megatron_hook_accepts_a_pipeline_module_without_mpu():
     assert calls[0]["optimizer"] is None and calls[0]["model"] is pipe
     with pytest.raises(ValueError, match="pass mpu= to deepspeed.initialize .* or a PipelineModule"):
         fake_ds.initialize(model="a plain module", optimizer=placeholder, mpu=None, config=ds)
+
+
+@pytest.mark.parametrize("axis,what", [("tp", "tensor parallelism"), ("pp", "pipeline parallelism")])
+def test_zero3_with_tensor_or_pipeline_parallelism_is_refused(axis, what):
+    """ZeRO-3 x TP / PP is not implemented: the builder names the parallelism and its size."""
+    import torch
+
+    from canzona_ds.integration.builder import RunSettings, build_optimizer
+    from canzona_ds.optim.config import CanzonaConfig
+    from canzona_ds.parallel import ParallelGroups
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    settings = RunSettings.from_ds_config({"optimizer": {"type": "CanzonaMuon"}, "zero_optimization": {"stage": 3}})
+    groups = ParallelGroups(**{f"{axis}_size": 2}, source="mpu")
+    with pytest.raises(ValueError, match=rf"stage 3 with {what} \({axis}_size=2\) is not implemented"):
+        build_optimizer(list(model.named_parameters()), CanzonaConfig.from_ds("CanzonaMuon", {}), groups, settings)
