@@ -394,7 +394,8 @@ class MicroGroupRuntime:
             if D.dtype != ddtype:
                 raise RuntimeError(f"rule {self.rule.name!r} returned a {D.dtype} direction for {m.name!r}; its "
                                    f"direction_dtype({gdtype}) says {ddtype}")
-            self.stats.flops += self.rule.flops(m.info.shape2d, m.num_heads).amortised * (m.num_experts or 1)
+            info = m.info  # a stack: E experts of shape2d
+            self.stats.flops += self.rule.flops(info.shape2d, m.num_heads).amortised * (info.num_experts or 1)
             for r in range(tp):
                 send2_parts[r].append(m.piece(D, r))
         flat = [t for r in range(tp) for t in send2_parts[r]]
