@@ -12,7 +12,8 @@ embedding's, with or without experts: not this code's), so at stage 3 the refere
 matrices on the whole gradients ZeRO-3 handed the optimizer, gathered from every rank's piece.
 One run per layout (lru_cache), each rule in its own try; plus one ZeRO-3 checkpoint round trip
 with experts (state saved == state loaded, each expert's on its stack's host, and the resumed run
-equal to the uninterrupted one).
+equal to the uninterrupted one), and the mixed layout's elastic resume DP 2 -> 1 and 1 -> 2 with
+the stack hosted at DP=2 (every expert's state on its host or owner, continued bit for bit).
 """
 from __future__ import annotations
 
@@ -237,3 +238,64 @@ def test_zero3_checkpoint_round_trip_keeps_expert_state_with_its_host(tmp_path):
             assert s not in out["state_keys"]
         for name, v in out["uninterrupted"].items():
             np.testing.assert_array_equal(out["params"][name], v, err_msg=name)
+
+
+# ------------------------------------------------------------------------- mixed layout, elastic
+def _mixed_save(rank, dp, ckpt, opt_type):
+    torch.set_num_threads(1)
+    engine = _engine(dp, opt_type, "mixed")
+    _train(engine, rank, moe_batches(2, MICRO * dp, seed=1))
+    engine.save_checkpoint(ckpt, tag="t")
+    opt = engine.optimizer.optimizer
+    return dict(hosted=_hosted(opt), state_keys=sorted(opt.matrix_state), piece_keys=sorted(opt.piece_state))
+
+
+def _mixed_resume(rank, dp, ckpt, opt_type, n):
+    from canzona_ds.testing.models import reference_grads
+
+    torch.set_num_threads(1)
+    engine = _engine(dp, opt_type, "mixed")
+    engine.load_checkpoint(ckpt, tag="t")
+    opt = engine.optimizer.optimizer
+    out = dict(held=opt.handled_state_names(), state_keys=sorted(opt.matrix_state), hosted=_hosted(opt),
+               piece_keys=sorted(opt.piece_state))
+    after = moe_batches(2, MICRO * dp, seed=2)
+    _train(engine, rank, after)
+    out["params"] = params_of(engine.module)
+    if rank == 0:  # n-rank batches before the checkpoint, dp-rank batches after
+        model = make_moe_model(0, experts=LAYOUTS["mixed"][2])
+        ref = PerExpertReference(model, opt_type)
+        for size, data in ((n, moe_batches(2, MICRO * n, seed=1)), (dp, after)):
+            for x, y in data:
+                grads = reference_grads(model, [x], [y], size, MICRO)
+                for name, p in model.named_parameters():
+                    p.grad = grads[name]
+                ref.step()
+        out["reference"] = params_of(model)
+    return out
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("n,m", [(2, 1), (1, 2)], ids=["dp2to1", "dp1to2"])
+def test_mixed_layout_elastic_resume_moves_hosted_stack_state(tmp_path, n, m):
+    """Saved at DP=n, resumed at DP=m; at DP=2 the gate_up stack is hosted (Muon: its host keeps
+    every expert's momentum, no piece state for the stack): every expert's state reaches the
+    stack's owner or host, and the run continues bit for bit."""
+    ckpt = str(tmp_path / "ckpt")
+    saved = run_distributed(_mixed_save, n, ckpt, "CanzonaMuon", timeout=300)
+    res = run_distributed(_mixed_resume, m, ckpt, "CanzonaMuon", n, timeout=300)
+    E = LAYOUTS["mixed"][2]
+    experts = {f"{s}[{e}]" for s in STACKS for e in range(E)}
+    gate_up = {f"{GATE_UP}[{e}]" for e in range(E)}
+    for runs in (saved, res):
+        assert experts <= set().union(*(r["state_keys"] for r in runs))
+        if len(runs) == 2:  # DP=2: the stack is hosted, every expert's whole state on its host only
+            assert GATE_UP in runs[0]["hosted"], runs[0]["hosted"]
+            host = runs[0]["hosted"][GATE_UP]
+            assert gate_up <= set(runs[host]["state_keys"]) and not gate_up & set(runs[1 - host]["state_keys"])
+            assert GATE_UP not in runs[0]["piece_keys"] + runs[1]["piece_keys"]
+    for r in res:
+        assert {k for k in r["state_keys"] if k in experts} == {k for k in r["held"] if k in experts}
+    for name, v in res[0]["reference"].items():
+        for r in res:
+            np.testing.assert_array_equal(r["params"][name], v, err_msg=name)
