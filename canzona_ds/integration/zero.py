@@ -159,7 +159,8 @@ def _make_zero_class():
                 for k in layout.hosted_indices():
                     name = names[k]
                     starts, lengths = hosted_pieces(layout, k)
-                    splits.append(FlatSplit(name, tuple(group[k].shape), starts, lengths, opt.infos[name].num_heads))
+                    splits.append(FlatSplit(name, tuple(group[k].shape), starts, lengths, opt.infos[name].num_heads,
+                                            opt.infos[name].num_experts))
                     local = max(layout.offsets[k] + starts[rank] - rank * P, 0) if lengths[rank] else 0
                     views.append(FlatView(name, local, (lengths[rank],)))
             opt.bind_partition(self.single_partition_of_fp32_groups[i], views, dp_hosted=splits,

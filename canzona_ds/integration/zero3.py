@@ -119,7 +119,7 @@ def _make_zero3_class():
             pieces, splits, offset = [], [], 0
             for name, p in zip(opt.matrix_names, group):
                 shape = opt.shapes[name]
-                split = FlatSplit.even(name, shape, world, opt.infos[name].num_heads)
+                split = FlatSplit.even(name, shape, world, opt.infos[name].num_heads, opt.infos[name].num_experts)
                 P = p.partition_numel()
                 if p.ds_numel != math.prod(shape) or P != p.ds_tensor.ds_numel or \
                         split.starts[rank] != min(rank * P, p.ds_numel) or \
@@ -462,7 +462,7 @@ def resize_load(engine, stock_load, load_dir: str, tag: str | None, load_module_
             zopt.fp16_partitioned_groups_flat[i].data.copy_(flat.data)
             zopt._unflatten_partitioned_parameters(i)
     # 3. every matrix's rule state to its new host (by name), the matrix group's step count
-    hosted = set(opt.handled_names())
+    hosted = set(opt.handled_state_names())  # an expert stack's: one per expert, "<stack>[e]"
     states = {}
     for b in base:
         for name, st in ((b.get("canzona") or {}).get("matrix_state") or {}).items():

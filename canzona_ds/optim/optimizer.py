@@ -121,13 +121,6 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             (matrices if config.is_matrix(n, shape_of[n], getattr(p, "use_muon", None)) else aux).append((n, p))
         # an expert stack is E matrices (optim/rule.rule_step); an unknown >= 3-D parameter is refused
         experts = {n: config.experts_of(n, shape_of[n], num_experts) for n, p in matrices}
-        stacks = [n for n, e in experts.items() if e is not None]
-        if stacks and placement == "sharded":
-            raise ValueError(
-                f"{len(stacks)} expert stack(s), e.g. {stacks[0]!r} {list(shape_of[stacks[0]])}, at ZeRO stage 3: the "
-                "stage-3 host would update a stack as one matrix, and per-expert hosting is not implemented yet. Use "
-                "ZeRO stage 1 or 2 (each stack updated per expert on its owner), or send the experts to AdamW "
-                "(add \"experts\" to matrix_exclude).")
         #: every matrix's description, by name (full shape for TP-split matrices)
         self.infos: dict[str, MatrixInfo] = {}
         #: TP-split matrices (name -> TPMatrix), hosted over the TP group
@@ -138,8 +131,8 @@ class CanzonaOptimizer(torch.optim.Optimizer):
                              "parallelism is not implemented; use ZeRO stage 1 with TP.")
         for n, p in matrices:
             if placement == "sharded":  # ZeRO-3: the whole shape, pieces over DP (no TP split)
-                heads = getattr(p, "muon_num_heads", None) if config.per_head_muon else None
-                self.infos[n] = MatrixInfo(n, shape_of[n], heads)
+                heads = getattr(p, "muon_num_heads", None) if config.per_head_muon and experts[n] is None else None
+                self.infos[n] = MatrixInfo(n, shape_of[n], heads, experts[n])  # a stack: hosted per expert
                 continue
             spec, info, tpm = describe_matrix(n, p, groups.tp_size, config.per_head_muon, experts[n])
             specs.append(spec)
@@ -373,15 +366,10 @@ def _plan(specs: list[ParamSpec], dp: int, config: CanzonaConfig, rule, moe: boo
         raise ValueError("layout='mixed' is not implemented with DeepSpeed MoE expert groups (each matrix group "
                          "would host over its own DP group). Use layout 'owned' or 'auto' (which keeps the owned "
                          "layout under MoE).")
-    stacks = [s.name for s in specs if s.num_experts is not None]
-    if placement.layout == "mixed" and stacks:
-        raise ValueError(f"layout='mixed' would host expert stacks over the DP group ({len(stacks)} here, e.g. "
-                         f"{stacks[0]!r}), and per-expert hosting is not implemented. Use layout 'owned' or 'auto' "
-                         "(which keeps the owned layout for them).")
     plan, _, why = choose_layout(specs, dp, layout=placement.layout, max_padding=placement.max_padding,
                                  planner=placement.planner, alpha=placement.alpha, cost=placement.cost_model,
                                  model=rule, bucket_numel=placement.bucket_numel,
-                                 allow_mixed=not tp_split and not moe and not stacks)
+                                 allow_mixed=not tp_split and not moe)
     plan.extra["layout_choice"] = why  # reported in checkpoints (canzona_layout.layout_choice)
     if "cannot host" in why:
         warnings.warn(f"CanzonaOptimizer: {why} (DP={dp}); the replicated ZeRO buffer carries that padding.",

@@ -213,6 +213,26 @@ def apply_rule_update(param: Tensor, direction: Tensor, rule: "MatrixRule", info
     apply_update(param, direction, decay, step_size)
 
 
+def rule_direction(rule: "MatrixRule", grad: Tensor, states: dict[str, dict[str, Tensor]], info: MatrixInfo,
+                   step: int) -> Tensor:
+    """The direction of one whole tensor ``info`` from its whole gradient (``grad``'s shape), its
+    state in ``states`` created on first use: ``rule.direction`` of a matrix, and for an expert
+    stack every expert's as :func:`rule_step` computes it (state ``states["<name>[e]"]``,
+    ``rule.stack_direction`` where the rule batches, else one ``direction`` per expert).
+
+    What a host (TP, ZeRO-3, the mixed ZeRO layout) runs; every rank then applies its piece with
+    :func:`apply_rule_update` and ``info`` itself: a rule's scales depend on ``shape2d``, which is
+    one expert's for a stack, so the pieces get the per-expert scales."""
+    if info.num_experts is None:
+        return rule.direction(grad, rule_state(states, info.name, rule, info, like=grad), info, step)
+    experts = info.state_infos()
+    expert_states = [rule_state(states, i.name, rule, i, like=grad[e]) for e, i in enumerate(experts)]
+    D = rule.stack_direction(grad, expert_states, experts, step)
+    if D is None:
+        D = torch.stack([rule.direction(grad[e], expert_states[e], i, step) for e, i in enumerate(experts)])
+    return D
+
+
 def rule_step(rule: "MatrixRule", param: Tensor, grad: Tensor, states: dict[str, dict[str, Tensor]],
               info: MatrixInfo, step: int, lr: float, weight_decay: float) -> None:
     """One rule update of one whole matrix, in place::

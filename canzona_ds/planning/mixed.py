@@ -201,11 +201,13 @@ def _plan_with_cap(specs, world_size, flops, state, param_alignment, start_align
     f_load = [0.0] * world_size
     m_load = [0.0] * world_size
     # the fp32 master + gradient of each range, and the element-wise state of the hosted pieces in it
-    for off, n, o in zip(layout.offsets, layout.numels, layout.owner_at):
-        per = master_grad_bytes + (elementwise_bytes if o < 0 else 0.0)
+    # (an expert stack's host keeps all of its state: tp/runtime.py)
+    piecewise = [owner[i] < 0 and specs[i].num_experts is None for i in range(n_specs)]
+    for i, off, n in zip(order, layout.offsets, layout.numels):
+        per = master_grad_bytes + (elementwise_bytes if piecewise[i] else 0.0)
         for r in range(off // P, min(world_size - 1, (off + max(n, 1) - 1) // P) + 1):
             m_load[r] += max(0, min(off + n, (r + 1) * P) - max(off, r * P)) * per
-    state = [st - (elementwise_bytes * specs[i].numel if owner[i] < 0 else 0.0) for i, st in enumerate(state)]
+    state = [st - (elementwise_bytes * specs[i].numel if piecewise[i] else 0.0) for i, st in enumerate(state)]
     for i in range(n_specs):
         if owner[i] >= 0:
             f_load[owner[i]] += flops[i]

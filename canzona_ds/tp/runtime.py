@@ -55,7 +55,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..optim.config import TPConfig
-from ..optim.rule import MatrixInfo, MatrixRule, apply_rule_update, rule_state
+from ..optim.rule import MatrixInfo, MatrixRule, apply_rule_update, rule_direction
 from ..planning.params import ParamSpec
 from ..planning.tp import MicroGroup, MicroGroupPlan, plan_tp
 from .async_tasks import Task, run_blocking, run_pipelined
@@ -161,6 +161,9 @@ class FlatSplit:
     #: element count of every rank's piece (0: the rank holds none of it)
     lengths: tuple[int, ...]
     num_heads: int | None = None
+    #: a stack of this many experts along dim 0 (:attr:`MatrixInfo.num_experts`): the host runs
+    #: the rule per expert (:func:`~canzona_ds.optim.rule.rule_direction`)
+    num_experts: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.full_shape) < 2:
@@ -182,17 +185,18 @@ class FlatSplit:
                              f"{math.prod(self.full_shape)} elements of {self.full_shape} once, in rank order")
 
     @classmethod
-    def even(cls, name: str, full_shape: Sequence[int], world: int, num_heads: int | None = None) -> "FlatSplit":
+    def even(cls, name: str, full_shape: Sequence[int], world: int, num_heads: int | None = None,
+             num_experts: int | None = None) -> "FlatSplit":
         """ZeRO-3's cut: rank r holds ``[r*P, (r+1)*P)`` clipped to the matrix, P = ceil(numel/world)."""
         n = math.prod(full_shape)
         per = -(-n // world)
         starts = tuple(min(r * per, n) for r in range(world))
         lengths = tuple(max(0, min(n, (r + 1) * per) - r * per) for r in range(world))
-        return cls(name, tuple(full_shape), starts, lengths, num_heads)
+        return cls(name, tuple(full_shape), starts, lengths, num_heads, num_experts)
 
     @property
     def info(self) -> MatrixInfo:
-        return MatrixInfo(self.name, self.full_shape, self.num_heads)
+        return MatrixInfo(self.name, self.full_shape, self.num_heads, self.num_experts)
 
     def local_shape(self, rank: int) -> tuple[int, ...]:
         return (self.lengths[rank],)
@@ -207,7 +211,8 @@ class FlatSplit:
         return whole.reshape(-1).narrow(0, self.starts[rank], self.lengths[rank])
 
     def describe(self) -> list:
-        return [self.name, list(self.full_shape), "flat", list(self.starts), list(self.lengths), self.num_heads]
+        out = [self.name, list(self.full_shape), "flat", list(self.starts), list(self.lengths), self.num_heads]
+        return out if self.num_experts is None else out + [self.num_experts]
 
 
 @dataclass
@@ -228,8 +233,8 @@ class StepStats:
 def plan_groups(matrices: Sequence["SplitMatrix"], rule: MatrixRule, tp_size: int, config: TPConfig) -> MicroGroupPlan:
     """Micro-group plan; specs carry the FULL shape (a task is the full-matrix update on its
     host), so AutoTP's uneven shards give the same plan on every TP rank."""
-    specs = [ParamSpec(name=m.name, shape=tuple(m.full_shape), role="matrix", num_heads=m.num_heads)
-             for m in matrices]
+    specs = [ParamSpec(name=m.name, shape=tuple(m.full_shape), role="matrix", num_heads=m.num_heads,
+                       num_experts=getattr(m, "num_experts", None)) for m in matrices]
     return plan_tp(specs, tp_size, scheduler=config.scheduler, c_max=config.c_max, cost=config.cost, model=rule)
 
 
@@ -266,8 +271,8 @@ class MicroGroupRuntime:
         if hosts is not None and self.matrices:
             from ..planning.tp import plan_fixed_hosts
 
-            specs = [ParamSpec(name=m.name, shape=tuple(m.full_shape), role="matrix", num_heads=m.num_heads)
-                     for m in self.matrices]
+            specs = [ParamSpec(name=m.name, shape=tuple(m.full_shape), role="matrix", num_heads=m.num_heads,
+                               num_experts=getattr(m, "num_experts", None)) for m in self.matrices]
             self.plan = plan_fixed_hosts(specs, list(hosts), self.tp_size)
         else:
             self.plan = plan_groups(self.matrices, rule, self.tp_size, self.config) if self.matrices else None
@@ -275,7 +280,8 @@ class MicroGroupRuntime:
         self.state: dict = {} if state is None else state
         #: this rank's piece of the element-wise state of its FlatSplit matrices, by name
         self.piece_state = piece_state
-        self._piecewise = {m.name for m in self.matrices if isinstance(m, FlatSplit)} \
+        # an expert stack keeps all its state (per expert, "<stack>[e]") on its host
+        self._piecewise = {m.name for m in self.matrices if isinstance(m, FlatSplit) and m.num_experts is None} \
             if piece_state is not None and rule.elementwise_state else set()
         self.stats = StepStats()
         #: where the all-to-all buffers live (None: the gradients' device).  ZeRO-3 with CPU
@@ -384,11 +390,12 @@ class MicroGroupRuntime:
                                                   if k not in self.rule.elementwise_state}
                 D = self.rule.direction_from(G, state, m.info, step)
             else:
-                D = self.rule.direction(G, rule_state(self.state, m.name, self.rule, m.info, like=G), m.info, step)
+                D = rule_direction(self.rule, G, self.state, m.info, step)  # per expert for a stack
             if D.dtype != ddtype:
                 raise RuntimeError(f"rule {self.rule.name!r} returned a {D.dtype} direction for {m.name!r}; its "
                                    f"direction_dtype({gdtype}) says {ddtype}")
-            self.stats.flops += self.rule.flops(m.info.shape2d, m.num_heads).amortised
+            info = m.info  # a stack: E experts of shape2d
+            self.stats.flops += self.rule.flops(info.shape2d, m.num_heads).amortised * (info.num_experts or 1)
             for r in range(tp):
                 send2_parts[r].append(m.piece(D, r))
         flat = [t for r in range(tp) for t in send2_parts[r]]
