@@ -137,6 +137,25 @@ class Universal:
 
 
 # ------------------------------------------------------------------------------ reading
+def latest_tag(ckpt_dir: str) -> str | None:
+    """The tag DeepSpeed's ``latest`` file in ``ckpt_dir`` names (None: no such file)."""
+    latest = os.path.join(ckpt_dir, "latest")
+    if not os.path.isfile(latest):
+        return None
+    with open(latest) as f:
+        return f.read().strip()
+
+
+def resolve_tag(ckpt_dir: str, tag: str | None) -> str:
+    """``tag``, or the one ``latest`` names (FileNotFoundError naming the file if there is none)."""
+    if tag is not None:
+        return tag
+    found = latest_tag(ckpt_dir)
+    if found is None:
+        raise FileNotFoundError(f"No tag given and no 'latest' file in {ckpt_dir}.")
+    return found
+
+
 def checkpoint_size(ckpt_dir: str, tag: str) -> tuple[int, int]:
     """(DP size, TP size) a checkpoint was written at, from its file names."""
     ranks = [OPTIM_FILE.search(f) for f in os.listdir(os.path.join(ckpt_dir, tag))]
@@ -611,9 +630,7 @@ def load(engine, ckpt_dir: str, tag: str | None = None, whole: bool = False) -> 
     kept to measure against (benchmarks/bench_elastic_rss.py): every file read into memory,
     every parameter rebuilt whole on every rank (``read(mmap=False)``) and the module's weights
     set from them (no collective)."""
-    if tag is None:
-        with open(os.path.join(ckpt_dir, "latest")) as f:
-            tag = f.read().strip()
+    tag = resolve_tag(ckpt_dir, tag)
     _refuse_moe(engine, os.path.join(ckpt_dir, tag))
     mp_ranks = _stage_file_ranks(engine, ckpt_dir, tag)
     if whole:

@@ -78,7 +78,7 @@ def elastic_needed(engine, load_dir, tag) -> bool:
 
     import torch.distributed as tdist
 
-    from .elastic import OPTIM_FILE, ElasticError, _load, checkpoint_size
+    from .elastic import OPTIM_FILE, ElasticError, _load, checkpoint_size, latest_tag
     from .runtime_info import canzona_optimizer
     from .zero import LAYOUT_KEY
 
@@ -87,12 +87,9 @@ def elastic_needed(engine, load_dir, tag) -> bool:
         return False  # another DP size at stage 3: zero3_resize_needed
     if opt is None or engine.zero_optimization_stage() not in (1, 2):
         return False
+    tag = latest_tag(load_dir) if tag is None else tag
     if tag is None:
-        latest = os.path.join(load_dir, "latest")
-        if not os.path.isfile(latest):
-            return False
-        with open(latest) as f:
-            tag = f.read().strip()
+        return False
     if not os.path.isdir(os.path.join(load_dir, tag)):
         return False
     try:
@@ -143,20 +140,16 @@ def micro_group_section(ds: dict, zero_stage: int):
 def zero3_resize_needed(engine, load_dir, tag) -> bool:
     """True when ``engine`` runs a Canzona optimizer at ZeRO stage 3 and the checkpoint was written
     at another DP size (from its file names: the same verdict on every rank)."""
-    import os
-
+    from .elastic import latest_tag
     from .runtime_info import canzona_optimizer
     from .zero3 import saved_dp_size, saved_zero3_fingerprint
 
     opt = canzona_optimizer(engine)
     if opt is None or engine.zero_optimization_stage() != 3:
         return False
+    tag = latest_tag(load_dir) if tag is None else tag
     if tag is None:
-        latest = os.path.join(load_dir, "latest")
-        if not os.path.isfile(latest):
-            return False
-        with open(latest) as f:
-            tag = f.read().strip()
+        return False
     dp = saved_dp_size(load_dir, tag)
     if dp is None:
         return False

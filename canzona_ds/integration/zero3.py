@@ -364,11 +364,9 @@ def resize_load(engine, stock_load, load_dir: str, tag: str | None, load_module_
     import deepspeed.runtime.engine as engine_mod
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from .elastic import OPTIM_FILE, _load
+    from .elastic import OPTIM_FILE, _load, resolve_tag
 
-    if tag is None:
-        with open(os.path.join(load_dir, "latest")) as f:
-            tag = f.read().strip()
+    tag = resolve_tag(load_dir, tag)
     folder = os.path.join(load_dir, tag)
     files = sorted(((int(m.group(1)), f) for f in os.listdir(folder) if (m := OPTIM_FILE.search(f))
                     and int(m.group(2)) == 0))

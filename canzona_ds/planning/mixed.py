@@ -40,7 +40,6 @@ computes the same plan from the same specs.
 from __future__ import annotations
 
 import math
-import time
 from typing import Sequence
 
 from .layout import DS_START_ALIGNMENT, Layout
