@@ -18,6 +18,12 @@ then passed explicitly: no other module discovers process groups.  torchtitan's
                data.  A model may have MoE layers of several ep sizes: one
                :class:`ExpertGroups` per DeepSpeed expert group name ("ep_size_2", ...), and
                ``ep_size``/``ep_rank``/``ep_group`` are those of the largest.
+      grid     the dp x tp ranks of this pipeline stage (``grid_group``; only where the mixed
+               ZeRO-1/2 layout may host a tensor-parallel matrix): a hosted TP-split matrix is
+               cut into TP shards and each shard into DP pieces, and one all-to-all over the
+               grid brings every piece to the host (tp/runtime.GridSplit).  ``grid_cells[g]``
+               is the (tp_rank, dp_rank) of grid-group rank g (torch numbers a group's ranks
+               in global-rank order, so the cells say which piece each group rank holds)
 
 A group of size 1 may be ``None``.  Everything here is plain ``torch.distributed``.
 """
@@ -68,6 +74,10 @@ class ParallelGroups:
     experts: tuple = ()
     #: where the degrees were read from (for messages): "single", "dp", "mpu", "pipeline", "autotp"
     source: str = "single"
+    #: the DP x TP grid of this pipeline stage (module doc; None: not built)
+    grid_group: Any = None
+    #: per grid-group rank: its (tp_rank, dp_rank)
+    grid_cells: tuple = ()
 
     def __post_init__(self) -> None:
         for axis in AXES:
@@ -84,6 +94,12 @@ class ParallelGroups:
                 raise ValueError(f"Expert group {e.name!r}: ep_size={e.ep_size} x edp_size={e.edp_size} != "
                                  f"dp_size={self.dp_size} ({self.source}); expert parallelism lives inside data "
                                  "parallelism.")
+        if self.grid_group is not None or self.grid_cells:
+            cells = tuple(tuple(c) for c in self.grid_cells)
+            want = sorted((t, d) for t in range(self.tp_size) for d in range(self.dp_size))
+            if sorted(cells) != want:
+                raise ValueError(f"Invalid grid_cells={list(self.grid_cells)[:8]} ({self.source}): must hold every "
+                                 f"(tp_rank, dp_rank) of tp_size={self.tp_size} x dp_size={self.dp_size} once.")
         self._check_group_sizes()
 
     def expert(self, name: str) -> ExpertGroups:
@@ -113,6 +129,13 @@ class ParallelGroups:
             if dist.get_world_size(group) != size or dist.get_rank(group) != rank:
                 raise ValueError(f"{self.source}: {axis} group has {dist.get_world_size(group)} ranks (this is rank "
                                  f"{dist.get_rank(group)}), but {axis}_size={size}, {axis}_rank={rank} were reported.")
+        if self.grid_group is not None:
+            cells = tuple(tuple(c) for c in self.grid_cells)
+            g = dist.get_rank(self.grid_group)
+            if dist.get_world_size(self.grid_group) != len(cells) or cells[g] != (self.tp_rank, self.dp_rank):
+                raise ValueError(f"{self.source}: the DP x TP grid group has {dist.get_world_size(self.grid_group)} "
+                                 f"ranks and calls this rank {g} at cell {cells[g] if g < len(cells) else None}, but "
+                                 f"this rank is (tp_rank={self.tp_rank}, dp_rank={self.dp_rank}) of {len(cells)} cells.")
         for e in self.experts:
             for axis in ("ep", "edp"):
                 group, size, rank = (getattr(e, f"{axis}_{k}") for k in ("group", "size", "rank"))

@@ -11,6 +11,7 @@ Every path runs the same steps, in this order::
     check_settings(settings)                           # refuse what cannot work, by name
     require_tp_group(...)                              # TP-tagged params need a TP group
     tag_heads(...)   if per_head_muon                  # DeepSpeed's own head resolution
+    with_grid_group(groups)  at ZeRO 1/2 with TP, unless layout="owned" (the mixed layout's grid)
     CanzonaOptimizer(named, config, groups, placement="owned" at ZeRO 1/2, "sharded" at ZeRO 3,
                      else "local")
 
@@ -216,6 +217,12 @@ def build_optimizer(named: list, cfg: CanzonaConfig, groups: ParallelGroups, set
         for module, module_named in modules:
             tag_heads(module, module_named, groups.tp_size)
     placement = {1: "owned", 2: "owned", 3: "sharded"}.get(settings.zero_stage, "local")
+    if placement == "owned" and groups.tp_size > 1 and cfg.placement.layout != "owned":
+        from .groups import with_grid_group
+
+        # the mixed layout may host TP-split matrices over the DP x TP grid (a world collective:
+        # the condition is the same on every rank, the settings agreed above)
+        groups = with_grid_group(groups)
     num_experts = next((e for m, _ in modules or () if (e := model_num_experts(m)) is not None), None)
     opt = CanzonaOptimizer(named, cfg, groups=groups, placement=placement, shapes=shapes, partitions=partitions,
                            num_experts=num_experts)

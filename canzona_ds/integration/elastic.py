@@ -371,11 +371,17 @@ class SavedCheckpoint:
         # the mixed layout: the host holds the other keys, every rank its piece of the element-wise
         # ones (MatrixRule.elementwise_state), joined here in rank order (pieces follow the buffer)
         state = dict(state)
-        files = [self._shards[0][r]["base_optimizer_state"]["canzona"]["piece_state"][name]
-                 for r in sorted(self._pieces[name])]
-        shape = self._where[0][name][3]
-        for key in files[0]:
-            state[key] = torch.cat([f[key].reshape(-1) for f in files]).view(shape)
+        # a TP-split one (the DP x TP grid, tp/runtime.GridSplit): each TP rank's files hold the
+        # pieces of its shard; the shards side by side along the split dim are the TP layout
+        shards = []
+        for t in range(self.tp if name in self.tp_params else 1):
+            files = [self._shards[t][r]["base_optimizer_state"]["canzona"]["piece_state"][name]
+                     for r in sorted(self._pieces[name])]
+            shape = self._where[t][name][3]
+            shards.append({key: torch.cat([f[key].reshape(-1) for f in files]).view(shape) for key in files[0]})
+        dim = self.tp_params[name][0] if name in self.tp_params else 0
+        for key in shards[0]:
+            state[key] = torch.cat([sh[key] for sh in shards], dim=dim) if len(shards) > 1 else shards[0][key]
         return state
 
     def state_shapes(self, name: str) -> dict[str, tuple[int, ...]]:
@@ -493,7 +499,7 @@ def write(engine, src: Universal | SavedCheckpoint, gather: bool = True) -> dict
 
     from ..optim.optimizer import MATRIX
     from ..tp.layout import concat_permutation, tp_blocks
-    from ..tp.runtime import FlatSplit, TPMatrix
+    from ..tp.runtime import FlatSplit, GridSplit, TPMatrix
     from .runtime_info import canzona_optimizer
 
     opt = canzona_optimizer(engine)
@@ -578,12 +584,20 @@ def write(engine, src: Universal | SavedCheckpoint, gather: bool = True) -> dict
         pieces = {}
         elementwise = opt.rule.elementwise_state
         split = opt.placement.hosted.split if opt.placement.hosted is not None else {}
-        flat = [n for n in with_state if isinstance(split.get(n), FlatSplit)] if elementwise else []
+        flat = [n for n in with_state if isinstance(split.get(n), (FlatSplit, GridSplit))] if elementwise else []
         if flat:
-            dp_rank = opt.placement.hosted.runtime.tp_rank  # its rank in the DP group it runs over
+            # this rank's index in the DP group the pieces are cut over (every matrix group of the
+            # mixed layout is the dense one: MoE keeps the owned layout)
+            dp_rank = dist.get_rank(group=zopt.real_dp_process_group[roles.index(MATRIX)])
             for name in flat:
                 m, st = split[name], src.state_of(name)
                 lo, n = m.starts[dp_rank], m.lengths[dp_rank]
+                if isinstance(m, GridSplit):  # this TP rank's shard of the TP layout, then its DP piece
+                    dim, sizes, blocks = layouts[name]
+                    st = _permute_state(opt.rule, name, st, src.full_shape(name), dim,
+                                        concat_permutation(blocks, sizes), inverse=False)
+                    off = sum(sizes[:tp_rank])
+                    st = {k: st[k].narrow(dim, off, sizes[tp_rank]) for k in elementwise}
                 pieces[name] = {k: st[k].reshape(-1)[lo:lo + n].clone() for k in elementwise}
                 if name in wanted:
                     wanted[name] = {k: v for k, v in wanted[name].items() if k not in elementwise}

@@ -127,3 +127,31 @@ def with_expert_groups(groups: ParallelGroups, names: Iterable[str]) -> Parallel
     largest = max(experts, key=lambda e: e.ep_size)
     return dataclasses.replace(groups, experts=tuple(experts), ep_size=largest.ep_size, ep_rank=largest.ep_rank,
                                ep_group=largest.ep_group if largest.ep_size > 1 else None)
+
+
+def with_grid_group(groups: ParallelGroups) -> ParallelGroups:
+    """``groups`` with the DP x TP grid of this rank's pipeline stage (``grid_group``,
+    ``grid_cells``), over which the mixed ZeRO-1/2 layout hosts tensor-parallel matrices
+    (tp/runtime.GridSplit).  A collective over the whole world: every rank posts its
+    (pp_rank, dp_rank, tp_rank), then every rank creates one group per pipeline stage, stages in
+    order (``new_group`` must be called by every rank, in the same order); torch numbers a
+    group's ranks in global-rank order, so each group rank's (tp_rank, dp_rank) is recorded."""
+    import torch.distributed as dist
+
+    if groups.tp_size < 2 or not dist.is_initialized():
+        return groups
+    coords: list = [None] * dist.get_world_size()
+    dist.all_gather_object(coords, (groups.pp_rank, groups.dp_rank, groups.tp_rank))
+    me = dist.get_rank()
+    mine, cells = None, ()
+    for stage in sorted({c[0] for c in coords}):
+        ranks = sorted(r for r, c in enumerate(coords) if c[0] == stage)
+        stage_cells = tuple((coords[r][2], coords[r][1]) for r in ranks)
+        if len(ranks) != groups.dp_size * groups.tp_size or len(set(stage_cells)) != len(ranks):
+            raise ValueError(f"Pipeline stage {stage} has ranks {ranks} at (tp, dp) cells {list(stage_cells)}; the "
+                             f"DP x TP grid needs each of dp_size={groups.dp_size} x tp_size={groups.tp_size} "
+                             f"cells once ({groups.source}).")
+        group = dist.new_group(ranks)
+        if me in ranks:
+            mine, cells = group, stage_cells
+    return dataclasses.replace(groups, grid_group=mine, grid_cells=cells)

@@ -154,13 +154,18 @@ def _make_zero_class():
             splits = []
             if layout.mixed:  # this rank's piece (maybe empty) of every hosted matrix, and the cuts
                 from ..planning.mixed import hosted_pieces
-                from ..tp.runtime import FlatSplit
+                from ..tp.runtime import FlatSplit, GridSplit
 
                 for k in layout.hosted_indices():
                     name = names[k]
                     starts, lengths = hosted_pieces(layout, k)
-                    splits.append(FlatSplit(name, tuple(group[k].shape), starts, lengths, opt.infos[name].num_heads,
-                                            opt.infos[name].num_experts))
+                    tpm = opt.tp_matrices.get(name)
+                    if tpm is not None:  # TP-local shards, each cut like this one: pieces over the DP x TP grid
+                        splits.append(GridSplit(name, tpm.full_shape, tpm.partition_dim, tpm.shard_sizes, starts,
+                                                lengths, tuple(opt.groups.grid_cells), tpm.num_heads))
+                    else:
+                        splits.append(FlatSplit(name, tuple(group[k].shape), starts, lengths,
+                                                opt.infos[name].num_heads, opt.infos[name].num_experts))
                     local = max(layout.offsets[k] + starts[rank] - rank * P, 0) if lengths[rank] else 0
                     views.append(FlatView(name, local, (lengths[rank],)))
             opt.bind_partition(self.single_partition_of_fp32_groups[i], views, dp_hosted=splits,
@@ -168,16 +173,27 @@ def _make_zero_class():
 
         def _canzona_hosted_meta(self) -> dict:
             """The mixed layout's hosted matrices: name -> host DP rank and every rank's piece
-            (start in the matrix, length), as the step and elastic resume use them."""
+            (start in the matrix, or in its TP-local shard, and length), as the step and elastic
+            resume use them; a TP-split one also its host's TP rank ("tp_host")."""
             from ..planning.mixed import hosted_pieces
+            from ..tp.runtime import GridSplit
 
             layout, opt = self.canzona_layout, self._canzona
+            hosted = opt.placement.hosted
+            split = hosted.split if hosted is not None else {}
+            grid_hosts = {}
+            for part in getattr(hosted, "parts", (hosted,)) if hosted is not None else ():
+                for m, h in zip(part.runtime.matrices, part.runtime.plan.host if part.runtime.plan else ()):
+                    if isinstance(m, GridSplit):
+                        grid_hosts[m.name] = m.cells[h][0]
             out = {}
             for k in layout.hosted_indices():  # (the dense group: MoE keeps the owned layout, optim._plan)
                 name = opt.partition_matrices[None][k]
                 starts, lengths = hosted_pieces(layout, k)
                 out[name] = {"host": opt.plan.host[opt.plan.buffer_order()[k]], "starts": list(starts),
                              "lengths": list(lengths)}
+                if isinstance(split.get(name), GridSplit):
+                    out[name]["tp_host"] = grid_hosts[name]
             return out
 
         def _canzona_group_fingerprint(self, i: int) -> str:

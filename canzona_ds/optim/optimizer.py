@@ -169,7 +169,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             rest = [(n, p) for n, p in aux if partitions.get(n) == key]
             if mats and placement == "owned":
                 self.plans[key] = _plan([spec_of[n] for n, _ in mats], groups.partition_size(key), config, self.rule,
-                                       moe=len(keys) > 1)
+                                       moe=len(keys) > 1, grid=groups.grid_group is not None)
                 mats = [mats[i] for i in self.plans[key].buffer_order()]
             moe = {} if key is None else {"moe": True, "name": key, "canzona_partition": key}
             if mats:
@@ -217,13 +217,18 @@ class CanzonaOptimizer(torch.optim.Optimizer):
 
     @property
     def tp_runtime(self):
-        """The micro-group runtime of the hosted TP matrices (None without any)."""
+        """The micro-group runtime of the hosted matrices (None without any); where a rank runs
+        several (the mixed layout under TP), a :class:`~canzona_ds.placement.hosted.RuntimeSet`
+        that reads them as one (matrices, hosted names, summed stats and collectives)."""
         return None if self.placement.hosted is None else self.placement.hosted.runtime
 
     @tp_runtime.setter
     def tp_runtime(self, runtime) -> None:  # benchmarks and tests swap in a baseline runtime
         if self.placement.hosted is None:
             raise RuntimeError("This optimizer hosts no TP-split matrices.")
+        if not isinstance(self.placement.hosted, HostedPlacement):
+            raise RuntimeError("This optimizer runs several hosted runtimes (the mixed layout under TP); swap one "
+                               "of placement.hosted.parts[i].runtime instead.")
         self.placement.hosted.runtime = runtime
 
     def _hosted(self, names: list[str]) -> HostedPlacement | None:
@@ -237,21 +242,52 @@ class CanzonaOptimizer(torch.optim.Optimizer):
                        dp_group=None) -> None:
         """ZeRO: ``flat_param`` (this rank's partition of the matrix group) holds ``views``.  The
         mixed layout: ``views`` also holds this rank's piece (1-D, maybe empty) of every hosted
-        matrix, and ``dp_hosted`` their :class:`~canzona_ds.tp.runtime.FlatSplit` cuts over
-        ``dp_group``, hosted where the plan says."""
+        matrix, and ``dp_hosted`` their cuts, hosted where the plan says:
+        :class:`~canzona_ds.tp.runtime.FlatSplit` over ``dp_group`` (matrices not split by TP),
+        :class:`~canzona_ds.tp.runtime.GridSplit` over ``groups.grid_group`` (TP-split ones: the
+        plan's DP host, at the TP rank :func:`~canzona_ds.planning.mixed.grid_tp_hosts` picks).
+        Under TP a rank then runs up to three runtimes, in this order on every rank: the owned
+        TP-split matrices over the TP group, the flat ones over DP, the grid ones."""
         if self.placement.kind != "owned":
             raise RuntimeError(f"bind_partition on a CanzonaOptimizer with placement={self.placement.kind!r}; ZeRO "
                                "stage 1/2 needs placement='owned'.")
         make = self._hosted
         if dp_hosted:
-            if self.tp_matrices:
-                raise RuntimeError("The mixed layout hosts no tensor-parallel matrices (optim._plan refuses it).")
-            index = {s.name: i for i, s in enumerate(self.plan.specs)}
-            hosts = [self.plan.host[index[m.name]] for m in dp_hosted]
+            from ..placement import HostedSet
+            from ..planning.mixed import grid_tp_hosts
+            from ..tp.runtime import GridSplit
 
-            def make(names: list[str]) -> HostedPlacement:
-                return HostedPlacement(dp_hosted, self.rule, dp_group, self.config.tp, self.matrix_state, hosts=hosts,
-                                       piece_states=self.piece_state)
+            index = {s.name: i for i, s in enumerate(self.plan.specs)}
+            flat = [m for m in dp_hosted if not isinstance(m, GridSplit)]
+            grid = [m for m in dp_hosted if isinstance(m, GridSplit)]
+            wrong = [m.name for m in flat if m.name in self.tp_matrices] + \
+                [m.name for m in grid if m.name not in self.tp_matrices]
+            if wrong:
+                raise RuntimeError(f"bind_partition: {wrong[:3]} are cut as if they were (not) tensor-parallel; a "
+                                   "TP-split matrix's hosted cut is a GridSplit, any other's a FlatSplit.")
+            if grid and self.groups.grid_group is None:
+                raise RuntimeError("The mixed layout hosts tensor-parallel matrices over the DP x TP grid, but "
+                                   "groups.grid_group is None (integration/groups.with_grid_group builds it).")
+            dp_hosts = [self.plan.host[index[m.name]] for m in grid]
+            costs = [self.rule.flops(m.info.shape2d, m.num_heads).amortised for m in grid]
+            tp_hosts = grid_tp_hosts(dp_hosts, costs, self.groups.tp_size)
+            hosted = {m.name for m in dp_hosted}
+
+            def make(names: list[str]):
+                parts = []
+                owned = self._hosted([n for n in names if n not in hosted])  # owned TP-split: over TP
+                if owned is not None:
+                    parts.append(owned)
+                if flat:
+                    parts.append(HostedPlacement(flat, self.rule, dp_group, self.config.tp, self.matrix_state,
+                                                 hosts=[self.plan.host[index[m.name]] for m in flat],
+                                                 piece_states=self.piece_state))
+                if grid:
+                    parts.append(HostedPlacement(grid, self.rule, self.groups.grid_group, self.config.tp,
+                                                 self.matrix_state,
+                                                 hosts=[m.rank_of(t, h) for m, t, h in zip(grid, tp_hosts, dp_hosts)],
+                                                 piece_states=self.piece_state))
+                return parts[0] if len(parts) == 1 else HostedSet(parts)
         self.placement.bind(flat_param, views, make_hosted=make)
 
     def bind_sharded(self, partition_numel: int, pieces: Iterable, splits: Iterable, group=None) -> None:
@@ -273,7 +309,8 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         return None if runtime is None else runtime.stats
 
     def expected_collectives(self) -> dict[str, int]:
-        """Collectives one step of the hosted runtime issues, from its plan alone."""
+        """Collectives one step of the hosted runtime(s) issues on this rank, from the plans
+        alone (summed over the runtimes, each on its own group)."""
         runtime = self.tp_runtime
         return {} if runtime is None else runtime.expected_collectives()
 
@@ -355,13 +392,17 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         return torch.device("cpu")
 
 
-def _plan(specs: list[ParamSpec], dp: int, config: CanzonaConfig, rule, moe: bool = False) -> OwnershipPlan:
+def _plan(specs: list[ParamSpec], dp: int, config: CanzonaConfig, rule, moe: bool = False,
+          grid: bool = False) -> OwnershipPlan:
+    """The ownership plan of one partition's matrices; ``grid``: a DP x TP grid group exists, so
+    the mixed layout may host TP-split matrices (tp/runtime.GridSplit)."""
     placement = config.placement
     tp_split = [s.name for s in specs if s.is_tp_split]
-    if placement.layout == "mixed" and tp_split:
-        raise ValueError(f"layout='mixed' hosts matrices over the DP group, which is not implemented for "
-                         f"tensor-parallel matrices ({len(tp_split)} here, e.g. {tp_split[0]!r}). Use layout 'owned' "
-                         "or 'auto' (which keeps the owned layout for them).")
+    if placement.layout == "mixed" and tp_split and not grid:
+        raise ValueError(f"layout='mixed' hosts tensor-parallel matrices ({len(tp_split)} here, e.g. "
+                         f"{tp_split[0]!r}) over the DP x TP grid, but no grid group was given "
+                         "(ParallelGroups.grid_group; the DeepSpeed integration builds it at ZeRO stage 1/2). Use "
+                         "layout 'owned' or 'auto', or pass groups with a grid_group.")
     if placement.layout == "mixed" and moe:
         raise ValueError("layout='mixed' is not implemented with DeepSpeed MoE expert groups (each matrix group "
                          "would host over its own DP group). Use layout 'owned' or 'auto' (which keeps the owned "
@@ -369,7 +410,7 @@ def _plan(specs: list[ParamSpec], dp: int, config: CanzonaConfig, rule, moe: boo
     plan, _, why = choose_layout(specs, dp, layout=placement.layout, max_padding=placement.max_padding,
                                  planner=placement.planner, alpha=placement.alpha, cost=placement.cost_model,
                                  model=rule, bucket_numel=placement.bucket_numel,
-                                 allow_mixed=not tp_split and not moe)
+                                 allow_mixed=(grid or not tp_split) and not moe)
     plan.extra["layout_choice"] = why  # reported in checkpoints (canzona_layout.layout_choice)
     if "cannot host" in why:
         warnings.warn(f"CanzonaOptimizer: {why} (DP={dp}); the replicated ZeRO buffer carries that padding.",

@@ -16,7 +16,7 @@ through :func:`~canzona_ds.optim.rule.rule_step`.  A new placement (experts) is 
 from __future__ import annotations
 
 from .base import Placement, StepContext
-from .hosted import HostedPlacement, describe_matrix
+from .hosted import HostedPlacement, HostedSet, describe_matrix
 from .local import LocalPlacement
 from .owned import FlatView, OwnedPlacement
 from .sharded import FlatPiece, ShardedPlacement
@@ -25,5 +25,5 @@ from .sharded import FlatPiece, ShardedPlacement
 HOLDING: dict[str, type[Placement]] = {"local": LocalPlacement, "owned": OwnedPlacement,
                                        "sharded": ShardedPlacement}
 
-__all__ = ["FlatPiece", "FlatView", "HOLDING", "HostedPlacement", "LocalPlacement", "OwnedPlacement", "Placement",
+__all__ = ["FlatPiece", "FlatView", "HOLDING", "HostedPlacement", "HostedSet", "LocalPlacement", "OwnedPlacement", "Placement",
            "ShardedPlacement", "StepContext", "describe_matrix"]

@@ -9,8 +9,13 @@ Per micro-group (planned by ``planning/tp.py`` from the rule's cost; the runtime
 
 The group is any process group: the TP group for TP shards; the DP group for the matrices the
 mixed ZeRO-1/2 layout cuts at chunk boundaries (:class:`~canzona_ds.tp.runtime.FlatSplit`
-pieces, hosts planned by planning/mixed.py); ZeRO-3 partitions and expert groups are the same
-machinery with another group and another split.
+pieces, hosts planned by planning/mixed.py); the DP x TP grid for the tensor-parallel ones it
+hosts (:class:`~canzona_ds.tp.runtime.GridSplit`: each TP shard cut into DP pieces); ZeRO-3
+partitions and expert groups are the same machinery with another group and another split.
+
+Where a rank runs several of these (the mixed layout under TP: owned TP-split matrices over the
+TP group, hosted replicated ones over the DP group, hosted TP-split ones over the grid),
+:class:`HostedSet` steps them one after the other, in the same fixed order on every rank.
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ from torch import Tensor
 from ..optim.config import TPConfig
 from ..optim.rule import MatrixInfo, MatrixRule
 from ..planning.params import ParamSpec
-from ..tp.runtime import FlatSplit, MicroGroupRuntime, TPMatrix
+from ..tp.runtime import FlatSplit, GridSplit, MicroGroupRuntime, StepStats, TPMatrix
 from .base import StepContext
 
 
@@ -53,13 +58,13 @@ class HostedPlacement:
 
     kind = "hosted"
 
-    def __init__(self, matrices: Sequence[TPMatrix | FlatSplit], rule: MatrixRule, group, config: TPConfig,
+    def __init__(self, matrices: Sequence[TPMatrix | FlatSplit | GridSplit], rule: MatrixRule, group, config: TPConfig,
                  states: dict[str, dict[str, Tensor]], hosts: Sequence[int] | None = None,
                  piece_states: dict[str, dict[str, Tensor]] | None = None) -> None:
         """``hosts``: the planned host of every matrix (the mixed DP layout); default: the
         micro-group scheduler of ``config`` chooses.  ``piece_states``: this rank's pieces of the
         rule's element-wise state of flat-split matrices (None: the host keeps all state)."""
-        self.split: dict[str, TPMatrix | FlatSplit] = {m.name: m for m in matrices}
+        self.split: dict[str, TPMatrix | FlatSplit | GridSplit] = {m.name: m for m in matrices}
         self.runtime = MicroGroupRuntime(list(matrices), rule, group, config, state=states, hosts=hosts,
                                          piece_state=piece_states)
 
@@ -73,3 +78,64 @@ class HostedPlacement:
         order = [m.name for m in self.runtime.matrices]
         self.runtime.step([held[n][0] for n in order], [held[n][1] for n in order], lr=ctx.lr,
                           weight_decay=ctx.weight_decay, step=ctx.step)
+
+
+class HostedSet:
+    """Several hosted strategies on one rank, each over its own group, stepped in a fixed order
+    (the order given, the same on every rank, so no two groups wait on each other): the
+    :class:`HostedPlacement` interface (``split``, ``hosted_names``, ``step``) over all of them,
+    and ``runtime``, a :class:`RuntimeSet` whose counts are the sums of theirs."""
+
+    kind = "hosted"
+
+    def __init__(self, parts: Sequence[HostedPlacement]) -> None:
+        self.parts = tuple(parts)
+        self.split: dict = {}
+        for part in self.parts:
+            twice = sorted(set(self.split) & set(part.split))
+            if twice:
+                raise ValueError(f"Matrices {twice[:3]} are hosted by two runtimes.")
+            self.split.update(part.split)
+        self.runtime = RuntimeSet([p.runtime for p in self.parts])
+
+    def hosted_names(self) -> list[str]:
+        return [n for p in self.parts for n in p.hosted_names()]
+
+    def step(self, held: dict[str, tuple[Tensor, Tensor]], ctx: StepContext) -> None:
+        missing = [n for n in self.split if n not in held]
+        if missing:
+            raise RuntimeError(f"Hosted step is missing this rank's shards of {missing}.")
+        for part in self.parts:
+            part.step({n: held[n] for n in part.split}, ctx)
+
+
+class RuntimeSet:
+    """The runtimes of a :class:`HostedSet`, read as one: ``matrices`` and ``hosted_names`` in
+    step order, ``stats`` and ``expected_collectives`` summed (each runtime on its own group)."""
+
+    def __init__(self, runtimes: Sequence[MicroGroupRuntime]) -> None:
+        self.runtimes = tuple(runtimes)
+
+    @property
+    def matrices(self) -> tuple:
+        return tuple(m for rt in self.runtimes for m in rt.matrices)
+
+    def hosted_names(self) -> list[str]:
+        return [n for rt in self.runtimes for n in rt.hosted_names()]
+
+    @property
+    def stats(self) -> StepStats:
+        out = StepStats()
+        for rt in self.runtimes:
+            for op, n in rt.stats.collectives.items():
+                out.collectives[op] = out.collectives.get(op, 0) + n
+            out.bytes_sent += rt.stats.bytes_sent
+            out.flops += rt.stats.flops
+        return out
+
+    def expected_collectives(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for rt in self.runtimes:
+            for op, n in rt.expected_collectives().items():
+                out[op] = out.get(op, 0) + n
+        return out

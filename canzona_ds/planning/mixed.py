@@ -310,3 +310,24 @@ def step_bytes(layout: Layout, host_of_k: Sequence[int] | None = None, grad_byte
             "hosted_sent_max": max(sent), "hosted_sent_total": sum(sent), "total": zero_total + sum(sent),
             "hosted_collectives": collectives,
             "rank_cost": zero_total // dp + max(sent) + collectives * LATENCY_BYTES}
+
+
+def grid_tp_hosts(dp_hosts: Sequence[int], costs: Sequence[float], tp_size: int) -> list[int]:
+    """The TP rank of each tensor-parallel hosted matrix's host (the mixed layout under DP x
+    TP): the matrix's update runs at grid cell (its DP host, this TP rank).  Every TP rank at one
+    DP index shares that index's hosted matrices: heaviest first (``costs``: the full matrix's
+    cost), each onto the least-loaded TP rank at its DP host, lowest rank on ties;
+    deterministic, the same on every rank.  (The TP runtime of the owned TP-split matrices plans
+    its own hosts over the TP group; its loads are not counted here.)"""
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"Invalid tp_size={tp_size!r}. Must be an int >= 1.")
+    if len(dp_hosts) != len(costs):
+        raise ValueError(f"dp_hosts ({len(dp_hosts)}) and costs ({len(costs)}) must be one per matrix.")
+    load: dict[tuple[int, int], float] = {}
+    out = [0] * len(dp_hosts)
+    for j in sorted(range(len(dp_hosts)), key=lambda j: (-costs[j], j)):
+        h = dp_hosts[j]
+        t = min(range(tp_size), key=lambda t: (load.get((h, t), 0.0), t))
+        out[j] = t
+        load[(h, t)] = load.get((h, t), 0.0) + costs[j]
+    return out

@@ -2,7 +2,7 @@
 
 See :mod:`canzona_ds.tp.runtime` for the interface and the data layout.
 """
-from .runtime import FlatSplit, MicroGroupRuntime, StepStats, TPMatrix
+from .runtime import FlatSplit, GridSplit, MicroGroupRuntime, StepStats, TPMatrix
 from .verify import verify_same_across_group
 
-__all__ = ["FlatSplit", "MicroGroupRuntime", "StepStats", "TPMatrix", "verify_same_across_group"]
+__all__ = ["FlatSplit", "GridSplit", "MicroGroupRuntime", "StepStats", "TPMatrix", "verify_same_across_group"]

@@ -215,6 +215,94 @@ class FlatSplit:
         return out if self.num_experts is None else out + [self.num_experts]
 
 
+@dataclass(frozen=True)
+class GridSplit:
+    """A tensor-parallel matrix of the mixed ZeRO-1/2 layout, cut twice: into TP shards along
+    ``partition_dim`` (as :class:`TPMatrix`), and each shard's row-major flat elements into
+    contiguous DP pieces, the same ``starts``/``lengths`` on every TP rank (every TP rank's ZeRO
+    buffer is laid out by the same DP plan over its TP-local shards).  The group is the DP x TP
+    grid of one pipeline stage; ``cells[g]`` is the (tp_rank, dp_rank) of group rank g, whose
+    piece is DP piece d of TP shard t::
+
+        TP=2, DP=2, partition_dim 0          grid rank g -> cell (t, d) -> piece
+        shard 0: | a a a a a | a a a |       (0, 0): a[0:5]   (0, 1): a[5:8]
+        shard 1: | b b b b b | b b b |       (1, 0): b[0:5]   (1, 1): b[5:8]
+
+    :meth:`assemble` rebuilds each shard from its DP pieces and concatenates the shards along
+    ``partition_dim``: exactly :meth:`TPMatrix.assemble`'s matrix, so the host's update is the
+    owned layout's TP update bit for bit, and every piece of it is applied element-wise.
+    """
+
+    name: str
+    #: shape of the whole (TP=1) matrix
+    full_shape: tuple[int, ...]
+    partition_dim: int
+    #: size along ``partition_dim`` of each TP rank's shard
+    shard_sizes: tuple[int, ...]
+    #: per DP rank: first element of its piece inside a shard's flat elements
+    starts: tuple[int, ...]
+    #: per DP rank: element count of its piece (0: none)
+    lengths: tuple[int, ...]
+    #: per grid-group rank: (tp_rank, dp_rank)
+    cells: tuple[tuple[int, int], ...]
+    num_heads: int | None = None
+
+    def __post_init__(self) -> None:
+        tpm = TPMatrix(self.name, self.full_shape, self.partition_dim, self.shard_sizes, self.num_heads)  # validates
+        flat = FlatSplit(self.name, tpm.local_shape(0), self.starts, self.lengths)  # validates the DP cut
+        for t in range(len(self.shard_sizes)):
+            if tpm.local_numel(t) != math.prod(flat.full_shape):
+                raise ValueError(f"{self.name!r}: TP shard {t} has {tpm.local_numel(t)} elements, shard 0 "
+                                 f"{math.prod(flat.full_shape)}; one DP cut needs equal shards")
+        want = sorted((t, d) for t in range(len(self.shard_sizes)) for d in range(len(self.lengths)))
+        if sorted(tuple(c) for c in self.cells) != want:
+            raise ValueError(f"{self.name!r}: cells={list(self.cells)} must hold every (tp_rank, dp_rank) of "
+                             f"{len(self.shard_sizes)} x {len(self.lengths)} once")
+
+    @property
+    def num_experts(self) -> None:  # the split protocol's attribute (TP-split expert stacks are refused)
+        return None
+
+    @property
+    def tp_size(self) -> int:
+        return len(self.shard_sizes)
+
+    @property
+    def info(self) -> MatrixInfo:
+        return MatrixInfo(self.name, self.full_shape, self.num_heads)
+
+    def shard_shape(self, tp_rank: int) -> tuple[int, ...]:
+        s = list(self.full_shape)
+        s[self.partition_dim] = self.shard_sizes[tp_rank]
+        return tuple(s)
+
+    def rank_of(self, tp_rank: int, dp_rank: int) -> int:
+        """The grid-group rank at cell (tp_rank, dp_rank)."""
+        return [tuple(c) for c in self.cells].index((tp_rank, dp_rank))
+
+    def local_shape(self, rank: int) -> tuple[int, ...]:
+        return (self.lengths[self.cells[rank][1]],)
+
+    def local_numel(self, rank: int) -> int:
+        return self.lengths[self.cells[rank][1]]
+
+    def assemble(self, pieces: Sequence[Tensor]) -> Tensor:
+        at = {tuple(c): r for r, c in enumerate(self.cells)}
+        shards = [torch.cat([pieces[at[(t, d)]].reshape(-1) for d in range(len(self.lengths))]).view(self.shard_shape(t))
+                  for t in range(self.tp_size)]
+        return torch.cat(shards, dim=self.partition_dim)
+
+    def piece(self, whole: Tensor, rank: int) -> Tensor:
+        t, d = self.cells[rank]
+        off = sum(self.shard_sizes[:t])
+        shard = whole.narrow(self.partition_dim, off, self.shard_sizes[t]).reshape(-1)
+        return shard.narrow(0, self.starts[d], self.lengths[d])
+
+    def describe(self) -> list:
+        return [self.name, list(self.full_shape), "grid", self.partition_dim, list(self.shard_sizes),
+                list(self.starts), list(self.lengths), [list(c) for c in self.cells], self.num_heads]
+
+
 @dataclass
 class StepStats:
     """What one ``step`` did on this rank (reset every step)."""
@@ -238,13 +326,22 @@ def plan_groups(matrices: Sequence["SplitMatrix"], rule: MatrixRule, tp_size: in
     return plan_tp(specs, tp_size, scheduler=config.scheduler, c_max=config.c_max, cost=config.cost, model=rule)
 
 
-#: a matrix cut over a group: Megatron TP shards along a dim, or contiguous flat pieces (ZeRO)
-SplitMatrix = "TPMatrix | FlatSplit"
+#: a matrix cut over a group: Megatron TP shards along a dim, contiguous flat pieces (ZeRO), or
+#: both (the mixed layout's TP-split matrices over the DP x TP grid)
+SplitMatrix = "TPMatrix | FlatSplit | GridSplit"
+
+
+def piece_count(m: "SplitMatrix") -> int:
+    """How many group ranks ``m`` is cut over."""
+    if isinstance(m, TPMatrix):
+        return len(m.shard_sizes)
+    return len(m.cells) if isinstance(m, GridSplit) else len(m.lengths)
 
 
 class MicroGroupRuntime:
     """Runs one group's matrix-rule step for a fixed list of split matrices (TP shards along a
-    dim, :class:`TPMatrix`, or flat pieces over a DP group, :class:`FlatSplit`; mixed is fine)."""
+    dim, :class:`TPMatrix`; flat pieces over a DP group, :class:`FlatSplit`; TP shards' flat
+    pieces over the DP x TP grid, :class:`GridSplit`; mixed is fine)."""
 
     def __init__(self, matrices: Sequence["SplitMatrix"], rule: MatrixRule, tp_group=None, config: TPConfig | None = None,
                  state: dict | None = None, *, verify: bool = True, hosts: Sequence[int] | None = None,
@@ -262,7 +359,7 @@ class MicroGroupRuntime:
         self.tp_size = dist.get_world_size(tp_group) if dist.is_initialized() else 1
         self.tp_rank = dist.get_rank(tp_group) if dist.is_initialized() else 0
         for m in self.matrices:
-            pieces = len(m.shard_sizes) if isinstance(m, TPMatrix) else len(m.lengths)
+            pieces = piece_count(m)
             if pieces != self.tp_size:
                 raise ValueError(f"{m.name!r} is cut into {pieces} pieces but the group has {self.tp_size} ranks")
         names = [m.name for m in self.matrices]
@@ -278,10 +375,11 @@ class MicroGroupRuntime:
             self.plan = plan_groups(self.matrices, rule, self.tp_size, self.config) if self.matrices else None
         #: rule state of the matrices this rank hosts, by name (shared with the optimizer)
         self.state: dict = {} if state is None else state
-        #: this rank's piece of the element-wise state of its FlatSplit matrices, by name
+        #: this rank's piece of the element-wise state of its FlatSplit and GridSplit matrices, by name
         self.piece_state = piece_state
         # an expert stack keeps all its state (per expert, "<stack>[e]") on its host
-        self._piecewise = {m.name for m in self.matrices if isinstance(m, FlatSplit) and m.num_experts is None} \
+        self._piecewise = {m.name for m in self.matrices
+                           if isinstance(m, (FlatSplit, GridSplit)) and m.num_experts is None} \
             if piece_state is not None and rule.elementwise_state else set()
         self.stats = StepStats()
         #: where the all-to-all buffers live (None: the gradients' device).  ZeRO-3 with CPU
