@@ -150,14 +150,17 @@ def test_config_keys_are_validated():
         CanzonaConfig.from_ds("CanzonaMuon", {"max_padding": -1})
 
 
-def test_mixed_with_tensor_parallel_matrices_is_refused():
+def test_mixed_with_tensor_parallel_matrices_needs_the_grid_group():
+    """Without a DP x TP grid group (ParallelGroups.grid_group, built by the DeepSpeed integration)
+    TP-split matrices cannot be hosted: "mixed" is refused, "auto" keeps owned and says so
+    (tests/test_layout_mixed_tp.py runs the grid)."""
     from canzona_ds.optim.config import CanzonaConfig
     from canzona_ds.optim.optimizer import _plan
 
     specs = [ParamSpec(f"w{i}", (8 + 4 * i, 16), tp_partition_dim=0, tp_size=2) for i in range(4)]
     big = [ParamSpec(f"w{i}", (512 * (2 + i), 1024), tp_partition_dim=0, tp_size=2) for i in range(4)]
     cfg = CanzonaConfig.from_ds("CanzonaMuon", {"layout": "mixed"})
-    with pytest.raises(ValueError, match="tensor-parallel"):
+    with pytest.raises(ValueError, match="tensor-parallel.*grid"):
         _plan(specs, 4, cfg, cfg.rule)
     auto = CanzonaConfig.from_ds("CanzonaMuon", {})
     with pytest.warns(UserWarning, match="cannot host"):  # "auto" would host: owned kept, said so
@@ -406,7 +409,7 @@ def test_canzona_plan_shows_both_layouts(capsys):
 
     assert main(["--model", "qwen3-8b", "--dp", "256", "--tp", "8", "--json"]) == 0
     lay = json.loads(capsys.readouterr().out)["layout"]
-    assert lay["auto"] == "mixed" and "runtime_note" in lay  # TP-split: the runtime keeps owned
+    assert lay["auto"] == "mixed" and "runtime_note" not in lay  # TP-split matrices are hosted over the grid
     assert lay["owned"]["padding_fraction"] > 2.0 and lay["mixed"]["padding_fraction"] <= 0.02
     assert lay["mixed"]["hosted_matrices"] > 0 and lay["mixed"]["rank_cost"] < lay["owned"]["rank_cost"]
     assert lay["mixed"]["flops_ratio"] <= lay["owned"]["flops_ratio"] + 1e-9

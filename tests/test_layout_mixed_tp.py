@@ -15,8 +15,9 @@ keep the TP runtime: three runtimes, stepped in that order on every rank.
   uses); a TP-split matrix is grid-hosted (every rule) and a replicated one DP-hosted (Muon's
   plan: then all three runtimes run in one step); the optimizer step's
   collectives, counted by testing/comm.CommCounter per group, are the plans' all-to-alls; a
-  checkpoint resumes bit for bit (the grid host's rule state, Muon's momentum pieces); and a
-  change of layout at the same size (owned <-> mixed, the elastic path) resumes exactly.
+  checkpoint resumes bit for bit (the grid host's rule state, Muon's momentum pieces); a change
+  of layout at the same size (owned <-> mixed, the elastic path) resumes exactly; and the
+  checkpoint resumes at DP4 x TP1 losslessly (weights and rule state, read back whole).
 
 One cached 4-rank run for everything; each scenario in its own ``try`` (one failure, one test).
 """
@@ -209,6 +210,24 @@ def _switch(before: str, after: str, root: str) -> dict[str, Any]:
     return {"sd": zt.numpy_sd(engine.module), "mixed": engine.optimizer.canzona_layout.mixed}
 
 
+def _resize(root: str) -> dict[str, Any]:
+    """TP 2 -> 1 (DP 2 -> 4, the same 4 processes): the mixed x TP Muon checkpoint resumed with
+    the mixed layout at TP=1, then saved again.  Last in the worker: it re-initialises the mpu."""
+    import deepspeed
+
+    ms.initialize_model_parallel(1)
+    model = ms.TinyGPTBlock(**zt.CFG)
+    model.load_state_dict(ms.init_full_state_dict(zt.CFG))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=_config("CanzonaMuon", 1, "mixed"), mpu=ms.mpu)
+    folder = str(Path(root) / "CanzonaMuon-1-mixed")
+    engine.load_checkpoint(folder, tag="mid")
+    engine.save_checkpoint(folder, tag="tp1")
+    opt = engine.optimizer.optimizer
+    return {"tp": opt.tp_size, "dp": opt.groups.dp_size, "hosted": engine.optimizer.canzona_layout.hosted_indices(),
+            "folder": folder}
+
+
 def _isolated(fn) -> dict[str, Any]:
     try:
         return {"ok": fn()}
@@ -220,6 +239,7 @@ def _worker(rank: int, world: int, root: str) -> dict:
     ms.initialize_model_parallel(TP)
     out = {run: _isolated(lambda run=run: _one(*run, root)) for run in RUNS}
     out.update({sw: _isolated(lambda sw=sw: _switch(*sw, root)) for sw in SWITCH})
+    out["resize"] = _isolated(lambda: _resize(root))
     return out
 
 
@@ -328,3 +348,22 @@ def test_mixed_tp_layout_change_on_resume_is_exact(before, after, runs):
         assert r["mixed"] == (after == "mixed")
         for n in w["sd"]:
             np.testing.assert_array_equal(r["sd"][n], w["sd"][n], err_msg=f"rank {rank} {n}")
+
+
+def test_mixed_tp_checkpoint_resumes_at_tp1_losslessly(runs):
+    """The DP2 x TP2 mixed checkpoint (grid-hosted matrices: weight and Muon momentum in pieces of
+    both TP shards) resumed at DP4 x TP1 with the mixed layout and saved again: every parameter
+    and every matrix's rule state, read back whole (TP=1 layout), is unchanged bit for bit."""
+    from canzona_ds.integration.elastic import read
+
+    res = _res(runs, "resize")
+    assert all(r["tp"] == 1 and r["dp"] == WORLD for r in res) and res[0]["hosted"]
+    a, b = read(res[0]["folder"], "mid"), read(res[0]["folder"], "tp1")
+    assert (a.source["dp"], a.source["tp"], b.source["dp"], b.source["tp"]) == (DP, TP, WORLD, 1)
+    for name in a.params:
+        assert torch.equal(a.params[name], b.params[name]), name
+    assert a.rule_state.keys() == b.rule_state.keys() and set(SPLIT) <= set(a.rule_state)
+    for name, st in a.rule_state.items():
+        assert st.keys() == b.rule_state[name].keys(), name
+        for k, v in st.items():
+            assert torch.equal(v, b.rule_state[name][k]), (name, k)

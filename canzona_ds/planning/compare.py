@@ -114,8 +114,9 @@ def compare(
 def _layout_summary(mats, dp, planner, alpha, cost, cost_model, bucket_numel) -> dict:
     """The ZeRO-1/2 layouts side by side (planning/mixed.py): the owned layout of ``planner``
     and the mixed one, their padding, balance and per-step bytes, and what ``layout: "auto"``
-    picks (``choose_layout``: the runtime refuses to host TP-split matrices over DP, so at
-    TP > 1 this is the plan of the TP-local shapes)."""
+    picks (``choose_layout``; at TP > 1 the plan of the TP-local shapes, which every TP rank's
+    buffer follows: a hosted TP-split matrix is updated over the DP x TP grid, its bytes per
+    rank those of its TP-local pieces)."""
     from .cost import cost_vector
     from .dp import DEFAULT_MAX_PADDING, choose_layout, owned_step_bytes, plan_mixed_dp
 
@@ -123,9 +124,6 @@ def _layout_summary(mats, dp, planner, alpha, cost, cost_model, bucket_numel) ->
                                         bucket_numel=bucket_numel)
     mixed = chosen if chosen.mixed else plan_mixed_dp(mats, dp, cost_vector(mats, cost, cost_model), cost, cost_model)
     out = {"auto": chosen.planner if chosen.mixed else "owned", "why": why, "max_padding": DEFAULT_MAX_PADDING}
-    if chosen.mixed and any(s.is_tp_split for s in mats):
-        out["runtime_note"] = ("the runtime does not host TP-split matrices over DP yet: at this TP size layout "
-                               "\"auto\" runs owned (docs/zero.md, Limits)")
     for key, plan, sb in (("owned", atomic, owned_step_bytes(atomic)), ("mixed", mixed, mixed.extra["step_bytes"])):
         r = dp_report(plan, cost_model)
         out[key] = {"padding_fraction": r.padding_fraction, "flops_ratio": r.flops_ratio,
