@@ -22,6 +22,12 @@ measured  A one-layer Qwen3-shaped model (models/qwen3.py preset "tiny" with num
           the reference's by ulps, which AdamW turns into ~lr on parameters whose gradient is
           rounding noise, and which Muon's bf16 Newton-Schulz can flip (tests/test_layout_mixed.py
           checks exactness at DP=2 and DP=4).
+          Then the same two layouts under tensor parallelism: DP=4 x TP=2 on the 8 ranks, the
+          Megatron stand-in (testing/megatron_standin.TinyGPTBlock at TP_CFG: 4 TP-split
+          matrices and one replicated; mixed hosts the TP-split ones over the DP x TP grid), the
+          bit16 buffer of one rank over its TP-local parameters, the bytes per step as above, and
+          the mixed layout's final weights against the owned layout's (bit for bit at DP2 x TP2
+          in tests/test_layout_mixed_tp.py; gloo's 4-rank DP sums can differ by ulps here).
 """
 from __future__ import annotations
 
@@ -167,6 +173,65 @@ def _worker(rank: int, world: int) -> dict:
     return out
 
 
+#: DP x TP row: the stand-in's sizes (hidden 64, GQA 4/2 heads of 16, SwiGLU 160)
+TP_DP, TP_TP = 4, 2
+TP_CFG = dict(vocab=128, hidden=64, heads=4, kv_heads=2, head_dim=16, ffn=160)
+
+
+def _worker_tp(rank: int, world: int) -> dict:
+    import numpy as np
+    import torch
+
+    import canzona_ds  # noqa: F401 - registers the Canzona types
+    import deepspeed
+    from canzona_ds.testing import megatron_standin as ms
+    from canzona_ds.testing.comm import CommCounter
+    from canzona_ds.testing.models import HP
+
+    ms.initialize_model_parallel(TP_TP)
+    tp_rank, dp_rank = ms.get_tensor_model_parallel_rank(), ms.get_data_parallel_rank()
+    engines = {}
+    for kind in ("owned", "mixed"):
+        model = ms.TinyGPTBlock(**TP_CFG)
+        model.load_state_dict(ms.shard_state_dict(ms.init_full_state_dict(TP_CFG), TP_CFG, TP_TP, tp_rank))
+        cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
+               "optimizer": {"type": "CanzonaMuon", "params": dict(HP["CanzonaMuon"], layout=kind)},
+               "zero_optimization": {"stage": 1}, "gradient_clipping": 0.0, "steps_per_print": 10 ** 9}
+        engines[kind], *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg,
+                                                 mpu=ms.mpu)
+    out = {}
+    for kind, engine in engines.items():
+        z, opt = engine.optimizer, engine.optimizer.optimizer
+        layout = z.canzona_layout
+        hosted = opt.placement.hosted
+        kinds = {n: type(m).__name__ for n, m in (hosted.split.items() if hosted is not None else ())}
+        out[kind] = {"params": sum(p.numel() for p in engine.module.parameters() if p.requires_grad),
+                     "bit16_buffer": sum(f.numel() for f in z.bit16_groups_flat), "bytes": [], "by_op": [],
+                     "matrix_padding": layout.padding_fraction,
+                     "hosted": [opt.matrix_names[k] for k in layout.hosted_indices()],
+                     "grid_hosted": sorted(n for n, k in kinds.items() if k == "GridSplit"),
+                     "dp_hosted": sorted(n for n, k in kinds.items() if k == "FlatSplit"),
+                     "step_collectives": opt.expected_collectives()}
+        out[kind]["ratio"] = out[kind]["bit16_buffer"] / out[kind]["params"]
+    g = torch.Generator().manual_seed(7)
+    data = [torch.randint(0, TP_CFG["vocab"], (MICRO * TP_DP, 16), generator=g) for _ in range(STEPS)]
+    for s, tokens in enumerate(data):
+        for kind in (("owned", "mixed") if s % 2 == 0 else ("mixed", "owned")):
+            engine = engines[kind]
+            with CommCounter() as c:
+                engine.backward(engine(tokens[dp_rank * MICRO:(dp_rank + 1) * MICRO]).pow(2).mean())
+                engine.step()
+            ops = {op: wb for op, (_, _, wb) in c.by_op("deepspeed").items()}
+            a2a = c.wire_bytes("torch", ops=("all_to_all_single",))
+            if a2a:
+                ops["all_to_all_single (hosted)"] = a2a
+            out[kind]["bytes"].append(sum(ops.values()))
+            out[kind]["by_op"].append(ops)
+    final = {k: {n: p.detach().float().numpy() for n, p in e.module.named_parameters()} for k, e in engines.items()}
+    out["mixed"]["vs_owned"] = max(float(np.abs(final["mixed"][n] - final["owned"][n]).max()) for n in final["owned"])
+    return out
+
+
 def _reference(data) -> dict:
     import torch
 
@@ -207,8 +272,24 @@ def measured() -> dict:
         kinds[kind]["bytes_total"] = sorted(sum(r["bytes"][s] for r in per_rank) for s in range(steps))[steps // 2]
         ops = sorted({op for r in per_rank for o in r["by_op"] for op in o})
         kinds[kind]["bytes_by_op_total"] = {op: sum(r["by_op"][-1].get(op, 0.0) for r in per_rank) for op in ops}
+    res_tp = run_distributed(_worker_tp, TP_DP * TP_TP)
+    tp_kinds = {}
+    for kind in ("owned", "mixed"):
+        per_rank = [r[kind] for r in res_tp]
+        r0 = per_rank[0]
+        tp_kinds[kind] = {k: r0[k] for k in ("params", "bit16_buffer", "ratio", "matrix_padding", "hosted",
+                                             "grid_hosted", "dp_hosted", "vs_owned") if k in r0}
+        if kind == "mixed":
+            tp_kinds[kind]["vs_owned"] = max(r["vs_owned"] for r in per_rank)
+        tp_kinds[kind]["step_collectives_max_rank"] = max(sum(r["step_collectives"].values()) for r in per_rank)
+        steps = len(r0["bytes"])
+        tp_kinds[kind]["bytes_max_rank"] = sorted(max(r["bytes"][s] for r in per_rank) for s in range(steps))[steps // 2]
+        tp_kinds[kind]["bytes_total"] = sorted(sum(r["bytes"][s] for r in per_rank) for s in range(steps))[steps // 2]
+        ops = sorted({op for r in per_rank for o in r["by_op"] for op in o})
+        tp_kinds[kind]["bytes_by_op_total"] = {op: sum(r["by_op"][-1].get(op, 0.0) for r in per_rank) for op in ops}
     return {"dp": DP, "steps": STEPS, "model": "qwen3 preset 'tiny', num_layers=1 (7 matrices)", "zero_stage": 1,
-            "kinds": kinds}
+            "kinds": kinds,
+            "tp": {"dp": TP_DP, "tp": TP_TP, "model": f"Megatron stand-in TinyGPTBlock {TP_CFG}", "kinds": tp_kinds}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,8 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import tables
 
-    (out / f"{stem}.md").write_text(tables.render(stem, out) + "\n")
-    print(tables.render(stem, out))
+    names = [stem] + (["layout_measured_tp"] if args.suite == "measured" else [])
+    text = "\n\n".join(tables.render(name, out) for name in names)
+    (out / f"{stem}.md").write_text(text + "\n")
+    print(text)
     return 0
 
 

@@ -683,6 +683,27 @@ def layout_measured(d: Data) -> str:
                    "MiB by collective, all ranks", "max abs(weight - reference), matrices / AdamW"], rows)
 
 
+def layout_measured_tp(d: Data) -> str:
+    """bench_layout --suite measured, DP=4 x TP=2: the Megatron stand-in under ZeRO-1, owned vs
+    mixed (hosted TP-split matrices over the DP x TP grid)."""
+    t = d["tp"]
+    k = t["kinds"]
+    rows = []
+    for kind in ("owned", "mixed"):
+        r = k[kind]
+        hosted = f"{len(r['grid_hosted'])} over the grid, {len(r['dp_hosted'])} over DP" if r["hosted"] else "0"
+        rows.append([f'CanzonaMuon, layout "{kind}"', f"{r['bit16_buffer']:,} / {r['params']:,} = {r['ratio']:.3f}",
+                     _pct(r["matrix_padding"], 2), hosted, str(r["step_collectives_max_rank"]),
+                     f"{r['bytes_max_rank'] / 2**20:,.3f}", f"{r['bytes_total'] / 2**20:,.3f}",
+                     f"{r['bytes_total'] / k['owned']['bytes_total']:.3f}",
+                     ", ".join(f"{op} {b / 2**20:,.3f}" for op, b in sorted(r["bytes_by_op_total"].items()) if b),
+                     "-" if "vs_owned" not in r else f"{r['vs_owned']:.2g}"])
+    return _table([f"optimizer (ZeRO-1, DP={t['dp']} x TP={t['tp']})", "bit16 buffer / parameters (one rank)",
+                   "matrix padding", "hosted matrices", "optimizer-step all-to-alls, busiest rank",
+                   "MiB sent per step, busiest rank", "MiB sent per step, all ranks", "all ranks vs owned",
+                   "MiB by collective, all ranks", "max abs(weight - owned layout's)"], rows)
+
+
 # ============================================================================ moe.json
 def moe_planned(d: Data) -> str:
     """bench_moe planned: FLOPs / memory max/mean with stacks whole vs per expert, at each EP size
@@ -752,6 +773,7 @@ TABLES: dict[str, tuple[str, Callable[[Data], str]]] = {
     "pipeline_measured": ("pipeline", pipeline_measured),
     "layout_planned": ("layout_planned", layout_planned),
     "layout_measured": ("layout_measured", layout_measured),
+    "layout_measured_tp": ("layout_measured", layout_measured_tp),
     "moe_planned": ("moe", moe_planned),
     "moe_measured": ("moe", moe_measured),
 }

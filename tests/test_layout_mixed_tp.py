@@ -228,6 +228,24 @@ def _resize(root: str) -> dict[str, Any]:
             "folder": folder}
 
 
+def _grid_per_stage() -> dict[str, Any]:
+    """integration/groups.with_grid_group on 4 ranks arranged as PP=2 x TP=2 (DP=1): one grid
+    group per pipeline stage, its cells in global-rank order."""
+    import torch.distributed as dist
+
+    from canzona_ds.integration.groups import with_grid_group
+    from canzona_ds.parallel import ParallelGroups
+
+    rank = dist.get_rank()
+    tp_groups = [dist.new_group([2 * s, 2 * s + 1]) for s in range(2)]
+    pp_groups = [dist.new_group([t, t + 2]) for t in range(2)]
+    groups = ParallelGroups(tp_size=2, tp_rank=rank % 2, tp_group=tp_groups[rank // 2], pp_size=2,
+                            pp_rank=rank // 2, pp_group=pp_groups[rank % 2], source="test")
+    got = with_grid_group(groups)
+    return {"ranks": tuple(dist.get_process_group_ranks(got.grid_group)), "cells": got.grid_cells,
+            "rank": dist.get_rank(got.grid_group)}
+
+
 def _isolated(fn) -> dict[str, Any]:
     try:
         return {"ok": fn()}
@@ -239,6 +257,7 @@ def _worker(rank: int, world: int, root: str) -> dict:
     ms.initialize_model_parallel(TP)
     out = {run: _isolated(lambda run=run: _one(*run, root)) for run in RUNS}
     out.update({sw: _isolated(lambda sw=sw: _switch(*sw, root)) for sw in SWITCH})
+    out["grid_pp"] = _isolated(_grid_per_stage)
     out["resize"] = _isolated(lambda: _resize(root))
     return out
 
@@ -367,3 +386,10 @@ def test_mixed_tp_checkpoint_resumes_at_tp1_losslessly(runs):
         assert st.keys() == b.rule_state[name].keys(), name
         for k, v in st.items():
             assert torch.equal(v, b.rule_state[name][k]), (name, k)
+
+
+def test_grid_group_per_pipeline_stage(runs):
+    for rank, r in enumerate(_res(runs, "grid_pp")):
+        stage = rank // 2
+        assert r["ranks"] == (2 * stage, 2 * stage + 1) and r["cells"] == ((0, 0), (1, 0)), r
+        assert r["rank"] == rank % 2

@@ -143,14 +143,17 @@ def with_grid_group(groups: ParallelGroups) -> ParallelGroups:
     coords: list = [None] * dist.get_world_size()
     dist.all_gather_object(coords, (groups.pp_rank, groups.dp_rank, groups.tp_rank))
     me = dist.get_rank()
-    mine, cells = None, ()
+    stages = []
     for stage in sorted({c[0] for c in coords}):
         ranks = sorted(r for r, c in enumerate(coords) if c[0] == stage)
         stage_cells = tuple((coords[r][2], coords[r][1]) for r in ranks)
         if len(ranks) != groups.dp_size * groups.tp_size or len(set(stage_cells)) != len(ranks):
-            raise ValueError(f"Pipeline stage {stage} has ranks {ranks} at (tp, dp) cells {list(stage_cells)}; the "
-                             f"DP x TP grid needs each of dp_size={groups.dp_size} x tp_size={groups.tp_size} "
-                             f"cells once ({groups.source}).")
+            # another parallel dimension shares the stage (e.g. sequence parallelism): no grid, so
+            # the mixed layout hosts no TP-split matrices (optim._plan says so); the same on every rank
+            return groups
+        stages.append((ranks, stage_cells))
+    mine, cells = None, ()
+    for ranks, stage_cells in stages:
         group = dist.new_group(ranks)
         if me in ranks:
             mine, cells = group, stage_cells
