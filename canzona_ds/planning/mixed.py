@@ -21,6 +21,12 @@ padding would have cost.  A rule's element-wise state (``MatrixRule.elementwise_
 momentum) stays with the pieces: every rank updates its piece and sends ``pre_direction``'s
 result, so the host keeps only the rest, and the planner counts that state per piece.
 
+Under tensor parallelism the plan is made over the TP-local shapes and every TP rank's buffer
+follows it, so a hosted TP-split matrix is cut twice: into TP shards, and each shard into these
+DP pieces (:class:`~canzona_ds.tp.runtime.GridSplit` over the DP x TP grid).  Its host is the
+grid cell (the plan's DP host, the TP rank :func:`grid_tp_hosts` picks); the bytes here are one
+TP rank's (its TP-local pieces).
+
 The planner (:func:`plan_mixed`) walks the buffer rank by rank:
 
 1. rank r's range starts where the previous hosted matrix ended (``c``); the largest matrices
