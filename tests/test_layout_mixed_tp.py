@@ -17,9 +17,11 @@ keep the TP runtime: three runtimes, stepped in that order on every rank.
   collectives, counted by testing/comm.CommCounter per group, are the plans' all-to-alls; a
   checkpoint resumes bit for bit (the grid host's rule state, Muon's momentum pieces); a change
   of layout at the same size (owned <-> mixed, the elastic path) resumes exactly; and the
-  checkpoint resumes at DP4 x TP1 losslessly (weights and rule state, read back whole).
+  checkpoint resumes at DP4 x TP1 losslessly (weights and rule state, read back whole);
+* PP=2 x TP=2 x DP=2 (a PipelineModule, a grid group per stage): mixed equals owned bit for bit.
 
-One cached 4-rank run for everything; each scenario in its own ``try`` (one failure, one test).
+One cached 4-rank run (and one 8-rank pipeline run); each scenario in its own ``try`` (one
+failure, one test).
 """
 from __future__ import annotations
 
@@ -393,3 +395,89 @@ def test_grid_group_per_pipeline_stage(runs):
         stage = rank // 2
         assert r["ranks"] == (2 * stage, 2 * stage + 1) and r["cells"] == ((0, 0), (1, 0)), r
         assert r["rank"] == rank % 2
+
+
+# ------------------------------------------------------------------------------ PP x TP x DP
+class GLUBlock(torch.nn.Module):
+    """A Megatron-style gated MLP (ColumnParallel fc1 and up, RowParallel fc2) over the stand-in's
+    TP group: full weights from a seed, this rank's shards kept.  At DP=2 the mixed plan of its
+    three TP-local shapes hosts one (up)."""
+
+    FFN = 48
+
+    def __init__(self, seed: int) -> None:
+        from canzona_ds.testing.models import D
+
+        super().__init__()
+        self.fc1 = ms.ColumnParallelLinear(D, self.FFN)
+        self.up = ms.ColumnParallelLinear(D, self.FFN)
+        self.fc2 = ms.RowParallelLinear(self.FFN, D)
+        g = torch.Generator().manual_seed(seed)
+        r, tp = ms.get_tensor_model_parallel_rank(), ms.get_tensor_model_parallel_world_size()
+        with torch.no_grad():
+            for w, dim in ((self.fc1.weight, 0), (self.up.weight, 0), (self.fc2.weight, 1)):
+                full = list(w.shape)
+                full[dim] *= tp
+                w.copy_((torch.randn(*full, generator=g) * 0.3).chunk(tp, dim)[r])
+
+    def forward(self, h):
+        import torch.nn.functional as F
+
+        return h + self.fc2(F.gelu(self.fc1(h)) * self.up(h))
+
+
+PP_STEPS, PP_GAS, PP_MICRO = 2, 2, 2
+
+
+def _pp_worker(rank: int, world: int) -> dict:
+    """PP=2 x TP=2 x DP=2 (Megatron-DeepSpeed's 3D grid, a PipelineModule): the owned and the
+    mixed layout trained alike in the same processes."""
+    import deepspeed
+    from deepspeed.pipe import LayerSpec, PipelineModule
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, PipelineParallelGrid
+
+    from canzona_ds.testing.models import HP
+    from canzona_ds.testing.pipeline import Embedding, Head, dataset, loss_fn, rank_micro_batches
+
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    topo = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2)
+    grid = PipelineParallelGrid(topology=topo)
+    ms._TP_GROUP, ms._TP_SIZE, ms._DP_GROUP = grid.get_slice_parallel_group(), 2, grid.get_data_parallel_group()
+    out = {}
+    for layout in ("owned", "mixed"):
+        def run() -> dict:
+            layers = [LayerSpec(Embedding, 0), LayerSpec(GLUBlock, 1), LayerSpec(GLUBlock, 2), LayerSpec(Head, 3)]
+            module = PipelineModule(layers=layers, topology=topo, loss_fn=loss_fn, partition_method="uniform")
+            cfg = {"train_micro_batch_size_per_gpu": PP_MICRO, "gradient_accumulation_steps": PP_GAS,
+                   "train_batch_size": PP_MICRO * PP_GAS * 2, "gradient_clipping": 0.0, "steps_per_print": 10 ** 9,
+                   "optimizer": {"type": "CanzonaMuon", "params": dict(HP["CanzonaMuon"], layout=layout)},
+                   "zero_optimization": {"stage": 1}}
+            engine, *_ = deepspeed.initialize(model=module, model_parameters=list(module.parameters()), config=cfg)
+            opt = engine.optimizer.optimizer
+            x, y = dataset(PP_STEPS * PP_GAS * PP_MICRO * 2, 1)
+            data = iter(rank_micro_batches(x, y, 2, opt.groups.dp_rank, PP_MICRO))
+            for _ in range(PP_STEPS):
+                engine.train_batch(data)
+            hosted = opt.placement.hosted
+            return {"sd": {n: p.detach().clone().numpy() for n, p in module.named_parameters()},
+                    "kinds": {n: type(m).__name__ for n, m in (hosted.split.items() if hosted is not None else ())},
+                    "coords": opt.groups.coordinates, "mixed": engine.optimizer.canzona_layout.mixed}
+        out[layout] = _isolated(run)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _pp_runs() -> list[dict]:
+    return run_distributed(_pp_worker, 8, timeout=420)
+
+
+def test_mixed_tp_under_pipeline_parallelism_equals_owned():
+    """PP=2 x TP=2 x DP=2 at ZeRO-1 (a grid group per stage): each stage grid-hosts a TP-split
+    matrix, and the mixed layout's weights equal the owned layout's bit for bit on every rank."""
+    res = _pp_runs()
+    owned, mixed = zt._ok(res, "owned"), zt._ok(res, "mixed")
+    for rank, (o, m) in enumerate(zip(owned, mixed)):
+        assert m["mixed"] and "GridSplit" in m["kinds"].values(), (rank, m["kinds"])
+        for n in o["sd"]:
+            np.testing.assert_array_equal(m["sd"][n], o["sd"][n], err_msg=f"rank {rank} {n}")
+    assert sorted({r["coords"]["pp"] for r in mixed}) == [0, 1]
