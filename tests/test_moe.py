@@ -401,6 +401,8 @@ REFUSALS = {
     "offload": ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, "offload_optimizer"),
     "group_settings": ({"zero_optimization": {"stage": 1}, "_groups": "weight_decay"}, "'weight_decay'"),
     "moe_group_with_dense": ({"zero_optimization": {"stage": 1}, "_groups": "bad_moe"}, "non-expert parameters"),
+    # the stage-0 client optimizer creates the expert groups with its mpu: another one already in DeepSpeed
+    "client_other_mpu": ({"zero_optimization": {"stage": 0}, "_groups": "client_other_mpu"}, "already another mpu"),
 }
 
 
@@ -421,6 +423,18 @@ def _refusal_worker(rank, world):
         elif groups == "bad_moe":
             params = [{"params": params, "name": "ep_size_2", "moe": True}]
         try:
+            if groups == "client_other_mpu":
+                from deepspeed.utils import groups as ds_groups
+
+                from canzona_ds.integration.megatron import build_tp_optimizer
+                from canzona_ds.testing import megatron_standin
+
+                megatron_standin.initialize_model_parallel(1)
+                saved, ds_groups.mpu = ds_groups.mpu, object()
+                try:
+                    build_tp_optimizer(model, moe_ds_config(world, **extra), mpu=megatron_standin.mpu)
+                finally:
+                    ds_groups.mpu = saved
             deepspeed.initialize(model=model, model_parameters=params, config=moe_ds_config(world, **extra))
             out[name] = None
         except Exception as e:  # noqa: BLE001
