@@ -12,6 +12,8 @@ Tolerances (fp32):
     Megatron-DeepSpeed's stage-0 client optimizer (build_tp_optimizer before deepspeed.initialize:
     it creates DeepSpeed's expert groups, which the engine must reuse, same objects and ranks).  bf16: each
     owner's updates replayed bit for bit, losses within 0.02 of the fp32 run's.
+    fp16 (ZeRO 1 and 2): an overflow on one rank is skipped on every rank, the other updates
+    replayed bit for bit.
   * world 4, ep_size 2: the expert-DP sums have two terms, the dense sums four (gloo's order,
     ~1 ulp): after the first step every expert matrix is bit-exact; over 3 steps each owner's
     updates replay bit for bit in one process (MatrixStepRecorder), Muon stays within 1e-6 of
@@ -451,3 +453,70 @@ def _refusals() -> dict:
 def test_refused_by_name(name):
     got = _refusals()[name]
     assert got is not None and REFUSALS[name][1] in got, got
+
+
+# ---------------------------------------------------------------------------- fp16
+def _fp16_worker(rank, world, stage):
+    """fp16 with dynamic loss scaling, world 2, ep_size 2: 4 iterations, the second one's loss made
+    inf on rank 0 only (its gradients overflow there; the experts of rank 1 see it through the
+    all-to-all): every rank must skip that step (weights and rule state unchanged, the scale
+    halved), and every owner's other updates replay bit for bit."""
+    import deepspeed
+    import torch
+
+    import canzona_ds  # noqa: F401
+    from canzona_ds.integration.accelerator import allow_fp16
+    from canzona_ds.testing.models import MatrixStepRecorder, batches
+    from canzona_ds.testing.moe import TinyMoE, global_name, moe_ds_config, run_moe_engine
+
+    cfg = moe_ds_config(world, stage=stage, fp16={"enabled": True, "initial_scale_power": 8,
+                                                  "loss_scale_window": 1000, "hysteresis": 1})
+    with allow_fp16():
+        model = TinyMoE(EP, rank % EP)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        inner = engine.optimizer.optimizer
+        recorder = MatrixStepRecorder(inner)
+
+        def params():
+            return {global_name(n, rank % EP, 2): p.detach().float().clone() for n, p in engine.module.named_parameters()}
+
+        def state():
+            return {n: {k: v.clone() for k, v in st.items()} for n, st in inner.matrix_state.items()}
+
+        snaps, losses = [], []
+        for s, (x, y) in enumerate(batches(4, 2 * world)):
+            x, y = x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2]
+            loss = engine(x, y)
+            losses.append(float(loss.detach()))
+            if s == 1 and rank == 0:
+                loss = loss * torch.tensor(float("inf"))
+            engine.backward(loss)
+            before = (params(), state(), engine.optimizer.loss_scale)
+            engine.step()
+            snaps.append((before, (params(), state(), engine.optimizer.loss_scale), engine.skipped_steps))
+    # the fp32 run's first two losses (before the skipped step both runs see the same updates)
+    _, fp32_losses, _ = run_moe_engine(rank, world, EP, moe_ds_config(world, stage=stage), 2)
+    (bp, bs, bscale), (ap, as_, ascale), skipped = snaps[1]
+    same = all(torch.equal(bp[n], ap[n]) for n in bp) and bs.keys() == as_.keys() and \
+        all(torch.equal(bs[n][k], as_[n][k]) for n in bs for k in bs[n])
+    changed = [any(not torch.equal(b[0][n], a[0][n]) for n in b[0] if ".experts." in n) for b, a, _ in snaps]
+    return dict(same=same, scale=(bscale, ascale), skipped=skipped, changed=changed,
+                finite=all(torch.isfinite(v).all() for v in snaps[-1][1][0].values()),
+                losses=losses, fp32_losses=fp32_losses, replay=recorder.summary(),
+                steps=[g["step"] for g in inner.param_groups if g["canzona_role"] == "matrix"],
+                owned=sorted(inner.handled_names()))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_fp16_overflow_skipped_and_replayed(stage):
+    res = run_distributed(_fp16_worker, 2, stage)
+    for r in res:
+        assert r["same"] and r["skipped"] == 1 and r["scale"][1] < r["scale"][0], r
+        assert r["changed"] == [True, False, True, True] and r["finite"], r  # experts trained, step 2 skipped
+        assert r["steps"] == [3, 3], r  # dense and expert matrix groups: 4 iterations, one skipped
+        assert r["replay"]["replay_max_diff"] == 0.0 and r["replay"]["steps"] == 3, r["replay"]
+        assert all(np.isfinite(v) for v in r["losses"]), r["losses"]
+        assert max(abs(a - b) for a, b in zip(r["losses"], r["fp32_losses"])) < 0.01, (r["losses"], r["fp32_losses"])
+    for r in res:  # expert-DP groups of one rank: each rank owns its 2 local experts' 2 matrices
+        assert len([n for n in r["owned"] if ".experts." in n]) == 4, r["owned"]
+    print(f"fp16 ZeRO-{stage} losses: {[round(v, 4) for v in res[0]['losses']]}")
