@@ -126,7 +126,8 @@ def _train(rank, world, stage, opt_type, options):
                            same=[engine.expert_parallel_group["ep_size_2"] is ep,
                                  engine.expert_data_parallel_group["ep_size_2"] is edp,
                                  engine.module.moe.deepspeed_moe.ep_group is ep,
-                                 built["planned"][0] is ep, built["planned"][1] is edp, inner is engine.basic_optimizer])
+                                 built["planned"][0] is ep, built["planned"][1] is edp,
+                                 inner is engine.basic_optimizer])
     source = inner.groups.source
     parts = {name: [g.get("canzona_role"), g.get("moe", False)] for name, g in
              zip(["g%d" % i for i in range(len(inner.param_groups))], inner.param_groups)}
@@ -478,7 +479,8 @@ def _fp16_worker(rank, world, stage):
         recorder = MatrixStepRecorder(inner)
 
         def params():
-            return {global_name(n, rank % EP, 2): p.detach().float().clone() for n, p in engine.module.named_parameters()}
+            return {global_name(n, rank % EP, 2): p.detach().float().clone()
+                    for n, p in engine.module.named_parameters()}
 
         def state():
             return {n: {k: v.clone() for k, v in st.items()} for n, st in inner.matrix_state.items()}

@@ -159,7 +159,8 @@ def format_table(summary: dict) -> str:
                          f"{r['flops_lower_bound']:>8.3f}")
         if "joint" in x:
             r = x["joint"]
-            lines.append(f"{'joint (planner only)':<24}{r['flops_ratio']:>14.3f}{r['memory_ratio']:>13.3f}{r['padding_fraction']:>9.2%}"
+            lines.append(f"{'joint (planner only)':<24}{r['flops_ratio']:>14.3f}{r['memory_ratio']:>13.3f}"
+                         f"{r['padding_fraction']:>9.2%}"
                          f"{r['flops_lower_bound']:>8.3f}")
         lines.append("(ZeRO-1/2 keeps a stack whole on one owner; DeepSpeed MoE's experts are separate matrices "
                      "(per expert): docs/zero.md, 'Mixture of experts'"

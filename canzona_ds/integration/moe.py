@@ -85,8 +85,9 @@ def create_expert_groups(modules: list, ds_config, mpu=None) -> dict[str, tuple[
     what its ``set_deepspeed_parallelism`` -> ``_create_process_groups`` does with the ds_config's
     ``use_data_before_expert_parallelism``, except binding the group to the layer (the engine's own
     call does that, once).  ``_create_process_groups`` creates a group name only if it does not
-    exist, so the engine later finds and reuses these same group objects.  ``modules``: the model chunks.  Returns expert group name ->
-    (expert-parallel ranks, expert-data-parallel ranks) of this rank.
+    exist, so the engine later finds and reuses these same group objects.  ``modules``: the model
+    chunks.  Returns expert group name -> (expert-parallel ranks, expert-data-parallel ranks) of
+    this rank.
     """
     import deepspeed
     from deepspeed import comm as dist
