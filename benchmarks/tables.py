@@ -713,15 +713,18 @@ def moe_planned(d: Data) -> str:
     for model, rules in p["models"].items():
         for rule, entries in rules.items():
             for e in entries:
-                w, x = e["whole"], e["per_expert"]
+                w, x, j = e["whole"], e["per_expert"], e.get("joint")
                 rows.append([model, rule, str(e["dp"]), str(e["ep"]),
                              f"**{w['flops_ratio']:.3f}** / {w['memory_ratio']:.3f}", _pct(w["padding_fraction"]),
                              f"{w['flops_lower_bound']:.3f}", f"**{x['flops_ratio']:.3f}** / {x['memory_ratio']:.3f}",
-                             _pct(x["padding_fraction"])])
+                             _pct(x["padding_fraction"]),
+                             f"{j['flops_ratio']:.3f} / {j['memory_ratio']:.3f} ({_pct(j['padding_fraction'])})"
+                             if j else "-"])
     return _table(["model", "rule", "DP", "EP", f"whole stacks, E/EP per stack ({p['planner']}): FLOPs / memory "
                    "max/mean", "padding", "bound (largest unit)",
                    f"per expert ({p['per_expert_planner']} at EP 1, {p['planner']} at EP > 1): FLOPs / memory",
-                   "padding"], rows)
+                   "padding", "per expert, dense and experts seeded by each other's loads (lpt), PLANNER ONLY: "
+                   "FLOPs / memory (padding)"], rows)
 
 
 def moe_measured(d: Data) -> str:

@@ -71,6 +71,55 @@ def test_unknown_3d_parameter_is_refused_by_name():
         matrix_experts("moe.w1", (4, 8, 16))
 
 
+class _GroupedMLP(torch.nn.Module):
+    """Megatron-LM's GroupedMLP (moe_grouped_gemm) as it holds its weights: every expert of the
+    layer in one 2-D weight1 [hidden, E*ffn] and weight2 [E*ffn, hidden]."""
+
+    def __init__(self, hidden=8, ffn=6, experts=4):
+        super().__init__()
+        self.weight1 = torch.nn.Parameter(torch.randn(hidden, experts * ffn))
+        self.weight2 = torch.nn.Parameter(torch.randn(experts * ffn, hidden))
+
+
+def test_megatron_grouped_mlp_is_refused_by_name():
+    """A 2-D parameter held directly by an ``experts`` module (GroupedMLP's weight1/weight2) is
+    not one matrix: refused by name, naming what to use instead; the escape (AdamW) works."""
+    match = r"'decoder\.layers\.0\.mlp\.experts\.weight1' \[8, 24\]: Megatron-LM's GroupedMLP.*SequentialMLP.*" \
+            r"TEGroupedMLP.*matrix_exclude"
+    with pytest.raises(ValueError, match=match):
+        matrix_experts("decoder.layers.0.mlp.experts.weight1", (8, 24))
+    with pytest.raises(ValueError, match=r"'x\.experts\.w' \[4, 8\]: a 2-D parameter held directly by an 'experts'"):
+        matrix_experts("x.experts.w", (4, 8))
+    model = torch.nn.Module()
+    model.decoder = torch.nn.Module()
+    model.decoder.mlp = torch.nn.Module()
+    model.decoder.mlp.experts = _GroupedMLP()
+    model.decoder.mlp.router = torch.nn.Linear(8, 4, bias=False)
+    for build in (lambda cfg: CanzonaOptimizer(model.named_parameters(), cfg),
+                  lambda cfg: __import__("canzona_ds.optim.reference", fromlist=["x"]).ReferenceOptimizer(
+                      list(model.named_parameters()), cfg)):
+        with pytest.raises(ValueError, match=r"'decoder\.mlp\.experts\.weight1' \[8, 24\]: Megatron-LM's GroupedMLP"):
+            build(CanzonaConfig.from_ds("CanzonaMuon", {}))
+    from canzona_ds.planning.params import specs_from_module
+
+    with pytest.raises(ValueError, match="GroupedMLP"):
+        specs_from_module(model)
+    opt = CanzonaOptimizer(model.named_parameters(),
+                           CanzonaConfig.from_ds("CanzonaMuon", {"matrix_exclude": ["experts.weight"]}))
+    assert opt.matrix_names == ["decoder.mlp.router.weight"]
+
+
+@pytest.mark.parametrize("name,shape,experts", [
+    ("model.layers.0.mlp.experts.gate_up_proj", (4, 32, 16), 4),                  # transformers 5 stack
+    ("moe.deepspeed_moe.experts.deepspeed_experts.0.0.weight", (24, 16), None),  # DeepSpeed MoE expert
+    ("decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight", (12, 8), None),  # SequentialMLP
+    ("decoder.layers.0.mlp.experts.linear_fc1.weight1", (12, 8), None),          # TEGroupedMLP: expert 1
+    ("model.layers.0.mlp.experts.0.gate_proj.weight", (12, 8), None),             # transformers 4 experts
+])
+def test_per_expert_parameters_are_unaffected(name, shape, experts):
+    assert matrix_experts(name, shape) == experts
+
+
 def test_stack_that_disagrees_with_num_experts_is_refused():
     with pytest.raises(ValueError, match=r"'mlp\.experts\.down_proj' \[8, 32, 16\].*dim 0 \(8\).*num_experts=4"):
         matrix_experts("mlp.experts.down_proj", (8, 32, 16), num_experts=4)

@@ -7,7 +7,7 @@ them, hosted matrices cut at chunk boundaries and updated over the DP group.
   than the atomic plan's, fewer bytes per step;
 * real processes (gloo) with ``layout: "mixed"`` (the tiny model hosts 1 matrix at DP=2, 3 at
   DP=4): every rule, ZeRO stage 1 and 2, against the single-process reference: bit for bit at
-  DP=2 (clipping and gradient accumulation included); bf16 weights replayed; at DP=4 gloo's 4-rank sum differs by ~1 ulp, so Muon within 1e-6
+  DP=2 (clipping, gradient accumulation and CPU offload included); bf16 weights replayed; at DP=4 gloo's 4-rank sum differs by ~1 ulp, so Muon within 1e-6
   end to end and every rule's updates replayed in one process from the gradients each
   matrix saw (owned: on its owner; hosted: its pieces joined), bit for bit; the inner
   optimizer step issues exactly the plan's all-to-alls and sends the plan's bytes;
@@ -212,11 +212,13 @@ def _replay(opt, records: list[list[dict]]) -> float:
     return worst
 
 
-def _one(rank, dp, opt_type, stage, clip, bf16=False, gas=1):
+def _one(rank, dp, opt_type, stage, clip, bf16=False, gas=1, offload=False):
     from canzona_ds.testing.comm import CommCounter
 
     params = dict(HP[opt_type], layout="mixed")
     extra = {"bf16": {"enabled": True}} if bf16 else {}
+    if offload:  # the fp32 partition (and the pieces of hosted matrices) in host memory, DeepSpeed's CPU offload
+        extra["zero_optimization"] = {"offload_optimizer": {"device": "cpu"}}
     cfg = ds_config(dp, gas=gas, optimizer=opt_type, params=params, stage=stage, gradient_clipping=clip, **extra)
     counted, sent, hooks = [], [], {}
 
@@ -266,7 +268,9 @@ def _scenarios_worker(rank, dp, scenarios):
     return out
 
 
-DP2 = [(t, s, 0.0) for t in TYPES for s in (1, 2)] + [("CanzonaMuon", 1, 0.05), ("CanzonaShampoo", 2, 0.0, False, 2)]
+DP2 = [(t, s, 0.0) for t in TYPES for s in (1, 2)] + [("CanzonaMuon", 1, 0.05), ("CanzonaShampoo", 2, 0.0, False, 2),
+                                                     ("CanzonaMuon", 1, 0.0, False, 1, True),
+                                                     ("CanzonaSOAP", 2, 0.0, False, 1, True)]
 DP4 = [(t, 1, 0.0) for t in TYPES] + [("CanzonaMuon", 2, 0.0), ("CanzonaSOAP", 2, 0.0, True)]
 
 
@@ -293,7 +297,8 @@ def _check(dp, sc):
     return res
 
 
-@pytest.mark.parametrize("sc", DP2, ids=[f"{sc[0]}-stage{sc[1]}" + ("-clip" if sc[2] else "") + ("-gas2" if sc[4:] else "")
+@pytest.mark.parametrize("sc", DP2, ids=[f"{sc[0]}-stage{sc[1]}" + ("-clip" if sc[2] else "") +
+                                        ("-gas2" if sc[4:5] == (2,) else "") + ("-offload" if sc[5:] else "")
                                         for sc in DP2])
 def test_mixed_dp2_is_bit_exact(sc):
     res = _check(2, sc)

@@ -8,8 +8,12 @@ Tolerances (fp32):
   * world 2, ep_size 2 (expert-DP groups of one rank, dense sums of two terms): bit-exact
     (rtol=atol=0) for every type at ZeRO 1 and 2, through DeepSpeed's own MoE grouping and the
     model.parameters() path, with a Megatron-style mpu (TP=1), and with gradient clipping
-    active (torch's clip_grad_norm_ over the whole model); ZeRO 0 likewise.  bf16: each
+    active (torch's clip_grad_norm_ over the whole model); ZeRO 0 likewise, also with
+    Megatron-DeepSpeed's stage-0 client optimizer (build_tp_optimizer before deepspeed.initialize:
+    it creates DeepSpeed's expert groups, which the engine must reuse, same objects and ranks).  bf16: each
     owner's updates replayed bit for bit, losses within 0.02 of the fp32 run's.
+    fp16 (ZeRO 1 and 2): an overflow on one rank is skipped on every rank, the other updates
+    replayed bit for bit.
   * world 4, ep_size 2: the expert-DP sums have two terms, the dense sums four (gloo's order,
     ~1 ulp): after the first step every expert matrix is bit-exact; over 3 steps each owner's
     updates replay bit for bit in one process (MatrixStepRecorder), Muon stays within 1e-6 of
@@ -47,9 +51,14 @@ SCENARIOS_2.update({
     "z1_muon_clip": (1, "CanzonaMuon", {"clip": CLIP}),
     "z0_muon_clip": (0, "CanzonaMuon", {"clip": CLIP}),
     "z0_shampoo": (0, "CanzonaShampoo", {}),
+    # Megatron-DeepSpeed's stage-0 client optimizer (build_tp_optimizer before deepspeed.initialize):
+    # with its mpu and clipping, and without an mpu (DeepSpeed's own groups)
+    "z0_muon_client_mpu_clip": (0, "CanzonaMuon", {"client": True, "mpu": True, "clip": CLIP}),
+    "z0_soap_client": (0, "CanzonaSOAP", {"client": True}),
 })
 SCENARIOS_4 = {f"z{stage}_{t}": (stage, t, {}) for stage in (1, 2) for t in TYPES}
 SCENARIOS_4["z1_muon_clip"] = (1, "CanzonaMuon", {"clip": CLIP})
+SCENARIOS_4["z0_muon_client_mpu"] = (0, "CanzonaMuon", {"client": True, "mpu": True})
 
 
 def _train(rank, world, stage, opt_type, options):
@@ -77,6 +86,27 @@ def _train(rank, world, stage, opt_type, options):
         if step == 1:
             first.update(params)
 
+    built = {}
+    if options.get("client"):
+        # the expert groups must not exist yet (an earlier scenario of this process made them):
+        # build_tp_optimizer creates them, deepspeed.initialize must reuse the same objects
+        from deepspeed.utils import groups as ds_groups
+
+        for d in (ds_groups._EXPERT_PARALLEL_GROUP, ds_groups._EXPERT_PARALLEL_GROUP_RANKS,
+                  ds_groups._EXPERT_DATA_PARALLEL_GROUP, ds_groups._EXPERT_DATA_PARALLEL_GROUP_RANKS):
+            d.clear()
+        if not options.get("mpu"):  # nor an mpu an earlier scenario handed DeepSpeed (a fresh process has none)
+            ds_groups.mpu = None
+
+    def after_build(model, optimizer):
+        from deepspeed.utils import groups as ds_groups
+
+        built.update(ep=dict(ds_groups._EXPERT_PARALLEL_GROUP), edp=dict(ds_groups._EXPERT_DATA_PARALLEL_GROUP),
+                     ranks=[list(ds_groups._get_expert_parallel_group_ranks("ep_size_2")),
+                            list(ds_groups._get_expert_data_parallel_group_ranks("ep_size_2"))],
+                     planned=(optimizer.groups.expert("ep_size_2").ep_group,
+                              optimizer.groups.expert("ep_size_2").edp_group))
+
     mpu = None
     if options.get("mpu"):
         from canzona_ds.testing import megatron_standin
@@ -86,8 +116,18 @@ def _train(rank, world, stage, opt_type, options):
     extra = {"bf16": {"enabled": True}} if options.get("bf16") else {}
     cfg = moe_ds_config(world, optimizer=opt_type, stage=stage, gradient_clipping=options.get("clip", 0.0), **extra)
     params, losses, engine = run_moe_engine(rank, world, EP, cfg, STEPS, groups=options.get("groups", False),
-                                            after_init=attach, after_step=after_step, mpu=mpu)
+                                            after_init=attach, after_step=after_step, mpu=mpu,
+                                            client=options.get("client", False), after_build=after_build)
     inner = engine.optimizer.optimizer if stage else engine.optimizer
+    same_groups = None
+    if options.get("client"):  # the engine found and reused the groups build_tp_optimizer created
+        ep, edp = built["ep"]["ep_size_2"], built["edp"]["ep_size_2"]
+        same_groups = dict(ranks=built["ranks"], names=sorted(built["ep"]),
+                           same=[engine.expert_parallel_group["ep_size_2"] is ep,
+                                 engine.expert_data_parallel_group["ep_size_2"] is edp,
+                                 engine.module.moe.deepspeed_moe.ep_group is ep,
+                                 built["planned"][0] is ep, built["planned"][1] is edp,
+                                 inner is engine.basic_optimizer])
     source = inner.groups.source
     parts = {name: [g.get("canzona_role"), g.get("moe", False)] for name, g in
              zip(["g%d" % i for i in range(len(inner.param_groups))], inner.param_groups)}
@@ -95,7 +135,7 @@ def _train(rank, world, stage, opt_type, options):
                 owned=sorted(inner.handled_names()) if stage else [],
                 replay=recorder[0].summary() if recorder else None,
                 plans={str(k): v.world_size for k, v in inner.plans.items()},
-                zero_class=type(engine.optimizer).__name__, source=source)
+                zero_class=type(engine.optimizer).__name__, source=source, same_groups=same_groups)
 
 
 def _world_worker(rank, world, scenarios):
@@ -168,7 +208,12 @@ def test_world2_ep2_bit_exact(name):
             assert r["replay"]["replay_max_diff"] == 0.0 and r["replay"]["steps"] == STEPS, r["replay"]
             continue
         _assert_equal(r["params"], ref, name)
-        assert r["source"] == ("mpu" if SCENARIOS_2[name][2].get("mpu") else "dp")
+        options = SCENARIOS_2[name][2]
+        assert r["source"] == ("mpu" if options.get("mpu") else "dp")
+    for rank, r in enumerate(res):
+        if SCENARIOS_2[name][2].get("client"):  # world 2, ep 2: expert-parallel {0, 1}, expert-DP {rank}
+            assert r["same_groups"] == dict(ranks=[[0, 1], [rank]], names=["ep_size_2"], same=[True] * 6), \
+                r["same_groups"]
     _check_structure(res, 2, stage)
     if SCENARIOS_2[name][2].get("bf16"):
         fp32 = _results(2, "z1_CanzonaMuon")
@@ -184,7 +229,12 @@ def test_world4_ep2(name):
     ref, ref_first = res[0]["ref"], res[0]["ref_first"]
     for r in res:  # after one step the experts (two-term expert-DP sums) are bit-exact
         _assert_equal({n: v for n, v in r["first"].items() if ".experts." in n}, ref_first, f"{name} step 1")
-        assert r["replay"]["replay_max_diff"] == 0.0 and r["replay"]["steps"] == STEPS, r["replay"]
+        if stage:
+            assert r["replay"]["replay_max_diff"] == 0.0 and r["replay"]["steps"] == STEPS, r["replay"]
+    for rank, r in enumerate(res):
+        if SCENARIOS_4[name][2].get("client"):  # expert-parallel {0,1} {2,3}, expert-DP {0,2} {1,3}
+            assert r["same_groups"] == dict(ranks=[[rank // 2 * 2, rank // 2 * 2 + 1], [rank % 2, rank % 2 + 2]],
+                                            names=["ep_size_2"], same=[True] * 6), r["same_groups"]
     dev = max(float(np.abs(r["params"][n] - ref[n]).max()) for r in res for n in r["params"])
     print(f"{name} world 4: max |param - reference| after {STEPS} steps = {dev:.3g}")
     if opt_type == "CanzonaMuon":
@@ -354,8 +404,8 @@ REFUSALS = {
     "offload": ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, "offload_optimizer"),
     "group_settings": ({"zero_optimization": {"stage": 1}, "_groups": "weight_decay"}, "'weight_decay'"),
     "moe_group_with_dense": ({"zero_optimization": {"stage": 1}, "_groups": "bad_moe"}, "non-expert parameters"),
-    # Megatron-DeepSpeed's stage-0 client optimizer is built before DeepSpeed creates the expert groups
-    "megatron_stage0_client": ({"zero_optimization": {"stage": 0}, "_groups": "client"}, "stage-0 client"),
+    # the stage-0 client optimizer creates the expert groups with its mpu: another one already in DeepSpeed
+    "client_other_mpu": ({"zero_optimization": {"stage": 0}, "_groups": "client_other_mpu"}, "already another mpu"),
 }
 
 
@@ -376,10 +426,18 @@ def _refusal_worker(rank, world):
         elif groups == "bad_moe":
             params = [{"params": params, "name": "ep_size_2", "moe": True}]
         try:
-            if groups == "client":
-                from canzona_ds.integration.megatron import build_tp_optimizer
+            if groups == "client_other_mpu":
+                from deepspeed.utils import groups as ds_groups
 
-                build_tp_optimizer(model, moe_ds_config(world, **extra))
+                from canzona_ds.integration.megatron import build_tp_optimizer
+                from canzona_ds.testing import megatron_standin
+
+                megatron_standin.initialize_model_parallel(1)
+                saved, ds_groups.mpu = ds_groups.mpu, object()
+                try:
+                    build_tp_optimizer(model, moe_ds_config(world, **extra), mpu=megatron_standin.mpu)
+                finally:
+                    ds_groups.mpu = saved
             deepspeed.initialize(model=model, model_parameters=params, config=moe_ds_config(world, **extra))
             out[name] = None
         except Exception as e:  # noqa: BLE001
@@ -396,3 +454,71 @@ def _refusals() -> dict:
 def test_refused_by_name(name):
     got = _refusals()[name]
     assert got is not None and REFUSALS[name][1] in got, got
+
+
+# ---------------------------------------------------------------------------- fp16
+def _fp16_worker(rank, world, stage):
+    """fp16 with dynamic loss scaling, world 2, ep_size 2: 4 iterations, the second one's loss made
+    inf on rank 0 only (its gradients overflow there; the experts of rank 1 see it through the
+    all-to-all): every rank must skip that step (weights and rule state unchanged, the scale
+    halved), and every owner's other updates replay bit for bit."""
+    import deepspeed
+    import torch
+
+    import canzona_ds  # noqa: F401
+    from canzona_ds.integration.accelerator import allow_fp16
+    from canzona_ds.testing.models import MatrixStepRecorder, batches
+    from canzona_ds.testing.moe import TinyMoE, global_name, moe_ds_config, run_moe_engine
+
+    cfg = moe_ds_config(world, stage=stage, fp16={"enabled": True, "initial_scale_power": 8,
+                                                  "loss_scale_window": 1000, "hysteresis": 1})
+    with allow_fp16():
+        model = TinyMoE(EP, rank % EP)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        inner = engine.optimizer.optimizer
+        recorder = MatrixStepRecorder(inner)
+
+        def params():
+            return {global_name(n, rank % EP, 2): p.detach().float().clone()
+                    for n, p in engine.module.named_parameters()}
+
+        def state():
+            return {n: {k: v.clone() for k, v in st.items()} for n, st in inner.matrix_state.items()}
+
+        snaps, losses = [], []
+        for s, (x, y) in enumerate(batches(4, 2 * world)):
+            x, y = x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2]
+            loss = engine(x, y)
+            losses.append(float(loss.detach()))
+            if s == 1 and rank == 0:
+                loss = loss * torch.tensor(float("inf"))
+            engine.backward(loss)
+            before = (params(), state(), engine.optimizer.loss_scale)
+            engine.step()
+            snaps.append((before, (params(), state(), engine.optimizer.loss_scale), engine.skipped_steps))
+    # the fp32 run's first two losses (before the skipped step both runs see the same updates)
+    _, fp32_losses, _ = run_moe_engine(rank, world, EP, moe_ds_config(world, stage=stage), 2)
+    (bp, bs, bscale), (ap, as_, ascale), skipped = snaps[1]
+    same = all(torch.equal(bp[n], ap[n]) for n in bp) and bs.keys() == as_.keys() and \
+        all(torch.equal(bs[n][k], as_[n][k]) for n in bs for k in bs[n])
+    changed = [any(not torch.equal(b[0][n], a[0][n]) for n in b[0] if ".experts." in n) for b, a, _ in snaps]
+    return dict(same=same, scale=(bscale, ascale), skipped=skipped, changed=changed,
+                finite=all(torch.isfinite(v).all() for v in snaps[-1][1][0].values()),
+                losses=losses, fp32_losses=fp32_losses, replay=recorder.summary(),
+                steps=[g["step"] for g in inner.param_groups if g["canzona_role"] == "matrix"],
+                owned=sorted(inner.handled_names()))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_fp16_overflow_skipped_and_replayed(stage):
+    res = run_distributed(_fp16_worker, 2, stage)
+    for r in res:
+        assert r["same"] and r["skipped"] == 1 and r["scale"][1] < r["scale"][0], r
+        assert r["changed"] == [True, False, True, True] and r["finite"], r  # experts trained, step 2 skipped
+        assert r["steps"] == [3, 3], r  # dense and expert matrix groups: 4 iterations, one skipped
+        assert r["replay"]["replay_max_diff"] == 0.0 and r["replay"]["steps"] == 3, r["replay"]
+        assert all(np.isfinite(v) for v in r["losses"]), r["losses"]
+        assert max(abs(a - b) for a, b in zip(r["losses"], r["fp32_losses"])) < 0.01, (r["losses"], r["fp32_losses"])
+    for r in res:  # expert-DP groups of one rank: each rank owns its 2 local experts' 2 matrices
+        assert len([n for n in r["owned"] if ".experts." in n]) == 4, r["owned"]
+    print(f"fp16 ZeRO-{stage} losses: {[round(v, 4) for v in res[0]['losses']]}")

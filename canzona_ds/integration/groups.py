@@ -64,9 +64,16 @@ def groups_from_mpu(mpu, source: str = "mpu") -> ParallelGroups:
 
 
 def groups_from_deepspeed() -> ParallelGroups:
-    """The groups DeepSpeed created for AutoTP (``deepspeed.utils.groups``)."""
+    """The groups DeepSpeed created for AutoTP (``deepspeed.utils.groups``); where DeepSpeed has no
+    tensor-parallel group and no mpu (plain data parallelism, e.g. a client optimizer built before
+    ``deepspeed.initialize`` without an mpu), its data-parallel group, as the engine will take it."""
+    from deepspeed import comm as dist
     from deepspeed.utils import groups
 
+    if groups.mpu is None and groups.mesh_device is None and groups._TENSOR_MODEL_PARALLEL_GROUP is None:
+        dp = groups._get_data_parallel_group()
+        return ParallelGroups(dp_size=dist.get_world_size(group=dp), dp_rank=dist.get_rank(group=dp), dp_group=dp,
+                              source="dp")
     return groups_from_mpu(groups, source="autotp")
 
 

@@ -7,7 +7,9 @@
 2. ZeRO stage 0 client optimizer.  :func:`build_tp_optimizer` turns a model (Megatron-
    marked or AutoTP parameters) and a ds_config into a :class:`CanzonaOptimizer` whose
    TP-split matrices go through the micro-group runtime and whose other parameters are
-   updated locally (every DP rank steps everything: ZeRO stage 0)::
+   updated locally (every DP rank steps everything: ZeRO stage 0).  With DeepSpeed MoE layers
+   it first creates DeepSpeed's expert groups as the engine would (``moe.create_expert_groups``,
+   with the mpu given), which ``deepspeed.initialize`` then reuses::
 
        "optimizer": {"type": "CanzonaMuon" | "CanzonaShampoo" | "CanzonaSOAP", "params": {...}},
        "canzona_tp": {"scheduler": "lpt_rollback", "c_max": null, "pipelined": true, "cost": "numel"}
@@ -92,15 +94,12 @@ def build_tp_optimizer(model, ds_config: Mapping[str, Any], mpu=None) -> Canzona
         chunk_named = [(n, p) for n, p in chunk.named_parameters() if p.requires_grad]
         named += [(prefix + n, p) for n, p in chunk_named]
         modules.append((chunk, chunk_named))
-    from .moe import expert_partitions
+    from .moe import create_expert_groups, expert_partitions
 
-    experts = expert_partitions(named)
-    if experts:
-        raise ValueError(
-            f"{len(experts)} parameters are DeepSpeed MoE experts (e.g. {next(iter(experts))!r}): a stage-0 client "
-            "optimizer is built before deepspeed.initialize creates the expert groups. Use zero_optimization.stage 1 "
-            "or 2 (patch_megatron_training lets DeepSpeed build the optimizer; docs/moe.md), or no client optimizer "
-            "at stage 0 (ds_config optimizer type).")
+    if expert_partitions(named):
+        # DeepSpeed MoE: the expert groups the engine would create in deepspeed.initialize, created
+        # now (with this mpu), so the experts are planned over them and the engine reuses them
+        create_expert_groups(chunks, ds_config, mpu)
     groups = groups_from_mpu(mpu) if mpu is not None else groups_from_deepspeed()
     # the same builder as the ds_config path: settings agreement, config checks, head tagging
     opt = build_optimizer(named, cfg, groups, RunSettings.from_ds_config(ds_config), modules=modules)

@@ -74,6 +74,54 @@ def moe_layers(modules: list) -> dict[str, tuple[int, str]]:
     return out
 
 
+def create_expert_groups(modules: list, ds_config, mpu=None) -> dict[str, tuple[list, list]]:
+    """Create DeepSpeed's expert groups before ``deepspeed.initialize``, exactly as the engine will.
+
+    A client optimizer (Megatron-DeepSpeed's stage-0 path, :func:`megatron.build_tp_optimizer`)
+    is built before the engine exists, so before DeepSpeed has created the expert-parallel and
+    expert-data-parallel groups its expert parameters are planned over.  This does what
+    ``DeepSpeedEngine._configure_distributed_model`` does (DeepSpeed 0.19.8): set
+    ``deepspeed.utils.groups.mpu`` to the user's mpu, then, for every ``deepspeed.moe.layer.MoE``,
+    what its ``set_deepspeed_parallelism`` -> ``_create_process_groups`` does with the ds_config's
+    ``use_data_before_expert_parallelism``, except binding the group to the layer (the engine's own
+    call does that, once).  ``_create_process_groups`` creates a group name only if it does not
+    exist, so the engine later finds and reuses these same group objects.  ``modules``: the model
+    chunks.  Returns expert group name -> (expert-parallel ranks, expert-data-parallel ranks) of
+    this rank.
+    """
+    import deepspeed
+    from deepspeed import comm as dist
+    from deepspeed.moe.layer import MoE
+    from deepspeed.runtime.config import get_expert_data_topo_config
+    from deepspeed.utils import groups as ds_groups
+
+    if not dist.is_initialized():
+        deepspeed.init_distributed()
+    if mpu is not None:
+        if ds_groups.mpu is not None and ds_groups.mpu is not mpu:
+            raise ValueError(f"deepspeed.utils.groups.mpu is already another mpu ({type(ds_groups.mpu).__name__}); "
+                             "pass the same mpu to build_tp_optimizer and deepspeed.initialize.")
+        ds_groups.mpu = mpu
+    before = bool(get_expert_data_topo_config(dict(ds_config)))
+    names = set()
+    for module in modules:
+        for _, m in module.named_modules():
+            if not isinstance(m, MoE):
+                continue
+            names.add(m.expert_group_name)
+            # MoE._create_process_groups without its last line (the layer's _set_ep_group, which
+            # the engine's own set_deepspeed_parallelism call does and which may run only once)
+            if m.expert_group_name in ds_groups._get_expert_parallel_group_dict():
+                continue
+            if ds_groups.mpu is None or not m.enable_expert_tensor_parallelism:
+                ds_groups._create_expert_and_data_parallel(m.ep_size, use_data_before_expert_parallel_=before)
+            else:
+                ds_groups._create_expert_data_and_model_parallel(m.ep_size, mpu=ds_groups.mpu,
+                                                                 use_data_before_expert_parallel_=before)
+    return {name: (list(ds_groups._get_expert_parallel_group_ranks(name)),
+                   list(ds_groups._get_expert_data_parallel_group_ranks(name))) for name in sorted(names)}
+
+
 def moe_info(named: list, modules: list, groups: ParallelGroups) -> MoEInfo:
     """The partitions and whole-model names of ``named``'s expert parameters (see the module
     docstring); every expert parameter must lie inside a ``deepspeed.moe.layer.MoE``."""

@@ -17,7 +17,8 @@ What is planned (shared by ``canzona-plan`` and ``benchmarks/plan_sweep.py``):
          is DeepSpeed MoE's (:func:`plan_expert_parallel`): each expert-parallel rank holds E/ep
          experts of every stack, planned over its expert-data-parallel group (dp/ep ranks), the
          dense matrices over all dp ranks, and a DP rank's load is its dense share plus its
-         expert share.
+         expert share.  ``joint`` (ep > 1, PLANNER ONLY: the runtime does not plan this way) plans
+         the two partitions with each other's per-rank loads as seeds (:func:`_joint_plans`).
 """
 from __future__ import annotations
 
@@ -173,20 +174,58 @@ def local_experts(mats, ep: int, per_expert: bool) -> list:
     return out
 
 
-def plan_expert_parallel(mats, dp: int, ep: int, planner: str, cost: str, cost_model, per_expert: bool) -> dict:
+#: rounds of :func:`plan_expert_parallel`'s ``joint`` variant (each: experts seeded by the dense
+#: loads, then dense seeded by the expert loads; the best round is kept)
+JOINT_ROUNDS = 4
+
+
+def _joint_plans(dense, experts, dp: int, ep: int, cost: str, cost_model) -> dict:
+    """PLANNER ONLY (the runtime plans each partition on its own): LPT plans of the dense matrices
+    over dp ranks and of one EP rank's experts over dp/ep expert-DP ranks, each seeded with the
+    load the other partition puts on its ranks.  An expert-DP rank k is shared by DP ranks
+    k*ep .. k*ep+ep-1 (one plan serves every EP rank), so its seed is the largest dense load
+    among them; a DP rank's dense seed is its expert-DP rank's expert load.  Starts from the
+    unseeded dense plan; keeps the round with the lowest busiest-rank load."""
+    from .dp import plan_lpt
+
+    d_loads = cost_vector(dense, cost=cost, model=cost_model) if dense else []
+    e_loads = cost_vector(experts, cost=cost, model=cost_model) if experts else []
+    edp = dp // ep
+    best, best_max = None, None
+    d_plan = plan_lpt(dense, dp, d_loads, cost) if dense else None
+    for _ in range(JOINT_ROUNDS):
+        d_rank = d_plan.rank_load if d_plan is not None else [0.0] * dp
+        seed_e = [max(d_rank[k * ep:(k + 1) * ep]) for k in range(edp)]
+        e_plan = plan_lpt(experts, edp, e_loads, cost, initial=seed_e) if experts else None
+        e_rank = e_plan.rank_load if e_plan is not None else [0.0] * edp
+        if dense:
+            d_plan = plan_lpt(dense, dp, d_loads, cost, initial=[e_rank[r // ep] for r in range(dp)])
+        d_rank = d_plan.rank_load if d_plan is not None else [0.0] * dp
+        busiest = max(d_rank[r] + e_rank[r // ep] for r in range(dp))
+        if best_max is None or busiest < best_max:
+            best, best_max = {k: v for k, v in (("dense", d_plan), ("experts", e_plan)) if v is not None}, busiest
+    return best
+
+
+def plan_expert_parallel(mats, dp: int, ep: int, planner: str, cost: str, cost_model, per_expert: bool,
+                         joint: bool = False) -> dict:
     """DeepSpeed MoE's plan at expert-parallel size ``ep``: the dense matrices planned over all
     ``dp`` ranks, one expert-parallel rank's experts (:func:`local_experts`) over its
     expert-data-parallel group of dp/ep ranks (every EP rank alike: one plan serves all).  DP rank
     r is expert-parallel rank r % ep and expert-DP rank r // ep (DeepSpeed's groups: ranks
     {0..ep-1} hold different experts), so its load is ``dense[r] + experts[r // ep]``.  Ratios are
     max over the dp ranks / (useful total / dp); padding = (dense buffer + ep expert buffers) /
-    useful elements - 1; ``flops_lower_bound``: the largest unit over the mean rank."""
+    useful elements - 1; ``flops_lower_bound``: the largest unit over the mean rank.
+    ``joint``: PLANNER ONLY, not what the runtime does: the two partitions planned with each
+    other's loads as seeds (:func:`_joint_plans`, LPT on ``cost``; ``planner`` is not used)."""
     check_ep(ep, dp, mats)
     dense = [s for s in mats if s.num_experts is None]
     experts = local_experts(mats, ep, per_expert)
     plans = {}
+    if joint:
+        plans = _joint_plans(dense, experts, dp, ep, cost, cost_model)
     for key, specs, world in (("dense", dense, dp), ("experts", experts, dp // ep)):
-        if specs:
+        if specs and not joint:
             # the runtime relabels ranks so that rank 0 owns a matrix (optim/optimizer.py _plan)
             plans[key] = plan_dp(specs, world, planner=planner, cost=cost, model=cost_model).nonempty_first()
     out: dict = {"ep": ep, "expert_dp": dp // ep, "units": {"dense": len(dense), "experts_per_ep_rank": len(experts)}}
@@ -226,7 +265,10 @@ def _expert_stacks(whole: OwnershipPlan, mats, stacks, dp: int, planner: str, co
     if ep > 1:  # a few hundred experts per EP rank: the runtime's planner is quick
         w = plan_expert_parallel(mats, dp, ep, planner, cost, cost_model, per_expert=False)
         x = plan_expert_parallel(mats, dp, ep, planner, cost, cost_model, per_expert=True)
-        return {**head, "whole": {k: w[k] for k in keys}, "per_expert": {k: x[k] for k in keys}}
+        j = plan_expert_parallel(mats, dp, ep, planner, cost, cost_model, per_expert=True, joint=True)
+        # "joint": PLANNER ONLY (the runtime plans the dense and expert partitions on their own)
+        return {**head, "whole": {k: w[k] for k in keys}, "per_expert": {k: x[k] for k in keys},
+                "joint": {**{k: j[k] for k in keys}, "planner_only": True, "planner": "lpt, seeded"}}
     # lpt: thousands of experts make multi_lpt slow (minutes at 12k units), and lpt already
     # balances them to within a percent
     split = plan_dp(split_experts(mats), dp, planner=PER_EXPERT_PLANNER, cost=cost, model=cost_model)

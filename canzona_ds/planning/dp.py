@@ -210,15 +210,21 @@ def plan_lpt(
     world_size: int,
     loads: Sequence[float],
     cost_model: str = "numel",
+    initial: Sequence[float] | None = None,
 ) -> OwnershipPlan:
     """Global LPT: heaviest matrix first onto the least-loaded rank (ties: lower numel, rank).
 
-    Inside a rank, parameters keep their original model order.
+    Inside a rank, parameters keep their original model order.  ``initial``: a load each rank
+    already carries from elsewhere (another partition's plan), counted when choosing the
+    least-loaded rank and not part of the plan's own loads.
     """
     t0 = time.perf_counter()
     _validate(specs, world_size, None)
+    if initial is not None and len(initial) != world_size:
+        raise ValueError(f"plan_lpt: initial has {len(initial)} loads for world_size={world_size}.")
     order = sorted(range(len(specs)), key=lambda i: (-loads[i], -specs[i].numel, i))
-    heap = [(0.0, 0, r) for r in range(world_size)]
+    heap = [(float(initial[r]) if initial is not None else 0.0, 0, r) for r in range(world_size)]
+    heapq.heapify(heap)
     rank_params: list[list[int]] = [[] for _ in range(world_size)]
     for i in order:
         load, numel, r = heapq.heappop(heap)

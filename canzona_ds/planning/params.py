@@ -96,9 +96,16 @@ def matrix_experts(name: str, shape: Sequence[int], declared: Iterable[str] = ()
                                               ``w1`` [E, H, I]) would be flattened into one wrong
                                               matrix
 
+        2-D held directly by an ``experts``  refused by name (:func:`grouped_experts_error`):
+        module (``...experts.weight1``)       Megatron-LM's GroupedMLP keeps all of a layer's
+                                              experts in one 2-D tensor; as one matrix its update
+                                              would not be E expert updates
+
     ``num_experts``: the model's number of experts (its config's, or ds_config's); None = not
     checked."""
     shape = tuple(shape)
+    if len(shape) == 2 and grouped_experts(name):
+        raise ValueError(grouped_experts_error(name, shape))
     if len(shape) < 3:
         return None
     if expert_stack(name, shape, declared):
@@ -117,6 +124,29 @@ def matrix_experts(name: str, shape: Sequence[int], declared: Iterable[str] = ()
                      f"experts (a path component {EXPERTS_COMPONENT!r}). If dim 0 indexes experts, list a fragment of "
                      "its name in the optimizer params' expert_params; otherwise send it to AdamW with "
                      "matrix_exclude.")
+
+
+def grouped_experts(name: str) -> bool:
+    """A parameter held directly by a module named ``experts`` (not by one expert inside it):
+    Megatron-LM's GroupedMLP (``moe_grouped_gemm``: ``...mlp.experts.weight1`` [hidden, E*ffn],
+    ``...mlp.experts.weight2`` [E*ffn, hidden]), transformers 5's 3-D stacks.  DeepSpeed MoE's
+    (``experts.deepspeed_experts.<e>.<layer>.weight``), Megatron's SequentialMLP
+    (``experts.local_experts.<e>.linear_fc1.weight``) and TEGroupedMLP
+    (``experts.linear_fc1.weight<e>``) experts are 2-D parameters of their own, below it."""
+    parts = name.lower().split(".")
+    return len(parts) >= 2 and parts[-2] == EXPERTS_COMPONENT
+
+
+def grouped_experts_error(name: str, shape: Sequence[int]) -> str:
+    grouped = name.split(".")[-1] in ("weight1", "weight2")
+    what = ("Megatron-LM's GroupedMLP (moe_grouped_gemm) keeps all of a layer's experts in one 2-D weight1 "
+            "[hidden, E*ffn] / weight2 [E*ffn, hidden], viewed as E expert matrices only in its forward"
+            if grouped else "a 2-D parameter held directly by an 'experts' module holds all of its experts")
+    return (f"Parameter {name!r} {list(shape)}: {what}; updated as ONE matrix it would not get E expert updates "
+            "(no silent flattening). Give each expert its own parameter instead: Megatron's SequentialMLP (no "
+            "--moe-grouped-gemm), TEGroupedMLP (Transformer Engine: linear_fc1.weight<e> per expert), DeepSpeed MoE "
+            "(deepspeed.moe.layer.MoE), or a 3-D [E, out, in] stack under an 'experts' module; or send it to AdamW "
+            "with matrix_exclude.")
 
 
 def model_num_experts(module) -> int | None:

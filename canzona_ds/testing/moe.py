@@ -197,12 +197,16 @@ def _shapes(num_experts: int) -> dict:
 
 
 def run_moe_engine(rank: int, world: int, ep_size: int, cfg: dict, steps: int, micro: int = 2, seed: int = 0,
-                   groups: bool = False, after_init=None, data: list | None = None, after_step=None, mpu=None):
+                   groups: bool = False, after_init=None, data: list | None = None, after_step=None, mpu=None,
+                   client: bool = False, after_build=None):
     """Train the tiny MoE model on a DeepSpeed engine; return (whole-model-named parameters of
     this rank, losses, engine).  ``groups``: pass DeepSpeed's own MoE param groups
     (split_params_into_different_moe_groups_for_optimizer) instead of the parameters (which
     deepspeed.initialize splits the same way itself); ``after_step(step, parameters)``; ``mpu``: a
-    Megatron mpu passed to deepspeed.initialize (Megatron-DeepSpeed's configuration)."""
+    Megatron mpu passed to deepspeed.initialize (Megatron-DeepSpeed's configuration); ``client``:
+    Megatron-DeepSpeed's stage-0 path, the optimizer built by ``build_tp_optimizer`` before
+    ``deepspeed.initialize`` and passed to it as the client optimizer (``after_build(model,
+    optimizer)`` runs in between)."""
     import canzona_ds  # noqa: F401 - registers the Canzona types
     import deepspeed
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
@@ -211,7 +215,15 @@ def run_moe_engine(rank: int, world: int, ep_size: int, cfg: dict, steps: int, m
     model = TinyMoE(ep_size, ep_rank, seed=seed)
     params = split_params_into_different_moe_groups_for_optimizer(
         {"params": list(model.parameters()), "name": "dense"}) if groups else list(model.parameters())
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=cfg, mpu=mpu)
+    if client:
+        from ..integration.megatron import build_tp_optimizer
+
+        optimizer = build_tp_optimizer(model, cfg, mpu=mpu)
+        if after_build is not None:
+            after_build(model, optimizer)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg, mpu=mpu)
+    else:
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=cfg, mpu=mpu)
     if after_init is not None:
         after_init(engine)
     losses = []
