@@ -23,7 +23,7 @@ from torch import Tensor
 from ..optim.rule import MatrixInfo, MatrixRule, rule_step
 
 if TYPE_CHECKING:
-    from .hosted import HostedPlacement
+    from .hosted import HostedPlacement, HostedSet
 
 
 @dataclass
@@ -45,8 +45,9 @@ class Placement(ABC):
     kind: ClassVar[str]
 
     def __init__(self) -> None:
-        #: the hosted strategy for split matrices this rank holds a shard of (None: none)
-        self.hosted: HostedPlacement | None = None
+        #: the hosted strategy for split matrices this rank holds a shard of (None: none); a
+        #: HostedSet where several runtimes run (the mixed layout under TP)
+        self.hosted: HostedPlacement | HostedSet | None = None
 
     @abstractmethod
     def items(self, group: dict) -> list[tuple[str, Tensor, Tensor]]:
