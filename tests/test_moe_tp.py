@@ -41,6 +41,7 @@ import numpy as np
 import pytest
 
 from canzona_ds.testing.dist import run_distributed
+from canzona_ds.testing.moe import NUM_EXPERTS
 
 TP, DP, WORLD = 2, 2, 4
 STEPS = 3  # Shampoo/SOAP (testing.models.HP) refresh every 2 steps
@@ -53,8 +54,10 @@ SCENARIOS = {f"z{stage}_{t}": (stage, t, 2, {}) for stage in (1, 2) for t in
 SCENARIOS.update({
     "z1_CanzonaMuon_ep1": (1, "CanzonaMuon", 1, {}),          # TP peers hold the same experts
     "z2_CanzonaMuon_clip": (2, "CanzonaMuon", 2, {"clip": CLIP}),
+    "z0_CanzonaShampoo": (0, "CanzonaShampoo", 2, {}),        # no ZeRO: every rank steps what it holds
+    "z0_CanzonaMuon_clip": (0, "CanzonaMuon", 2, {"clip": CLIP}),
 })
-REFUSALS = ("expert_tp", "stage0")
+REFUSALS = ("expert_tp",)
 
 
 def _gather_partitions(zero, captured: list) -> list:
@@ -83,6 +86,7 @@ def _train(rank: int, stage: int, opt_type: str, ep: int, options: dict) -> dict
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     from deepspeed.utils import groups as ds_groups
 
+    import canzona_ds.integration.clip as clip_module
     from canzona_ds.testing import megatron_standin as ms
     from canzona_ds.testing.comm import CommCounter
     from canzona_ds.testing.models import MatrixStepRecorder, batches
@@ -91,22 +95,43 @@ def _train(rank: int, stage: int, opt_type: str, ep: int, options: dict) -> dict
     clip = options.get("clip", 0.0)
     cfg = moe_ds_config(DP, optimizer=opt_type, stage=stage, micro=MICRO, gradient_clipping=clip)
     data = batches(1, MICRO * DP) * STEPS  # the same batch every step: the loss must fall
-    state: dict = {"calls": [], "expected": [], "captured": [], "norms": [], "stock_norms": [], "initial": {}}
+    state: dict = {"calls": [], "captured": [], "norms": [], "stock_norms": [], "initial": {}}
     local = NUM_EXPERTS // ep
     ep_rank = rank % ep
+    stock_moe_clip = clip_module.clip_moe_module_gradients
 
     def attach(engine):
-        zero, inner = engine.optimizer, engine.optimizer.optimizer
-        state["initial"] = {whole_tp_name(n, ep_rank, local): p.detach().numpy().copy()
-                            for n, p in engine.module.named_parameters()}
+        zero = engine.optimizer if stage else None
+        inner = engine.optimizer.optimizer if stage else engine.optimizer
+        module = engine.module
+        state["initial"] = {n: p.detach().numpy().copy() for n, p in module.named_parameters()}
         state["recorder"] = MatrixStepRecorder(inner)
-        stock_step, stock_clip, stock_norm = inner.step, zero.unscale_and_clip_grads, zero.scaled_global_norm
+        stock_step = inner.step
+
+        def module_grads():
+            return {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
 
         def step(*a, **k):
+            if not stage:  # stage 0: one inner step per engine step, after the clip
+                state["calls"].append(0)
+                if not clip:
+                    state["captured"].append(module_grads())
             with CommCounter() as c:
                 out = stock_step(*a, **k)
             state["calls"][-1] += c.count("torch") + c.count("deepspeed")
             return out
+
+        inner.step = step
+        if not stage:
+            def moe_clip(module_, opt, max_norm):  # the averaged gradients before the clip
+                state["captured"].append(module_grads())
+                norm = stock_moe_clip(module_, opt, max_norm)
+                state["norms"].append(float(norm))
+                return norm
+
+            clip_module.clip_moe_module_gradients = moe_clip
+            return
+        stock_clip, stock_norm = zero.unscale_and_clip_grads, zero.scaled_global_norm
 
         def norm(*a, **k):
             state["calls"].append(0)
@@ -123,22 +148,32 @@ def _train(rank: int, stage: int, opt_type: str, ep: int, options: dict) -> dict
                 state["captured"][-1][i] = g.detach().clone()
             return stock_clip(grad_groups_flat, total_norm)
 
-        inner.step, zero.scaled_global_norm, zero.unscale_and_clip_grads = step, norm, unscale_and_clip
+        zero.scaled_global_norm, zero.unscale_and_clip_grads = norm, unscale_and_clip
 
-    params, losses, engine = run_moe_tp_engine(rank, TP, ep, cfg, STEPS, data, micro=MICRO, after_init=attach)
-    zero, inner = engine.optimizer, engine.optimizer.optimizer
+    try:
+        params, losses, engine = run_moe_tp_engine(rank, TP, ep, cfg, STEPS, data, micro=MICRO, after_init=attach)
+    finally:
+        clip_module.clip_moe_module_gradients = stock_moe_clip
+    inner = engine.optimizer.optimizer if stage else engine.optimizer
     expected = sum(inner.expected_collectives().values())
-    grads = _gather_partitions(zero, state["captured"])
-    # the groups ZeRO partitions each matrix group over, and DeepSpeed's expert-DP group
-    zero_groups = {str(zero._canzona_partition(i)): dist.get_process_group_ranks(zero.real_dp_process_group[i])
-                   for i in zero._canzona_groups}
+    if stage:
+        zero = engine.optimizer
+        grads = _gather_partitions(zero, state["captured"])
+        # the groups ZeRO partitions each matrix group over
+        zero_groups = {str(zero._canzona_partition(i)): dist.get_process_group_ranks(zero.real_dp_process_group[i])
+                       for i in zero._canzona_groups}
+    else:
+        grads = [{n: g.numpy().copy() for n, g in step.items()} for step in state["captured"]]
+        zero_groups = {}
+
+    def rename(values: dict) -> dict:
+        return {whole_tp_name(n, ep_rank, local): v for n, v in values.items()}
+
     return dict(
         rank=rank, tp_rank=ms.get_tensor_model_parallel_rank(), dp_rank=ms.get_data_parallel_rank(),
-        params=params, losses=losses, initial=state["initial"],
-        grads=[{whole_tp_name(n, ep_rank, local): g for n, g in step.items()} for step in grads],
+        params=params, losses=losses, initial=rename(state["initial"]), grads=[rename(g) for g in grads],
         calls=state["calls"], expected=expected, norms=state["norms"], stock_norms=state["stock_norms"],
-        replay=state["recorder"].summary(),
-        handled=[whole_tp_name(n, ep_rank, local) for n in inner.handled_names()],
+        replay=state["recorder"].summary(), handled=list(rename(dict.fromkeys(inner.handled_names()))),
         hosted=sorted(inner.placement.hosted.hosted_names()) if inner.placement.hosted is not None else [],
         tp_split=sorted(inner.tp_matrices), plans={str(k): v.world_size for k, v in inner.plans.items()},
         zero_groups=zero_groups,
@@ -156,16 +191,12 @@ def _refusal(rank: int, case: str) -> str:
 
     gloo_gather_tokens()
     model = TinyMoETP(2, rank % 2, TP, ms.get_tensor_model_parallel_rank())
-    stage = 1
-    if case == "expert_tp":  # what Megatron-DeepSpeed's --moe-expert-tensor-parallelism sets
-        model.moe.enable_expert_tensor_parallelism = True
-    elif case == "stage0":
-        stage = 0
-    else:
+    if case != "expert_tp":
         raise ValueError(case)
+    model.moe.enable_expert_tensor_parallelism = True  # Megatron-DeepSpeed's --moe-expert-tensor-parallelism
     try:
         deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
-                             config=moe_ds_config(DP, stage=stage, micro=MICRO), mpu=ms.mpu)
+                             config=moe_ds_config(DP, stage=1, micro=MICRO), mpu=ms.mpu)
     except ValueError as exc:
         return str(exc)
     return ""
@@ -287,43 +318,41 @@ def test_moe_tp(name):
         assert r["calls"] == [r["expected"]] * STEPS, (r["calls"], r["expected"])  # the plan's collectives only
         assert r["losses"][-1] < r["losses"][0], r["losses"]
         assert r["source"] == "mpu" and r["tp_split"] == ["down.weight", "up.weight"]
-        # planned over ZeRO's groups: dense over DP, experts over DeepSpeed's expert-DP group
-        assert r["zero_groups"][f"ep_size_{ep}"] == r["edp"] == r["edp_of_groups"], r
-        assert r["plans"] == {"None": DP, f"ep_size_{ep}": len(r["edp"])}
-        assert len(r["edp"]) == WORLD // ep
+        assert r["edp"] == r["edp_of_groups"] and len(r["edp"]) == WORLD // ep, r["edp"]
+        if stage:  # planned over ZeRO's groups: dense over DP, experts over DeepSpeed's expert-DP group
+            assert r["zero_groups"][f"ep_size_{ep}"] == r["edp"], r["zero_groups"]
+            assert r["plans"] == {"None": DP, f"ep_size_{ep}": len(r["edp"])}
     assert sum(r["expected"] for r in res) > 0  # the TP-split matrices went through the hosted runtime
-    # ownership: every expert matrix once in the world, every replicated dense matrix once per
-    # TP rank, every TP-split matrix hosted once
+    # ownership (ZeRO): every expert matrix once in the world, every replicated dense matrix once
+    # per TP rank; stage 0: every rank its own; every TP-split matrix hosted once per TP group
+    # that steps it (ZeRO: the owning DP rank's; stage 0: every DP rank's)
     handled = [n for r in res for n in r["handled"]]
     experts = [n for n in handled if ".experts." in n]
-    assert sorted(experts) == sorted(set(experts)) and len(experts) == 4 * 2, experts
+    copies = 1 if stage else WORLD // ep
+    assert sorted(experts) == sorted(list(set(experts)) * copies), experts
+    assert len(set(experts)) == NUM_EXPERTS * 2, experts
     for n in ("proj.weight", "lm_head.weight", "moe.deepspeed_moe.gate.wg.weight", "embed.weight"):
         if n in ref["matrices"]:
             holders = sorted(r["tp_rank"] for r in res if n in r["handled"])
-            assert holders == list(range(TP)), (n, holders)
+            assert holders == sorted(list(range(TP)) * (1 if stage else DP)), (n, holders)
     hosted = [n for r in res for n in r["hosted"]]
-    assert sorted(hosted) == ["down.weight", "up.weight"], hosted
+    assert sorted(hosted) == sorted(["down.weight", "up.weight"] * (1 if stage else DP)), hosted
     if options.get("clip"):
         got = res[0]["norms"]
         for r in res:
             assert r["norms"] == got  # one norm on every rank
         rel = max(abs(a - b) / b for a, b in zip(got, ref["norms"]))
-        stock = max(abs(a - b) / b for a, b in zip(res[0]["stock_norms"], ref["norms"]))
-        print(f"{name}: clip norm vs torch's: rel {rel:.2g}; DeepSpeed's own ZeRO norm: rel {stock:.2g}; "
-              f"params max |run - clipped reference| = {worst:.2g}")
+        print(f"{name}: clip norm vs torch's: rel {rel:.2g}; params max |run - clipped reference| = {worst:.2g}")
         assert all(b > CLIP * 2 for b in ref["norms"])  # every step clips
         assert rel <= 1e-6
-        assert stock > 1e-3  # why canzona-ds computes it: DeepSpeed's drops TP rank 1's experts
         assert worst <= 1e-6
+        if stage:
+            stock = max(abs(a - b) / b for a, b in zip(res[0]["stock_norms"], ref["norms"]))
+            print(f"{name}: DeepSpeed's own ZeRO norm vs torch's: rel {stock:.2g}")
+            assert stock > 1e-3  # why canzona-ds computes it: DeepSpeed's drops TP rank 1's experts
 
 
 def test_moe_tp_expert_tensor_parallelism_refused():
     for r in _run():
         msg = r["refuse_expert_tp"]
         assert "enable_expert_tensor_parallelism" in msg and "tensor-parallel experts are not supported" in msg, msg
-
-
-def test_moe_tp_stage0_refused():
-    for r in _run():
-        msg = r["refuse_stage0"]
-        assert "tensor parallelism (tp_size=2)" in msg and "stage 1 or 2" in msg, msg

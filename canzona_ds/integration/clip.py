@@ -330,25 +330,46 @@ def clip_moe_module_gradients(module, opt, max_norm: float) -> Tensor:
     """ZeRO stage 0 with DeepSpeed MoE: ``torch.nn.utils.clip_grad_norm_`` over the whole model
     (every expert of every expert-parallel rank), each parameter's norm in its whole-model slot:
     dense ones from DP rank 0, experts from expert-DP rank 0 of their group; one all-reduce over
-    the DP group (a sum with one non-zero term per slot: exact)."""
+    the DP group (a sum with one non-zero term per slot: exact).
+
+    Under tensor parallelism (an mpu) the slots are filled as in :class:`TorchClipMoETP`:
+    replicated dense parameters on TP rank 0 only, TP-split ones as squared shard norms summed
+    over the TP group (torch's norm up to that rounding), experts by their expert-DP rank 0 (every
+    copy of an expert lies in one expert-DP group); a second all-reduce over the TP group."""
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+
     moe, groups = opt.moe, opt.groups
+    tp = groups.tp_size > 1
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     slot = {name: k for k, name in enumerate(moe.global_order)}
     device = named[0][1].device
-    mine, at = [], []
+    mine, at, square = [], [], []
     for n, p in named:
         part = moe.partitions.get(n)
-        counts = groups.dp_rank == 0 if part is None else groups.expert(part).edp_rank == 0
+        split = tp and part is None and is_model_parallel_parameter(p)
+        if part is not None:
+            counts = groups.expert(part).edp_rank == 0
+        else:
+            counts = groups.dp_rank == 0 and (split or groups.tp_rank == 0)
         if counts:
             mine.append(p.grad if p.grad is not None else torch.zeros_like(p))
             at.append(slot[moe.global_names[n]])
-    norms = torch.zeros(len(moe.global_order), dtype=torch.float32, device=device)
+            square.append(split)
+    size = len(moe.global_order)
+    norms = torch.zeros(2 * size if tp else size, dtype=torch.float32, device=device)
     if mine:
-        values = per_tensor_norms([g if g.dtype == torch.float32 else g.float() for g in mine])
-        at_slots = torch.tensor(at, dtype=torch.long, device=device)
-        norms.index_copy_(0, at_slots, torch.stack([v.to(device) for v in values]))
+        values = torch.stack([v.to(device) for v in
+                              per_tensor_norms([g if g.dtype == torch.float32 else g.float() for g in mine])])
+        is_square = torch.tensor(square, dtype=torch.bool, device=device)
+        values = torch.where(is_square, values.pow(2), values)  # a TP shard's squared norm
+        at_slots = torch.tensor(at, dtype=torch.long, device=device) + is_square.long() * size
+        norms.index_copy_(0, at_slots, values)
     if groups.dp_size > 1:
         tdist.all_reduce(norms, group=groups.dp_group)
+    if tp:
+        tdist.all_reduce(norms, group=groups.tp_group)
+        squares, norms = norms[size:], norms[:size]
+        norms = torch.where(squares > 0, squares.sqrt(), norms)
     norm = total_norm(norms)
     coef = clip_coefficient(norm, max_norm)
     for _, p in named:

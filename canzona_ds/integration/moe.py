@@ -150,7 +150,7 @@ def check_moe(settings, groups: ParallelGroups, zero: dict, named: list = (), mo
 
 
 def _check_moe_tp(name: str, settings, groups: ParallelGroups, named: list, modules: list) -> None:
-    """MoE x tensor parallelism: whole experts only, at ZeRO stage 1 or 2."""
+    """MoE x tensor parallelism: whole experts only."""
     from deepspeed.moe.layer import MoE
 
     split_layers = [path or "<root>" for module, _ in modules for path, m in module.named_modules()
@@ -162,6 +162,3 @@ def _check_moe_tp(name: str, settings, groups: ParallelGroups, named: list, modu
                          "deepspeed.moe.layer.MoE(enable_expert_tensor_parallelism=True) or TP-split expert weights); "
                          "tensor-parallel experts are not supported. Build the MoE layers with "
                          "enable_expert_tensor_parallelism=False (DeepSpeed's default: whole experts on every rank).")
-    if settings.zero_stage not in (1, 2):
-        raise ValueError(f"{name}: MoE with tensor parallelism (tp_size={groups.tp_size}) runs at "
-                         f"zero_optimization.stage 1 or 2; got stage {settings.zero_stage}.")
