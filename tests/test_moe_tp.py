@@ -404,3 +404,16 @@ def test_expert_groups_inside_data_or_data_x_tensor_parallelism():
     with pytest.raises(ValueError, match=r"'ep_size_x': ep_size=1 x edp_size=8 is neither dp_size=2 nor "
                                          r"dp_size x tp_size=4"):
         groups(1, 8)
+
+
+def test_moe_with_autotp_refused():
+    """AutoTP's groups with MoE layers: refused by name (MoE x TP is tested with an mpu only)."""
+    from types import SimpleNamespace
+
+    from canzona_ds.integration.moe import check_moe
+    from canzona_ds.parallel import ParallelGroups
+
+    settings = SimpleNamespace(optimizer_type="CanzonaMuon", zero_stage=1, offload_optimizer=False)
+    with pytest.raises(ValueError, match=r"CanzonaMuon: MoE with DeepSpeed AutoTP \(tensor_parallel.autotp_size, "
+                                         r"tp_size=2\) is not supported yet"):
+        check_moe(settings, ParallelGroups(dp_size=1, tp_size=2, tp_rank=1, source="autotp"), {})

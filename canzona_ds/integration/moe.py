@@ -150,8 +150,13 @@ def check_moe(settings, groups: ParallelGroups, zero: dict, named: list = (), mo
 
 
 def _check_moe_tp(name: str, settings, groups: ParallelGroups, named: list, modules: list) -> None:
-    """MoE x tensor parallelism: whole experts only."""
+    """MoE x tensor parallelism: a Megatron-style mpu, whole experts only."""
     from deepspeed.moe.layer import MoE
+
+    if groups.source == "autotp":
+        raise ValueError(f"{name}: MoE with DeepSpeed AutoTP (tensor_parallel.autotp_size, tp_size={groups.tp_size}) "
+                         "is not supported yet (not tested); MoE runs with tensor parallelism from a Megatron mpu "
+                         "passed to deepspeed.initialize (docs/moe.md).")
 
     split_layers = [path or "<root>" for module, _ in modules for path, m in module.named_modules()
                     if isinstance(m, MoE) and m.enable_expert_tensor_parallelism]
