@@ -29,8 +29,10 @@ Per scenario (each in its own ``try``; one failing scenario fails one test):
   the gathered whole gradients up to rounding (TP-split norms are joined from squared shard
   norms), where DeepSpeed's own ZeRO norm misses the experts of TP rank 1; the run then equals
   the clipped reference within 1e-6;
-* refused by name: experts split over TP (``enable_expert_tensor_parallelism=True``) and
-  ZeRO stage 0 with MoE x TP.
+* ZeRO stage 0 (Shampoo; Muon clipped): the same reference, every rank stepping what it holds;
+* a same-size checkpoint round trip (ZeRO-1 Shampoo) is bit for bit;
+* refused by name: experts split over TP (``enable_expert_tensor_parallelism=True``), an expert
+  plan that differs between the TP ranks (every rank fails at build), MoE with AutoTP.
 """
 from __future__ import annotations
 
@@ -58,7 +60,7 @@ SCENARIOS.update({
     "z0_CanzonaShampoo": (0, "CanzonaShampoo", 2, {}),        # no ZeRO: every rank steps what it holds
     "z0_CanzonaMuon_clip": (0, "CanzonaMuon", 2, {"clip": CLIP}),
 })
-REFUSALS = ("expert_tp",)
+REFUSALS = ("expert_tp", "expert_plan")
 
 
 def _gather_partitions(zero, captured: list) -> list:
@@ -192,14 +194,24 @@ def _refusal(rank: int, case: str) -> str:
 
     gloo_gather_tokens()
     model = TinyMoETP(2, rank % 2, TP, ms.get_tensor_model_parallel_rank())
-    if case != "expert_tp":
+    from canzona_ds.planning.dp import OwnershipPlan
+
+    stock = OwnershipPlan.fingerprint
+    if case == "expert_tp":
+        model.moe.enable_expert_tensor_parallelism = True  # Megatron-DeepSpeed's --moe-expert-tensor-parallelism
+    elif case == "expert_plan":  # TP rank 1 (ranks 1, 3: one expert-DP group) plans its experts otherwise
+        if ms.get_tensor_model_parallel_rank() == 1:
+            OwnershipPlan.fingerprint = lambda self: stock(self) + (
+                "-other" if any(".experts." in spec.name for spec in self.specs) else "")
+    else:
         raise ValueError(case)
-    model.moe.enable_expert_tensor_parallelism = True  # Megatron-DeepSpeed's --moe-expert-tensor-parallelism
     try:
         deepspeed.initialize(model=model, model_parameters=list(model.parameters()),
                              config=moe_ds_config(DP, stage=1, micro=MICRO), mpu=ms.mpu)
     except ValueError as exc:
         return str(exc)
+    finally:
+        OwnershipPlan.fingerprint = stock
     return ""
 
 
@@ -382,6 +394,14 @@ def test_moe_tp_expert_tensor_parallelism_refused():
     for r in _run():
         msg = r["refuse_expert_tp"]
         assert "enable_expert_tensor_parallelism" in msg and "tensor-parallel experts are not supported" in msg, msg
+
+
+def test_moe_tp_expert_plan_differing_across_tp_refused():
+    """An expert plan that differs between the TP ranks (each expert-DP group agrees within
+    itself) is refused on every rank at build, naming the expert group: no hang."""
+    for r in _run():
+        msg = r["refuse_expert_plan"]
+        assert "expert ownership plan of MoE group 'ep_size_2'" in msg and "differs across the group" in msg, msg
 
 
 def test_moe_tp_checkpoint_resume_bit_exact():
