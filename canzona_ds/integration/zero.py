@@ -262,9 +262,8 @@ def _make_zero_class():
             groups = self._canzona.groups
             moe = self._canzona.moe
             if groups.tp_size > 1 and moe is not None and moe.active and groups.pp_size == 1:
-                # MoE x TP: DeepSpeed's own norm drops the experts of TP ranks other than 0
-                if self.clip_grad <= 0.0:
-                    return None
+                # MoE x TP: DeepSpeed's own norm drops the experts of TP ranks other than 0 (also
+                # without clipping: the norm is reported, engine.get_global_grad_norm)
                 if self._canzona_clip is None:
                     from .clip import TorchClipMoETP
 
