@@ -42,6 +42,7 @@ from functools import lru_cache
 
 import numpy as np
 import pytest
+import torch
 
 from canzona_ds.testing.dist import run_distributed
 from canzona_ds.testing.moe import NUM_EXPERTS
@@ -59,6 +60,7 @@ SCENARIOS.update({
     "z2_CanzonaMuon_clip": (2, "CanzonaMuon", 2, {"clip": CLIP}),
     "z0_CanzonaShampoo": (0, "CanzonaShampoo", 2, {}),        # no ZeRO: every rank steps what it holds
     "z0_CanzonaMuon_clip": (0, "CanzonaMuon", 2, {"clip": CLIP}),
+    "z1_CanzonaSOAP_bf16": (1, "CanzonaSOAP", 2, {"bf16": True}),  # fp32 master: the same reference, rounded
 })
 REFUSALS = ("expert_tp", "expert_plan")
 
@@ -96,7 +98,8 @@ def _train(rank: int, stage: int, opt_type: str, ep: int, options: dict) -> dict
     from canzona_ds.testing.moe import NUM_EXPERTS, moe_ds_config, run_moe_tp_engine, whole_tp_name
 
     clip = options.get("clip", 0.0)
-    cfg = moe_ds_config(DP, optimizer=opt_type, stage=stage, micro=MICRO, gradient_clipping=clip)
+    extra = {"bf16": {"enabled": True}} if options.get("bf16") else {}
+    cfg = moe_ds_config(DP, optimizer=opt_type, stage=stage, micro=MICRO, gradient_clipping=clip, **extra)
     data = batches(1, MICRO * DP) * STEPS  # the same batch every step: the loss must fall
     state: dict = {"calls": [], "captured": [], "norms": [], "stock_norms": [], "initial": {}}
     local = NUM_EXPERTS // ep
@@ -107,7 +110,7 @@ def _train(rank: int, stage: int, opt_type: str, ep: int, options: dict) -> dict
         zero = engine.optimizer if stage else None
         inner = engine.optimizer.optimizer if stage else engine.optimizer
         module = engine.module
-        state["initial"] = {n: p.detach().numpy().copy() for n, p in module.named_parameters()}
+        state["initial"] = {n: p.detach().float().numpy().copy() for n, p in module.named_parameters()}
         state["recorder"] = MatrixStepRecorder(inner)
         stock_step = inner.step
 
@@ -348,6 +351,8 @@ def test_moe_tp(name):
     for r in res:
         for n, v in r["params"].items():
             want = _slice(n, ref["params"][n], r["tp_rank"])
+            if options.get("bf16"):  # the module holds the fp32 master's bf16 copy
+                want = torch.from_numpy(np.ascontiguousarray(want)).bfloat16().float().numpy()
             if options.get("clip"):
                 worst = max(worst, float(np.abs(v - want).max()))
             else:
