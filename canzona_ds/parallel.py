@@ -17,9 +17,10 @@ then passed explicitly: no other module discovers process groups.  torchtitan's
                expert-data-parallel group (the ranks holding the same experts), the rest over
                data.  ep x edp = dp, or dp x tp under tensor parallelism: DeepSpeed MoE
                without expert tensor parallelism lays its expert groups over every rank of
-               the stage, TP ranks included (docs/moe.md, "MoE x tensor parallelism").  A model may have MoE layers of several ep sizes: one
-               :class:`ExpertGroups` per DeepSpeed expert group name ("ep_size_2", ...), and
-               ``ep_size``/``ep_rank``/``ep_group`` are those of the largest.
+               the stage, TP ranks included (docs/moe.md, "MoE x tensor parallelism").  A
+               model may have MoE layers of several ep sizes: one :class:`ExpertGroups` per
+               DeepSpeed expert group name ("ep_size_2", ...), and ``ep_size``/``ep_rank``/
+               ``ep_group`` are those of the largest.
 
 A group of size 1 may be ``None``.  Everything here is plain ``torch.distributed``.
 """

@@ -95,7 +95,7 @@ def _train(rank: int, stage: int, opt_type: str, ep: int, options: dict) -> dict
     from canzona_ds.testing import megatron_standin as ms
     from canzona_ds.testing.comm import CommCounter
     from canzona_ds.testing.models import MatrixStepRecorder, batches
-    from canzona_ds.testing.moe import NUM_EXPERTS, moe_ds_config, run_moe_tp_engine, whole_tp_name
+    from canzona_ds.testing.moe import NUM_EXPERTS, moe_ds_config, run_moe_tp_engine, global_name
 
     clip = options.get("clip", 0.0)
     extra = {"bf16": {"enabled": True}} if options.get("bf16") else {}
@@ -173,7 +173,7 @@ def _train(rank: int, stage: int, opt_type: str, ep: int, options: dict) -> dict
         zero_groups = {}
 
     def rename(values: dict) -> dict:
-        return {whole_tp_name(n, ep_rank, local): v for n, v in values.items()}
+        return {global_name(n, ep_rank, local): v for n, v in values.items()}
 
     return dict(
         rank=rank, tp_rank=ms.get_tensor_model_parallel_rank(), dp_rank=ms.get_data_parallel_rank(),
@@ -445,3 +445,23 @@ def test_moe_with_autotp_refused():
     with pytest.raises(ValueError, match=r"CanzonaMuon: MoE with DeepSpeed AutoTP \(tensor_parallel.autotp_size, "
                                          r"tp_size=2\) is not supported yet"):
         check_moe(settings, ParallelGroups(dp_size=1, tp_size=2, tp_rank=1, source="autotp"), {})
+
+
+def test_optimizer_refuses_tensor_parallel_experts():
+    """CanzonaOptimizer itself (whatever builds it) refuses a TP-split expert matrix by name."""
+    import torch.nn as nn
+
+    from canzona_ds.optim.config import CanzonaConfig
+    from canzona_ds.optim.optimizer import CanzonaOptimizer
+    from canzona_ds.parallel import ExpertGroups, ParallelGroups
+    from canzona_ds.testing.models import HP
+
+    w, d = nn.Parameter(torch.zeros(8, 4)), nn.Parameter(torch.zeros(8, 4))
+    for p in (w, d):
+        p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, 0, 1
+    groups = ParallelGroups(dp_size=1, tp_size=2, tp_rank=0,
+                            experts=(ExpertGroups("ep_size_1", 1, 0, None, 2, 0, None),), source="test")
+    cfg = CanzonaConfig.from_ds("CanzonaMuon", dict(HP["CanzonaMuon"]))
+    with pytest.raises(ValueError, match=r"Expert parameter 'moe.w' \(expert group 'ep_size_1'\) is tensor-parallel"):
+        CanzonaOptimizer([("dense.w", d), ("moe.w", w)], cfg, groups, placement="owned",
+                         partitions={"moe.w": "ep_size_1"})

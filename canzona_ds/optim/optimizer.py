@@ -156,8 +156,9 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             groups.expert(key)  # a ValueError naming the known expert groups
         split_experts = [n for n in self.tp_matrices if n in partitions]
         if split_experts:  # whole experts with TP-split dense matrices are fine (docs/moe.md)
-            raise ValueError(f"Expert parameter {split_experts[0]!r} (expert group {partitions[split_experts[0]]!r}) is "
-                             "tensor-parallel: experts split over tensor parallelism are not supported; keep the "
+            first = split_experts[0]
+            raise ValueError(f"Expert parameter {first!r} (expert group {partitions[first]!r}) is tensor-parallel:"
+                             " experts split over tensor parallelism are not supported; keep the "
                              "experts whole on every TP rank (deepspeed.moe.layer.MoE with "
                              "enable_expert_tensor_parallelism=False).")
         spec_of = dict(zip([n for n, _ in matrices], specs))

@@ -288,12 +288,6 @@ class TinyMoETP(TinyMoE):
         return F.cross_entropy(self.lm_head(h).flatten(0, 1).float(), y.flatten()) + AUX_COEF * l_aux
 
 
-def whole_tp_name(name: str, ep_rank: int, local: int) -> str:
-    """:func:`global_name` (TP-split parameters keep their names: their shards are joined along
-    ``TP_SPLIT``'s dim)."""
-    return global_name(name, ep_rank, local)
-
-
 def run_moe_tp_engine(rank: int, tp: int, ep_size: int, cfg: dict, steps: int, data: list, micro: int = 2,
                       after_init=None, seed: int = 0):
     """Train :class:`TinyMoETP` on a DeepSpeed engine with the Megatron stand-in's mpu (TP groups of
@@ -323,6 +317,7 @@ def run_moe_tp_engine(rank: int, tp: int, ep_size: int, cfg: dict, steps: int, d
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    params = {whole_tp_name(n, ep_rank, local): p.detach().float().numpy().copy()
+    # whole-model names (a TP-split parameter keeps its name: its shards join along TP_SPLIT's dim)
+    params = {global_name(n, ep_rank, local): p.detach().float().numpy().copy()
               for n, p in engine.module.named_parameters()}
     return params, losses, engine
