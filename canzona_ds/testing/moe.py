@@ -321,3 +321,51 @@ def run_moe_tp_engine(rank: int, tp: int, ep_size: int, cfg: dict, steps: int, d
     params = {global_name(n, ep_rank, local): p.detach().float().numpy().copy()
               for n, p in engine.module.named_parameters()}
     return params, losses, engine
+
+
+def tp_reference_run(initial: dict, data: list, steps: int, optimizer: str = "CanzonaMuon", dp: int = 2,
+                     micro: int = 2, num_experts: int = NUM_EXPERTS, params: dict | None = None) -> dict:
+    """The TP=1 single-process model of :class:`TinyMoETP` trained on its own gradients: every
+    weight whole (``initial``: the whole model's weights by name, TP-split ones joined), each DP
+    replica's forward with every expert in the process (DeepSpeed's own top-1 gating, slots,
+    encode and decode; capacity = every token, so none is dropped), the gradient of the mean of
+    the replicas' losses (ZeRO's average), ``ReferenceOptimizer``.  Not bit-identical to a TP run
+    (the row-parallel partial sums, the TP ranks' capacity split and DeepSpeed's expert-DP
+    averaging associate differently): a closed-loop check of the gradients, within rounding."""
+    from deepspeed.moe.sharded_moe import _route_slots, _sparse_decode, _sparse_encode, top1gating
+
+    from ..optim.config import CanzonaConfig
+    from ..optim.reference import ReferenceOptimizer
+
+    torch.set_num_threads(1)
+    cfg = CanzonaConfig.from_ds(optimizer, dict(HP[optimizer] if params is None else params))
+    master = {n: nn.Parameter(torch.as_tensor(v).clone()) for n, v in initial.items()}
+    opt = ReferenceOptimizer(list(master.items()), cfg)
+    P = master
+    for x_all, y_all in data[:steps]:
+        total = None
+        for s in range(dp):
+            x, y = x_all[s * micro:(s + 1) * micro], y_all[s * micro:(s + 1) * micro]
+            h = F.embedding(x, P["embed.weight"])
+            h = h + F.linear(F.layer_norm(h, (D,), P["norm.weight"], P["norm.bias"]), P["proj.weight"], P["proj.bias"])
+            h = h + F.linear(F.gelu(F.linear(h, P["up.weight"])), P["down.weight"])
+            flat = h.reshape(-1, D)
+            logits = F.linear(flat.float(), weight=P[MOE + "gate.wg.weight"].float(), bias=None)
+            l_aux, C, E, indices, locations, gates, _ = top1gating(
+                logits, float(num_experts), 0, None, None, True, False, None, sparse_routes=True, use_tutel=False)
+            C = int(C)
+            slots = _route_slots(indices, locations, E, C)
+            dispatched = _sparse_encode(flat, slots, E, C)
+            outs = []
+            for e in range(E):
+                w = [P[f"{EXPERTS}{e}.{p}"] for p in EXPERT_PARAMS]
+                outs.append(F.linear(F.gelu(F.linear(dispatched[e], w[0], w[1])), w[2], w[3]))
+            combined = _sparse_decode(torch.stack(outs).view(E * C, D), slots, gates, flat.shape[0])
+            hs = h + combined.reshape(h.shape)
+            loss = F.cross_entropy(F.linear(hs, P["lm_head.weight"]).flatten(0, 1).float(), y.flatten()) \
+                + AUX_COEF * l_aux
+            total = loss / dp if total is None else total + loss / dp
+        opt.zero_grad()
+        total.backward()
+        opt.step()
+    return {n: p.detach().numpy().copy() for n, p in master.items()}
