@@ -1,4 +1,4 @@
-"""DeepSpeed MoE x Megatron tensor parallelism (ZeRO 1 and 2), on real gloo processes.
+"""DeepSpeed MoE x Megatron tensor parallelism (ZeRO 0, 1 and 2), on real gloo processes.
 
 World 4 = TP 2 x DP 2 (the Megatron stand-in's mpu: TP groups {0,1} {2,3}, DP groups {0,2}
 {1,3}), ``canzona_ds.testing.moe.TinyMoETP``: a column-/row-parallel MLP (TP-split, hosted over
