@@ -15,9 +15,12 @@ then passed explicitly: no other module discovers process groups.  torchtitan's
       expert   ranks holding different experts of the same MoE layers (DeepSpeed MoE's
                expert-parallel group); expert parameters are planned and owned over their
                expert-data-parallel group (the ranks holding the same experts), the rest over
-               data.  A model may have MoE layers of several ep sizes: one
-               :class:`ExpertGroups` per DeepSpeed expert group name ("ep_size_2", ...), and
-               ``ep_size``/``ep_rank``/``ep_group`` are those of the largest.
+               data.  ep x edp = dp, or dp x tp under tensor parallelism: DeepSpeed MoE
+               without expert tensor parallelism lays its expert groups over every rank of
+               the stage, TP ranks included (docs/moe.md, "MoE x tensor parallelism").  A
+               model may have MoE layers of several ep sizes: one :class:`ExpertGroups` per
+               DeepSpeed expert group name ("ep_size_2", ...), and ``ep_size``/``ep_rank``/
+               ``ep_group`` are those of the largest.
       grid     the dp x tp ranks of this pipeline stage (``grid_group``; only where the mixed
                ZeRO-1/2 layout may host a tensor-parallel matrix): a hosted TP-split matrix is
                cut into TP shards and each shard into DP pieces, and one all-to-all over the
@@ -90,10 +93,11 @@ class ParallelGroups:
         if len(set(names)) != len(names) or not all(isinstance(e, ExpertGroups) for e in self.experts):
             raise ValueError(f"experts must be ExpertGroups with distinct names, got {names}.")
         for e in self.experts:
-            if e.ep_size * e.edp_size != self.dp_size:
-                raise ValueError(f"Expert group {e.name!r}: ep_size={e.ep_size} x edp_size={e.edp_size} != "
-                                 f"dp_size={self.dp_size} ({self.source}); expert parallelism lives inside data "
-                                 "parallelism.")
+            if e.ep_size * e.edp_size not in (self.dp_size, self.dp_size * self.tp_size):
+                raise ValueError(f"Expert group {e.name!r}: ep_size={e.ep_size} x edp_size={e.edp_size} is neither "
+                                 f"dp_size={self.dp_size} nor dp_size x tp_size={self.dp_size * self.tp_size} "
+                                 f"({self.source}); expert parallelism lives inside data parallelism, or inside "
+                                 "data x tensor parallelism (DeepSpeed MoE under an mpu, experts not TP-split).")
         if self.grid_group is not None or self.grid_cells:
             cells = tuple(tuple(c) for c in self.grid_cells)
             want = sorted((t, d) for t in range(self.tp_size) for d in range(self.dp_size))

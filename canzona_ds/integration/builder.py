@@ -202,7 +202,7 @@ def build_optimizer(named: list, cfg: CanzonaConfig, groups: ParallelGroups, set
         if not partitions:
             raise ValueError(f"{settings.optimizer_type}: the engine has MoE layers but none of the optimizer's "
                              "parameters is an expert parameter (deepspeed.moe.layer.MoE marks them allreduce=False).")
-        check_moe(settings, groups, zero_config or {})
+        check_moe(settings, groups, zero_config or {}, named, modules or [])
         info = moe_info(named, modules or [], groups)
     check_settings(settings, cfg)
     if settings.zero_stage == 3 and (groups.tp_size > 1 or groups.pp_size > 1):

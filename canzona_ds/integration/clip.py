@@ -23,7 +23,8 @@ Pipeline parallelism: each stage holds other parameters; a stage's norms (withou
 ``ds_pipe_replicated`` copy of a tied weight, which the first holder counts) are gathered over
 the pipeline group and stacked in stage order, which is the model's parameter order
 (:class:`PipelineNorm`).  With tensor parallelism, DeepSpeed's own clip runs (its
-model-parallel reduction of squared norms: equal to rounding, not bit for bit).
+model-parallel reduction of squared norms: equal to rounding, not bit for bit), except under
+DeepSpeed MoE (:class:`TorchClipMoETP`).
 
 DeepSpeed MoE: the slots are the whole model's parameters (every expert of every
 expert-parallel rank, ``MoEInfo.global_order``); an expert group's partitions span its
@@ -253,29 +254,122 @@ class TorchClip:
             g.data.mul_(coef.to(g.device))
 
 
+class TorchClipMoETP(TorchClip):
+    """DeepSpeed MoE x tensor parallelism (ZeRO 1/2): torch's total norm of the whole model's
+    per-parameter norms, one slot per parameter of the whole model (every expert once).
+
+    DeepSpeed's own norm is wrong here: it counts a parameter without TP attributes only on
+    model-parallel rank 0, and under an mpu DeepSpeed's expert groups put different experts on
+    the TP ranks (TP 2 x DP 2, ep_size 2: experts 0,1 on TP rank 0, experts 2,3 on TP rank 1),
+    so the experts of the other TP ranks drop out of the norm.  Here each slot gets exactly one
+    contribution in the whole world, summed over the DP group, then over the TP group::
+
+        replicated dense parameter   its DP owner on TP rank 0: ||g||
+        expert parameter             its owner in its expert-DP group: ||g||   (every copy of an
+                                     expert is in one expert-DP group)
+        TP-split dense parameter     its DP owner on every TP rank: ||shard||^2, and the slot's
+                                     norm is sqrt(sum over TP) - the one rounding off torch's
+                                     (equal to the single-process clip up to rounding, as
+                                     DeepSpeed's TP norm)
+
+    One all-reduce over the DP group and one over the TP group per step."""
+
+    def __init__(self, zero, model_order: list[str], rename: dict, tp_group, tp_rank: int,
+                 partitions: dict) -> None:
+        from deepspeed.runtime.utils import is_model_parallel_parameter
+
+        super().__init__(zero, model_order, rename=rename)
+        self.tp_group, self.tp_rank = tp_group, tp_rank
+        index = {name: k for k, name in enumerate(model_order)}
+        split, replicated = set(), set()
+        for group in zero.bit16_groups:
+            for p in group:
+                name = zero.param_names[p]
+                if is_model_parallel_parameter(p):
+                    if name in partitions:
+                        raise RuntimeError(f"Gradient clipping: expert parameter {name!r} is tensor-parallel "
+                                           "(refused at build: integration/moe.check_moe).")
+                    split.add(index[rename[name]])
+                elif name not in partitions:
+                    replicated.add(index[rename[name]])
+        #: slots of TP-split parameters (squared shard norms summed over TP)
+        self.split = sorted(split)
+        #: slots of replicated dense parameters (counted on TP rank 0 only)
+        self.replicated = sorted(replicated)
+
+    def global_norm(self, zero, device) -> Tensor:
+        norms = torch.zeros(self.num_params, dtype=torch.float32, device=device)
+        for i in range(len(zero.bit16_groups)):
+            pieces = self.partition_pieces(zero, i)
+            items = [(k, pieces[pid]) for pid, k in self.whole[i]] + self._assemble(zero, i, pieces, device)
+            if not items:
+                continue
+            values = per_tensor_norms([t if t.dtype == torch.float32 else t.float() for _, t in items])
+            at = self._index(("group", i), [k for k, _ in items], device)
+            norms.index_copy_(0, at, torch.stack([v.to(device) for v in values]))
+        if self.tp_rank != 0 and self.replicated:
+            norms.index_fill_(0, self._index("replicated", self.replicated, device), 0.0)
+        squares = torch.zeros(self.num_params, dtype=torch.float32, device=device)
+        if self.split:
+            at = self._index("split", self.split, device)
+            squares.index_copy_(0, at, norms.index_select(0, at).pow(2))
+            norms.index_fill_(0, at, 0.0)
+        both = torch.cat([norms, squares])
+        # one term per slot in the world (sums of shard squares for TP-split ones): DP, then TP
+        tdist.all_reduce(both, group=zero.dp_process_group)
+        tdist.all_reduce(both, group=self.tp_group)
+        norms, squares = both[:self.num_params], both[self.num_params:]
+        if self.split:
+            at = self._index("split", self.split, device)
+            norms.index_copy_(0, at, squares.index_select(0, at).sqrt())
+        total = total_norm(norms)
+        return torch.where(torch.isfinite(total), total, torch.full_like(total, -1.0))
+
+
 def clip_moe_module_gradients(module, opt, max_norm: float) -> Tensor:
     """ZeRO stage 0 with DeepSpeed MoE: ``torch.nn.utils.clip_grad_norm_`` over the whole model
     (every expert of every expert-parallel rank), each parameter's norm in its whole-model slot:
     dense ones from DP rank 0, experts from expert-DP rank 0 of their group; one all-reduce over
-    the DP group (a sum with one non-zero term per slot: exact)."""
+    the DP group (a sum with one non-zero term per slot: exact).
+
+    Under tensor parallelism (an mpu) the slots are filled as in :class:`TorchClipMoETP`:
+    replicated dense parameters on TP rank 0 only, TP-split ones as squared shard norms summed
+    over the TP group (torch's norm up to that rounding), experts by their expert-DP rank 0 (every
+    copy of an expert lies in one expert-DP group); a second all-reduce over the TP group."""
+    from deepspeed.runtime.utils import is_model_parallel_parameter
+
     moe, groups = opt.moe, opt.groups
+    tp = groups.tp_size > 1
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     slot = {name: k for k, name in enumerate(moe.global_order)}
     device = named[0][1].device
-    mine, at = [], []
+    mine, at, square = [], [], []
     for n, p in named:
         part = moe.partitions.get(n)
-        counts = groups.dp_rank == 0 if part is None else groups.expert(part).edp_rank == 0
+        split = tp and part is None and is_model_parallel_parameter(p)
+        if part is not None:
+            counts = groups.expert(part).edp_rank == 0
+        else:
+            counts = groups.dp_rank == 0 and (split or groups.tp_rank == 0)
         if counts:
             mine.append(p.grad if p.grad is not None else torch.zeros_like(p))
             at.append(slot[moe.global_names[n]])
-    norms = torch.zeros(len(moe.global_order), dtype=torch.float32, device=device)
+            square.append(split)
+    size = len(moe.global_order)
+    norms = torch.zeros(2 * size if tp else size, dtype=torch.float32, device=device)
     if mine:
-        values = per_tensor_norms([g if g.dtype == torch.float32 else g.float() for g in mine])
-        at_slots = torch.tensor(at, dtype=torch.long, device=device)
-        norms.index_copy_(0, at_slots, torch.stack([v.to(device) for v in values]))
+        values = torch.stack([v.to(device) for v in
+                              per_tensor_norms([g if g.dtype == torch.float32 else g.float() for g in mine])])
+        is_square = torch.tensor(square, dtype=torch.bool, device=device)
+        values = torch.where(is_square, values.pow(2), values)  # a TP shard's squared norm
+        at_slots = torch.tensor(at, dtype=torch.long, device=device) + is_square.long() * size
+        norms.index_copy_(0, at_slots, values)
     if groups.dp_size > 1:
         tdist.all_reduce(norms, group=groups.dp_group)
+    if tp:
+        tdist.all_reduce(norms, group=groups.tp_group)
+        squares, norms = norms[size:], norms[:size]
+        norms = torch.where(squares > 0, squares.sqrt(), norms)
     norm = total_norm(norms)
     coef = clip_coefficient(norm, max_norm)
     for _, p in named:

@@ -169,16 +169,20 @@ def moe_info(named: list, modules: list, groups: ParallelGroups) -> MoEInfo:
     return MoEInfo(partitions, global_names, tuple(order))
 
 
-def check_moe(settings, groups: ParallelGroups, zero: dict) -> None:
+def check_moe(settings, groups: ParallelGroups, zero: dict, named: list = (), modules: list = ()) -> None:
     """Refuse, by name, what DeepSpeed MoE cannot combine with and what canzona-ds does not
-    support with expert parallelism yet."""
+    support with expert parallelism yet.
+
+    Tensor parallelism (an mpu): the dense matrices are TP-split and hosted over the TP group as
+    without MoE; the experts are whole on every rank (``enable_expert_tensor_parallelism=False``,
+    DeepSpeed's default), planned over their expert-DP group (docs/moe.md, "MoE x tensor
+    parallelism").  Experts split over TP (``enable_expert_tensor_parallelism=True``) are refused."""
     name = settings.optimizer_type
     if settings.zero_stage == 3:
         raise ValueError(f"{name}: DeepSpeed MoE layers (deepspeed.moe.layer.MoE) do not run under "
                          "zero_optimization.stage=3 (DeepSpeed refuses native MoE at stage 3). Use stage 0, 1 or 2.")
     if groups.tp_size > 1:
-        raise ValueError(f"{name}: MoE with tensor parallelism (tp_size={groups.tp_size}) is not supported yet. "
-                         "Use MoE with data/expert parallelism only.")
+        _check_moe_tp(name, settings, groups, named, modules)
     if groups.pp_size > 1:
         raise ValueError(f"{name}: MoE with pipeline parallelism (pp_size={groups.pp_size}) is not supported yet.")
     if settings.zero_stage in (1, 2):
@@ -191,3 +195,23 @@ def check_moe(settings, groups: ParallelGroups, zero: dict) -> None:
         if settings.zero_stage == 2 and not zero.get("contiguous_gradients", True):
             raise ValueError(f"{name}: DeepSpeed MoE at ZeRO stage 2 needs zero_optimization.contiguous_gradients="
                              "true (got false).")
+
+
+def _check_moe_tp(name: str, settings, groups: ParallelGroups, named: list, modules: list) -> None:
+    """MoE x tensor parallelism: a Megatron-style mpu, whole experts only."""
+    from deepspeed.moe.layer import MoE
+
+    if groups.source == "autotp":
+        raise ValueError(f"{name}: MoE with DeepSpeed AutoTP (tensor_parallel.autotp_size, tp_size={groups.tp_size}) "
+                         "is not supported yet (not tested); MoE runs with tensor parallelism from a Megatron mpu "
+                         "passed to deepspeed.initialize (docs/moe.md).")
+
+    split_layers = [path or "<root>" for module, _ in modules for path, m in module.named_modules()
+                    if isinstance(m, MoE) and m.enable_expert_tensor_parallelism]
+    split_params = [n for n, p in named if is_expert(p) and getattr(p, "tensor_model_parallel", False)]
+    if split_layers or split_params:
+        what = f"MoE layer {split_layers[0]!r}" if split_layers else f"expert parameter {split_params[0]!r}"
+        raise ValueError(f"{name}: {what} splits its experts over tensor parallelism (tp_size={groups.tp_size}, "
+                         "deepspeed.moe.layer.MoE(enable_expert_tensor_parallelism=True) or TP-split expert weights); "
+                         "tensor-parallel experts are not supported. Build the MoE layers with "
+                         "enable_expert_tensor_parallelism=False (DeepSpeed's default: whole experts on every rank).")

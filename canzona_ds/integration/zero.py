@@ -149,8 +149,8 @@ def _make_zero_class():
                 raise RuntimeError(f"DP ranks disagree on the CanzonaOptimizer layout: {gathered}. Every rank must see "
                                    "the same model, ds_config and canzona_ds/deepspeed versions.")
             views = [FlatView(names[j], off, tuple(group[j].shape)) for j, off in layout.rank_views(rank)]
-            if opt.tp_matrices:
-                self._canzona_check_tp(rank)
+            if opt.tp_size > 1:
+                self._canzona_check_tp(rank, self._canzona_partition(i))
             splits = []
             if layout.mixed:  # this rank's piece (maybe empty) of every hosted matrix, and the cuts
                 from ..planning.mixed import hosted_pieces
@@ -201,12 +201,24 @@ def _make_zero_class():
             payload = [self._canzona_plan(i).fingerprint(), self.canzona_layouts[i].fingerprint()]
             return hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16]
 
-        def _canzona_check_tp(self, dp_rank: int) -> None:
+        def _canzona_check_tp(self, dp_rank: int, partition: str | None = None) -> None:
             """DP x TP: every TP rank must hold the same DP plan, at the same DP index, so
-            the shards of a matrix meet on one host."""
+            the shards of a matrix meet on one host.  An MoE expert group (whole experts on
+            every TP rank, planned over its expert-DP group): every TP rank must hold the same
+            expert plan over an expert-DP group of the same size (the ranks' expert-DP groups
+            differ where the TP ranks hold different experts, DeepSpeed's expert groups under an
+            mpu: docs/moe.md), so each TP rank steps its experts as its TP peers step theirs."""
             from ..tp import verify_same_across_group
 
             opt = self._canzona
+            if partition is not None:
+                plan = opt.plans[partition]
+                verify_same_across_group(f"{partition}:{plan.world_size}:{plan.fingerprint()}", opt.tp_group,
+                                         what=f"expert ownership plan of MoE group {partition!r} (expert-DP size, "
+                                              "whole expert shapes)")
+                return
+            if not opt.tp_matrices:
+                return
             verify_same_across_group(opt.plan.fingerprint(), opt.tp_group,
                                      what="DP ownership plan (over the TP-local matrix shapes)")
             verify_same_across_group(f"dp_rank={dp_rank}", opt.tp_group, what="DP rank within the TP group (mpu)")
@@ -264,6 +276,16 @@ def _make_zero_class():
             model-parallel group (all stages) once per param group, and a stage without matrices
             has one group where the others have two, which deadlocks."""
             groups = self._canzona.groups
+            moe = self._canzona.moe
+            if groups.tp_size > 1 and moe is not None and moe.active and groups.pp_size == 1:
+                # MoE x TP: DeepSpeed's own norm drops the experts of TP ranks other than 0 (also
+                # without clipping: the norm is reported, engine.get_global_grad_norm)
+                if self._canzona_clip is None:
+                    from .clip import TorchClipMoETP
+
+                    self._canzona_clip = TorchClipMoETP(self, list(moe.global_order), moe.global_names,
+                                                        groups.tp_group, groups.tp_rank, moe.partitions)
+                return self._canzona_clip
             if groups.tp_size > 1 or self.model_parallel_world_size != groups.pp_size:
                 return None
             if self.clip_grad <= 0.0 and groups.pp_size == 1:

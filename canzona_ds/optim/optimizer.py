@@ -154,8 +154,13 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         keys = [None] + sorted(set(partitions.values()))
         for key in keys[1:]:
             groups.expert(key)  # a ValueError naming the known expert groups
-        if len(keys) > 1 and self.tp_matrices:
-            raise ValueError("Expert parallelism (MoE) with tensor-parallel matrices is not supported.")
+        split_experts = [n for n in self.tp_matrices if n in partitions]
+        if split_experts:  # whole experts with TP-split dense matrices are fine (docs/moe.md)
+            first = split_experts[0]
+            raise ValueError(f"Expert parameter {first!r} (expert group {partitions[first]!r}) is tensor-parallel:"
+                             " experts split over tensor parallelism are not supported; keep the "
+                             "experts whole on every TP rank (deepspeed.moe.layer.MoE with "
+                             "enable_expert_tensor_parallelism=False).")
         spec_of = dict(zip([n for n, _ in matrices], specs))
         #: the ownership plan of each partition's matrices over its DP group ("owned" placement;
         #: None: dense, else the expert group's name); ``plan`` is the dense one

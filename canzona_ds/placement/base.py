@@ -72,6 +72,8 @@ class Placement(ABC):
                 split[name] = (param, grad)
                 continue
             rule_step(ctx.rule, param, grad, ctx.states, ctx.infos[name], ctx.step, ctx.lr, ctx.weight_decay)
-        if self.hosted is not None:
-            # every rank of the split group calls this (the same matrices, by construction)
+        if self.hosted is not None and split:
+            # every rank of the split group calls this (the same matrices, by construction); a
+            # group without split matrices (an MoE expert group beside the TP-split dense one)
+            # holds none of the hosted ones
             self.hosted.step(split, ctx)

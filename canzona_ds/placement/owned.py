@@ -55,7 +55,8 @@ class OwnedPlacement(Placement):
                 raise RuntimeError(f"Matrix {v.name} at offset {v.offset} does not fit in a partition of "
                                    f"{flat_param.numel()} elements.")
         self.views[id(flat_param)] = views
-        if make_hosted is not None:  # (one partition per matrix group: several under MoE, without TP)
+        if make_hosted is not None:  # one partition per matrix group (several under MoE; with TP the
+            # dense one, bound first, holds the TP-split matrices and keeps the hosted strategy)
             hosted = make_hosted([v.name for v in views])
             if hosted is not None or len(self.views) == 1:
                 self.hosted = hosted

@@ -242,3 +242,142 @@ def run_moe_engine(rank: int, world: int, ep_size: int, cfg: dict, steps: int, m
         if after_step is not None:
             after_step(step, whole())
     return whole(), losses, engine
+
+
+def gloo_gather_tokens() -> None:
+    """Let DeepSpeed MoE's tensor-parallel token gather run on gloo (call once per worker).
+
+    ``deepspeed.moe.mappings._gather_tokens`` all-gathers a [.., C, D] tensor into a flat
+    buffer with ``all_gather_into_tensor``; NCCL accepts that, gloo wants the input flat too
+    ("invalid tensor size").  This gathers the flattened input into the same flat buffer and
+    reshapes exactly as DeepSpeed does: the same bytes, a pure copy (CPU tests only)."""
+    import deepspeed
+    import deepspeed.moe.mappings as mappings
+    from deepspeed.utils.bwc import bwc_tensor_model_parallel_group, bwc_tensor_model_parallel_world_size
+
+    def _gather_tokens(input_, dim=0):
+        mpu = deepspeed.utils.groups.mpu
+        input_ = input_.contiguous()
+        world_size = bwc_tensor_model_parallel_world_size(mpu)
+        if world_size == 1:
+            return input_
+        buffer = torch.empty(world_size * input_.numel(), dtype=input_.dtype, device=input_.device)
+        deepspeed.comm.all_gather_into_tensor(buffer, input_.view(-1), group=bwc_tensor_model_parallel_group(mpu))
+        return torch.cat([c.view_as(input_) for c in buffer.chunk(world_size)], dim=dim).contiguous()
+
+    mappings._gather_tokens = _gather_tokens
+
+
+# ---------------------------------------------------------------- MoE x tensor parallelism
+#: the TP-split dense matrices of :class:`TinyMoETP`: name -> (whole shape, partition dim)
+TP_SPLIT = {"up.weight": ((2 * D, D), 0), "down.weight": ((D, 2 * D), 1)}
+
+
+class TinyMoETP(TinyMoE):
+    """:class:`TinyMoE` with a Megatron tensor-parallel MLP before the MoE layer (the stand-in's
+    ``ColumnParallelLinear(D, 2D)`` -> GELU -> ``RowParallelLinear(2D, D)``, split over the TP
+    group of ``megatron_standin.initialize_model_parallel``); the experts stay whole
+    (``enable_expert_tensor_parallelism=False``, DeepSpeed's default).  Every weight comes from its
+    whole-model name (``up``/``down`` sliced by TP rank), so the model is the same at any layout."""
+
+    def __init__(self, ep_size: int, ep_rank: int, tp_size: int, tp_rank: int, num_experts: int = NUM_EXPERTS,
+                 seed: int = 0) -> None:
+        from . import megatron_standin as ms
+
+        super().__init__(ep_size, ep_rank, num_experts=num_experts, seed=seed)
+        self.up = ms.ColumnParallelLinear(D, 2 * D)
+        self.down = ms.RowParallelLinear(2 * D, D)
+        with torch.no_grad():
+            for n, (shape, dim) in TP_SPLIT.items():
+                getattr(self, n.split(".")[0]).weight.copy_(_init(n, shape, seed).chunk(tp_size, dim=dim)[tp_rank])
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        h = h + self.proj(self.norm(h))
+        h = h + self.down(F.gelu(self.up(h)))
+        out, l_aux, _ = self.moe(h)
+        h = h + out
+        return F.cross_entropy(self.lm_head(h).flatten(0, 1).float(), y.flatten()) + AUX_COEF * l_aux
+
+
+def run_moe_tp_engine(rank: int, tp: int, ep_size: int, cfg: dict, steps: int, data: list, micro: int = 2,
+                      after_init=None, seed: int = 0):
+    """Train :class:`TinyMoETP` on a DeepSpeed engine with the Megatron stand-in's mpu (TP groups of
+    consecutive ranks, DP strided); DeepSpeed's expert groups over the world (ep groups of
+    consecutive ranks).  ``data``: global batches of ``micro * dp`` sequences, each DP rank its own
+    slice (the TP ranks of one DP rank the same).  Returns (this rank's parameters by whole-model
+    name, losses, engine).  The stand-in's model-parallel groups must exist
+    (``megatron_standin.initialize_model_parallel(tp)``)."""
+    import canzona_ds  # noqa: F401 - registers the Canzona types
+    import deepspeed
+
+    from . import megatron_standin as ms
+
+    gloo_gather_tokens()
+    dp_rank, tp_rank = ms.get_data_parallel_rank(), ms.get_tensor_model_parallel_rank()
+    ep_rank = rank % ep_size  # DeepSpeed's ep groups without expert TP: consecutive ranks
+    model = TinyMoETP(ep_size, ep_rank, tp, tp_rank, seed=seed)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=cfg,
+                                           mpu=ms.mpu)
+    if after_init is not None:
+        after_init(engine)
+    local = NUM_EXPERTS // ep_size
+    losses = []
+    for x, y in data[:steps]:
+        x, y = x[dp_rank * micro:(dp_rank + 1) * micro], y[dp_rank * micro:(dp_rank + 1) * micro]
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    # whole-model names (a TP-split parameter keeps its name: its shards join along TP_SPLIT's dim)
+    params = {global_name(n, ep_rank, local): p.detach().float().numpy().copy()
+              for n, p in engine.module.named_parameters()}
+    return params, losses, engine
+
+
+def tp_reference_run(initial: dict, data: list, steps: int, optimizer: str = "CanzonaMuon", dp: int = 2,
+                     micro: int = 2, num_experts: int = NUM_EXPERTS, params: dict | None = None) -> dict:
+    """The TP=1 single-process model of :class:`TinyMoETP` trained on its own gradients: every
+    weight whole (``initial``: the whole model's weights by name, TP-split ones joined), each DP
+    replica's forward with every expert in the process (DeepSpeed's own top-1 gating, slots,
+    encode and decode; capacity = every token, so none is dropped), the gradient of the mean of
+    the replicas' losses (ZeRO's average), ``ReferenceOptimizer``.  Not bit-identical to a TP run
+    (the row-parallel partial sums, the TP ranks' capacity split and DeepSpeed's expert-DP
+    averaging associate differently): a closed-loop check of the gradients, within rounding."""
+    from deepspeed.moe.sharded_moe import _route_slots, _sparse_decode, _sparse_encode, top1gating
+
+    from ..optim.config import CanzonaConfig
+    from ..optim.reference import ReferenceOptimizer
+
+    torch.set_num_threads(1)
+    cfg = CanzonaConfig.from_ds(optimizer, dict(HP[optimizer] if params is None else params))
+    master = {n: nn.Parameter(torch.as_tensor(v).clone()) for n, v in initial.items()}
+    opt = ReferenceOptimizer(list(master.items()), cfg)
+    P = master
+    for x_all, y_all in data[:steps]:
+        total = None
+        for s in range(dp):
+            x, y = x_all[s * micro:(s + 1) * micro], y_all[s * micro:(s + 1) * micro]
+            h = F.embedding(x, P["embed.weight"])
+            h = h + F.linear(F.layer_norm(h, (D,), P["norm.weight"], P["norm.bias"]), P["proj.weight"], P["proj.bias"])
+            h = h + F.linear(F.gelu(F.linear(h, P["up.weight"])), P["down.weight"])
+            flat = h.reshape(-1, D)
+            logits = F.linear(flat.float(), weight=P[MOE + "gate.wg.weight"].float(), bias=None)
+            l_aux, C, E, indices, locations, gates, _ = top1gating(
+                logits, float(num_experts), 0, None, None, True, False, None, sparse_routes=True, use_tutel=False)
+            C = int(C)
+            slots = _route_slots(indices, locations, E, C)
+            dispatched = _sparse_encode(flat, slots, E, C)
+            outs = []
+            for e in range(E):
+                w = [P[f"{EXPERTS}{e}.{p}"] for p in EXPERT_PARAMS]
+                outs.append(F.linear(F.gelu(F.linear(dispatched[e], w[0], w[1])), w[2], w[3]))
+            combined = _sparse_decode(torch.stack(outs).view(E * C, D), slots, gates, flat.shape[0])
+            hs = h + combined.reshape(h.shape)
+            loss = F.cross_entropy(F.linear(hs, P["lm_head.weight"]).flatten(0, 1).float(), y.flatten()) \
+                + AUX_COEF * l_aux
+            total = loss / dp if total is None else total + loss / dp
+        opt.zero_grad()
+        total.backward()
+        opt.step()
+    return {n: p.detach().numpy().copy() for n, p in master.items()}
