@@ -278,7 +278,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             tp_hosts = grid_tp_hosts(dp_hosts, costs, self.groups.tp_size)
             hosted = {m.name for m in dp_hosted}
 
-            def make(names: list[str]):
+            def make_mixed(names: list[str]):
                 parts = []
                 owned = self._hosted([n for n in names if n not in hosted])  # owned TP-split: over TP
                 if owned is not None:
@@ -293,6 +293,8 @@ class CanzonaOptimizer(torch.optim.Optimizer):
                                                  hosts=[m.rank_of(t, h) for m, t, h in zip(grid, tp_hosts, dp_hosts)],
                                                  piece_states=self.piece_state))
                 return parts[0] if len(parts) == 1 else HostedSet(parts)
+
+            make = make_mixed
         self.placement.bind(flat_param, views, make_hosted=make)
 
     def bind_sharded(self, partition_numel: int, pieces: Iterable, splits: Iterable, group=None) -> None:
