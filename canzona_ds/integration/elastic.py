@@ -73,11 +73,24 @@ class ElasticError(ValueError):
     """A checkpoint cannot be resumed at this size (the message says why)."""
 
 
-#: DeepSpeed MoE (expert groups planned over their expert-DP groups): not resumable at a new size
-MOE_REFUSAL = ("{where}: a checkpoint with DeepSpeed MoE expert groups (expert parallelism) cannot be resumed at "
-               "another DP or expert-parallel size, or with another plan, yet. Resume it at the size and "
-               "optimizer params it was saved with (engine.load_checkpoint does), or load the module weights "
-               "only (load_optimizer_states=False, load_module_only=True).")
+#: DeepSpeed MoE checkpoints written before the layout record named every expert globally
+MOE_REFUSAL = ("{where}: this checkpoint has DeepSpeed MoE expert groups but its layout record lacks the experts' "
+               "whole-model names and expert-parallel ranks (written by an older canzona-ds), so it cannot be "
+               "resumed at another DP or expert-parallel size. Resume it at the size it was saved at "
+               "(engine.load_checkpoint does), or load the module weights only (load_optimizer_states=False, "
+               "load_module_only=True); checkpoints written now resume at any DP and ep_size (docs/moe.md).")
+
+
+def _check_moe_meta(folder: str, metas: list[dict], tp: int) -> None:
+    """A DeepSpeed MoE checkpoint resumes at another size when every file records its experts'
+    whole-model names (``canzona_layout.moe[group].global_names``) and TP was 1."""
+    if tp > 1:
+        raise ElasticError(f"{folder}: a DeepSpeed MoE checkpoint with tensor parallelism (TP={tp}) cannot be "
+                           "resized (MoE with TP is not supported).")
+    for m in metas:
+        for info in m["moe"].values():
+            if not {"global_names", "ep_rank", "ep_size"} <= set(info):
+                raise ElasticError(MOE_REFUSAL.format(where=folder))
 
 
 #: the owner recorded for a hosted matrix of the mixed layout (ZeRO's partitions hold its pieces)
@@ -215,15 +228,22 @@ class SavedCheckpoint:
         self.elements_read = 0
         #: [tp rank][dp rank] -> that file's optimizer_state_dict (tensors memory-mapped)
         self._shards = [[_load(files[(r, t)], mmap)["optimizer_state_dict"] for r in range(dp)] for t in range(tp)]
-        #: [tp rank] name -> (group, owner DP rank or None for the AdamW group, offset, TP-local shape)
-        self._where: list[dict[str, tuple[int, int | None, int, tuple[int, ...]]]] = []
-        #: [tp rank] AdamW group -> (start, numel) of every DP rank's partition in the group's flat buffer
-        self._parts: list[dict[int, list[tuple[int, int]]]] = []
+        #: [tp rank] name -> (group, the file (DP rank) holding it whole or None for the AdamW group
+        #: or HOSTED, offset in that file's partition (in the group's buffer when not owned),
+        #: TP-local shape, the key of its buffer's partitions in ``_parts``)
+        self._where: list[dict[str, tuple[int, int | None, int, tuple[int, ...], Any]]] = []
+        #: [tp rank] buffer key -> (file, start, numel) of every partition of that flat buffer, in
+        #: order: the key is the group for a dense group (one buffer over DP), (group, expert-parallel
+        #: rank) for an expert group (one buffer per expert-parallel rank, over its expert-DP group)
+        self._parts: list[dict[Any, list[tuple[int, int, int]]]] = []
         self._state_at: dict[str, tuple[int, int]] = {}  # matrix -> the (tp, dp) file holding its rule state
+        self._state_key: dict[str, str] = {}  # matrix -> its name in that file (an expert's local name)
         self._pieces: dict[str, list[int]] = {}  # hosted matrix -> the DP files holding pieces of its state
         hosted: set[str] = set()
         meta0, rule_description = None, None
         self.adam_step, self.matrix_step = 0.0, 0
+        #: DeepSpeed MoE: expert group -> (ep_size, number of experts per layer prefix), as saved
+        self.moe: dict[str, dict[str, Any]] = {}
         for t in range(tp):
             shards = self._shards[t]
             model = _load(os.path.join(folder, MODEL_FILE.format(file_rank[t])), mmap)
@@ -232,38 +252,45 @@ class SavedCheckpoint:
                 raise ElasticError(f"{folder} was not written by a Canzona optimizer with a planned layout (no "
                                    f"'{LAYOUT_KEY}'); only Canzona checkpoints can change size here.")
             if any(m.get("moe") for m in metas):
-                raise ElasticError(MOE_REFUSAL.format(where=folder))
+                _check_moe_meta(folder, metas, tp)
             meta = metas[0]
             meta0 = meta0 or meta
             where: dict[str, tuple] = {}
-            parts: dict[int, list[tuple[int, int]]] = {}
+            parts: dict[Any, list[tuple[int, int, int]]] = {}
+            partition_of = [g.get("canzona_partition") for g in shards[0]["base_optimizer_state"]["param_groups"]]
             for g, role in enumerate(meta["roles"]):
                 shapes = dict(model["param_shapes"][g])
+                key = partition_of[g]
+                if key is not None:  # a DeepSpeed MoE expert group: one buffer per expert-parallel rank
+                    self._index_experts(t, g, role, key, shapes, metas, where, parts)
+                    continue
                 if role == "matrix":
                     P = meta["shard_numel"]
                     owners = meta.get("owner_at") or [r for r, c in enumerate(meta["rank_counts"]) for _ in range(c)]
                     for name, off, owner in zip(meta["matrix_names"], meta["offsets"], owners):
                         if owner < 0:  # hosted (mixed layout): its pieces lie in consecutive partitions
-                            where[name] = (g, HOSTED, off, tuple(shapes[name]))
-                            parts[g] = [(r * P, P) for r in range(len(shards))]
+                            where[name] = (g, HOSTED, off, tuple(shapes[name]), g)
+                            parts[g] = [(r, r * P, P) for r in range(len(shards))]
                         else:
-                            where[name] = (g, owner, off - owner * P, tuple(shapes[name]))
+                            where[name] = (g, owner, off - owner * P, tuple(shapes[name]), g)
                     for r, s in enumerate(shards):
                         base = s["base_optimizer_state"]
                         rule_description = base["canzona"]["config"]["rule"]
                         for name in base["canzona"]["matrix_state"]:
-                            self._state_at.setdefault(name, (t, r))  # TP replicas of a non-split matrix agree
+                            if name in where and where[name][0] == g:  # (an expert's: _index_experts)
+                                self._state_at.setdefault(name, (t, r))  # TP replicas of a non-split matrix agree
+                                self._state_key.setdefault(name, name)
                         if t == 0:  # a hosted matrix's element-wise state, cut like its pieces (mixed layout)
                             for name in base["canzona"].get("piece_state", {}):
                                 self._pieces.setdefault(name, []).append(r)
                         self.matrix_step = int(base["param_groups"][g]["step"])
                 else:
                     lengths = [s["single_partition_of_fp32_groups"][g].numel() for s in shards]
-                    parts[g] = [(sum(lengths[:r]), n) for r, n in enumerate(lengths)]
+                    parts[g] = [(r, sum(lengths[:r]), n) for r, n in enumerate(lengths)]
                     self.adam_step = float(shards[0]["base_optimizer_state"]["state"][g]["step"])
                     off = 0
                     for (name, shape), pad in zip(shapes.items(), shards[0]["param_alignment_paddings"][g]):
-                        where[name] = (g, None, off, tuple(shape))
+                        where[name] = (g, None, off, tuple(shape), g)
                         off += int(torch.Size(shape).numel()) + pad
             hosted |= set(meta["tp_params"]) & set(meta["matrix_names"])
             self._where.append(where)
@@ -288,6 +315,51 @@ class SavedCheckpoint:
     def names(self) -> list[str]:
         return list(self._where[0])
 
+    def _index_experts(self, t: int, g: int, role: str, key: str, shapes: dict, metas: list, where: dict,
+                       parts: dict) -> None:
+        """Index group ``g``, the ``role`` group of DeepSpeed MoE expert group ``key``, by the
+        experts' whole-model names.
+
+        Each expert-parallel rank k holds its own experts in its own flat buffer, partitioned over
+        its expert-DP group: file r holds partition ``edp_rank`` of rank ``ep_rank``'s buffer
+        (``canzona_layout.moe[key]``).  A matrix lies whole in its owner's partition; an expert's
+        AdamW range may cross the partitions of its buffer."""
+        shards = self._shards[t]
+        files: dict[int, dict[int, int]] = {}  # ep rank -> edp rank -> file
+        for r, m in enumerate(metas):
+            info = m["moe"][key]
+            files.setdefault(int(info["ep_rank"]), {})[int(info["edp_rank"])] = r
+        info0 = metas[0]["moe"][key]
+        ep_size, edp_size = int(info0["ep_size"]), int(info0["world_size"])
+        if sorted(files) != list(range(ep_size)) or any(sorted(f) != list(range(edp_size)) for f in files.values()):
+            raise ElasticError(f"{self.folder}: the files of expert group {key!r} do not cover its {ep_size} "
+                               f"expert-parallel x {edp_size} expert-DP ranks: {files}.")
+        self.moe[key] = {"ep_size": ep_size, "edp_size": edp_size}
+        for k, by_edp in sorted(files.items()):
+            order = [by_edp[e] for e in range(edp_size)]
+            glob = metas[order[0]]["moe"][key]["global_names"]
+            if role == "matrix":
+                info = metas[order[0]]["moe"][key]
+                P = int(info["shard_numel"])
+                owners = [e for e, c in enumerate(info["rank_counts"]) for _ in range(c)]
+                for name, off, owner in zip(info["matrix_names"], info["offsets"], owners):
+                    where[glob[name]] = (g, order[owner], off - owner * P, tuple(shapes[name]), (g, k))
+                for r in order:
+                    base = shards[r]["base_optimizer_state"]
+                    self.matrix_step = int(base["param_groups"][g]["step"])
+                    for name in base["canzona"]["matrix_state"]:
+                        if name in glob and name in info["matrix_names"]:
+                            self._state_at.setdefault(glob[name], (t, r))
+                            self._state_key.setdefault(glob[name], name)
+                continue
+            lengths = [shards[r]["single_partition_of_fp32_groups"][g].numel() for r in order]
+            parts[(g, k)] = [(r, sum(lengths[:e]), n) for e, (r, n) in enumerate(zip(order, lengths))]
+            self.adam_step = float(shards[order[0]]["base_optimizer_state"]["state"][g]["step"])
+            off = 0
+            for (name, shape), pad in zip(shapes.items(), shards[order[0]]["param_alignment_paddings"][g]):
+                where[glob[name]] = (g, None, off, tuple(shape), (g, k))
+                off += int(torch.Size(shape).numel()) + pad
+
     def _perm(self, name: str) -> Tensor:
         from ..tp.layout import concat_permutation
 
@@ -310,21 +382,15 @@ class SavedCheckpoint:
     def local_range(self, t: int, name: str, key: str, start: int, stop: int) -> Tensor:
         """Elements [start, stop) of ``name`` flattened as saved TP rank ``t`` held it: a view into
         the one file holding them, or the few pieces of an AdamW range that crosses partitions."""
-        g, owner, off, _ = self._where[t][name]
-        if owner == HOSTED:  # a hosted matrix of the mixed layout: its master weight across partitions
-            if key != MASTER:
-                raise ElasticError(f"{name!r} is a matrix in the checkpoint and has no AdamW state.")
-            a, b = off + start, off + stop
-            pieces = [self._partition(t, r, g, MASTER)[max(a, lo) - lo:min(b, lo + n) - lo]
-                      for r, (lo, n) in enumerate(self._parts[t][g]) if max(a, lo) < min(b, lo + n)]
-        elif owner is not None:
-            if key != MASTER:
-                raise ElasticError(f"{name!r} is a matrix in the checkpoint and has no AdamW state.")
+        g, owner, off, _, buffer = self._where[t][name]
+        if owner is not None and key != MASTER:
+            raise ElasticError(f"{name!r} is a matrix in the checkpoint and has no AdamW state.")
+        if owner is not None and owner != HOSTED:
             pieces = [self._partition(t, owner, g, MASTER)[off + start:off + stop]]
-        else:
+        else:  # AdamW, or a hosted matrix of the mixed layout: across the partitions of its buffer
             a, b = off + start, off + stop
             pieces = [self._partition(t, r, g, key)[max(a, lo) - lo:min(b, lo + n) - lo]
-                      for r, (lo, n) in enumerate(self._parts[t][g]) if max(a, lo) < min(b, lo + n)]
+                      for r, lo, n in self._parts[t][buffer] if max(a, lo) < min(b, lo + n)]
         self.elements_read += sum(p.numel() for p in pieces)
         if not pieces:
             return torch.empty(0)
@@ -365,7 +431,7 @@ class SavedCheckpoint:
 
     def _saved_state(self, name: str) -> dict[str, Any]:
         t, r = self._state_at[name]
-        state = self._shards[t][r]["base_optimizer_state"]["canzona"]["matrix_state"][name]
+        state = self._shards[t][r]["base_optimizer_state"]["canzona"]["matrix_state"][self._state_key[name]]
         if name not in self._pieces:
             return state
         # the mixed layout: the host holds the other keys, every rank its piece of the element-wise
@@ -509,9 +575,17 @@ def write(engine, src: Universal | SavedCheckpoint, gather: bool = True) -> dict
     if opt.rule.name != src.rule:
         raise ElasticError(f"The checkpoint holds {src.rule!r} state; this engine runs {opt.rule.name!r}.")
     names = dict(engine.module.named_parameters())
-    saved_names = src.names
-    missing = sorted(set(names) - set(saved_names))
-    extra = sorted(set(saved_names) - set(names))
+    # DeepSpeed MoE: the checkpoint names every expert by its whole-model (global) number; this
+    # rank's local experts are the global ones of its expert-parallel rank (integration/moe.py)
+    moe = opt.moe if opt.moe is not None and opt.moe.active else None
+    glob = (lambda n: moe.global_names.get(n, n)) if moe is not None else (lambda n: n)
+    saved_names = set(src.names)
+    here = {glob(n) for n in names}
+    whole_model = here | set(moe.global_order) if moe is not None else here  # every expert of the model
+    missing = sorted(here - saved_names)
+    extra = sorted(saved_names - whole_model)
+    if moe is not None and not missing and not extra:
+        missing = sorted(whole_model - saved_names)  # (another number of experts)
     if missing or extra:
         raise ElasticError(f"The checkpoint's parameters differ from the model's: missing {missing[:5]}, "
                            f"unexpected {extra[:5]}.")
@@ -519,7 +593,7 @@ def write(engine, src: Universal | SavedCheckpoint, gather: bool = True) -> dict
     tp_rank = dist.get_rank(group=opt.tp_group) if tp_size > 1 else 0
     layouts = {}  # name -> (dim, shard sizes, blocks) of this run's TP-split parameters
     for name, p in names.items():
-        full = src.full_shape(name)
+        full = src.full_shape(glob(name))
         if TPMatrix.is_split(p, tp_size):
             m = TPMatrix.from_param(name, p, tp_size)
             if tuple(full) != tuple(m.full_shape):
@@ -527,17 +601,19 @@ def write(engine, src: Universal | SavedCheckpoint, gather: bool = True) -> dict
             layouts[name] = (m.partition_dim, tuple(m.shard_sizes), tuple(tp_blocks(p, m.full_shape[m.partition_dim])))
         elif tuple(full) != tuple(p.shape):
             raise ElasticError(f"{name!r} is {tuple(full)} in the checkpoint, {tuple(p.shape)} here.")
-    # rule state is keyed per matrix, and per expert for a stack ("<stack>[e]")
-    with_state = [n for n in src.state_names() if n in opt.state_infos]
+    # rule state is keyed per matrix, and per expert for a stack ("<stack>[e]"); here by this
+    # rank's (local) names, in the checkpoint by the whole model's
+    local_of = {glob(n): n for n in opt.state_infos}
+    with_state = [local_of[n] for n in src.state_names() if n in local_of]
     for name in with_state:
-        shapes = src.state_shapes(name)
+        shapes = src.state_shapes(glob(name))
         if name in opt.tp_matrices:
             dim, sizes, blocks = layouts[name]
             _check_permutable(opt.rule, name, shapes, src.full_shape(name), concat_permutation(blocks, sizes))
         _check_state(opt.rule, opt.state_infos[name], shapes)
 
     def mine(name: str, key: str, start: int, stop: int) -> Tensor:
-        return src.flat_range(name, key, start, stop, layouts.get(name), tp_rank)
+        return src.flat_range(glob(name), key, start, stop, layouts.get(name), tp_rank)
 
     with torch.no_grad():
         roles = [g["canzona_role"] for g in opt.param_groups]
@@ -573,7 +649,7 @@ def write(engine, src: Universal | SavedCheckpoint, gather: bool = True) -> dict
         for name in with_state:
             if name not in handled:
                 continue
-            st = src.state_of(name)
+            st = src.state_of(glob(name))
             if name in opt.tp_matrices:
                 dim, sizes, blocks = layouts[name]
                 st = _permute_state(opt.rule, name, st, src.full_shape(name), dim,
@@ -590,7 +666,7 @@ def write(engine, src: Universal | SavedCheckpoint, gather: bool = True) -> dict
             # mixed layout is the dense one: MoE keeps the owned layout)
             dp_rank = dist.get_rank(group=zopt.real_dp_process_group[roles.index(MATRIX)])
             for name in flat:
-                m, st = split[name], src.state_of(name)
+                m, st = split[name], src.state_of(glob(name))
                 lo, n = m.starts[dp_rank], m.lengths[dp_rank]
                 if isinstance(m, GridSplit):  # this TP rank's shard of the TP layout, then its DP piece
                     dim, sizes, blocks = layouts[name]
@@ -645,7 +721,6 @@ def load(engine, ckpt_dir: str, tag: str | None = None, whole: bool = False) -> 
     every parameter rebuilt whole on every rank (``read(mmap=False)``) and the module's weights
     set from them (no collective)."""
     tag = resolve_tag(ckpt_dir, tag)
-    _refuse_moe(engine, os.path.join(ckpt_dir, tag))
     mp_ranks = _stage_file_ranks(engine, ckpt_dir, tag)
     if whole:
         if mp_ranks is not None:
@@ -697,17 +772,8 @@ def save_universal_file(uni: Universal, path: str) -> None:
     torch.save({"format": UNIVERSAL_FORMAT, **{f.name: getattr(uni, f.name) for f in fields(Universal)}}, path)
 
 
-def _refuse_moe(engine, where: str) -> None:
-    from .runtime_info import canzona_optimizer
-
-    opt = canzona_optimizer(engine)
-    if opt is not None and opt.moe is not None and opt.moe.active:
-        raise ElasticError(MOE_REFUSAL.format(where=where))
-
-
 def load_universal_file(engine, path: str) -> dict:
     """Resume ``engine`` from a file written by ``convert``."""
-    _refuse_moe(engine, path)
     data = _load(path, mmap=True)  # each rank copies out its share (a TP-resharded parameter whole)
     if not isinstance(data, dict) or data.pop("format", None) != UNIVERSAL_FORMAT:
         raise ElasticError(f"{path} is not a canzona universal checkpoint (written by `python -m "

@@ -242,10 +242,18 @@ def _make_zero_class():
                     continue
                 lay = self.canzona_layouts[i]
                 payload.append([key, self._canzona_plan(i).fingerprint(), lay.fingerprint()])
+                eg = opt.groups.expert(key)
+                moe = opt.moe
+                # every expert parameter of this group on this rank -> its whole-model name (local
+                # expert j on expert-parallel rank k is global expert k*E/ep + j): what a resume at
+                # another DP or expert-parallel size finds it by (integration/elastic.py)
+                global_names = {n: moe.global_names.get(n, n) for n, part in moe.partitions.items() if part == key} \
+                    if moe is not None else {}
                 experts[key] = {"world_size": lay.world_size, "shard_numel": lay.shard_numel,
                                 "matrix_names": list(opt.partition_matrices[key]),
                                 "rank_counts": list(lay.rank_counts), "offsets": list(lay.offsets),
-                                "edp_rank": dist.get_rank(group=self.real_dp_process_group[i])}
+                                "edp_rank": dist.get_rank(group=self.real_dp_process_group[i]),
+                                "ep_size": eg.ep_size, "ep_rank": eg.ep_rank, "global_names": global_names}
             tp_params = {}
             for group in self.bit16_groups:
                 for p in group:
