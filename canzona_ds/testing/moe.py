@@ -105,8 +105,12 @@ def moe_ds_config(dp: int, optimizer: str = "CanzonaMuon", stage: int = 1, micro
 
 def reference_run(world: int, ep_size: int, steps: int, optimizer: str = "CanzonaMuon", micro: int = 2,
                   clip: float = 0.0, seed: int = 0, params: dict | None = None, num_experts: int = NUM_EXPERTS,
-                  data: list | None = None) -> dict:
-    """The whole model's parameters after ``steps`` (module docstring); call inside a worker."""
+                  data: list | None = None, start=None) -> dict:
+    """The whole model's parameters after ``steps`` (module docstring); call inside a worker.
+
+    ``start``: continue from a checkpoint's state instead of the initial weights (an
+    ``integration.elastic.Universal``, every parameter and its state by whole-model name: the
+    fp32 master weights, the rule state and step of every matrix, AdamW's moments and step)."""
     from deepspeed.moe.sharded_moe import _route_slots, _sparse_decode, _sparse_encode, top1gating
 
     from ..optim.config import CanzonaConfig
@@ -118,6 +122,8 @@ def reference_run(world: int, ep_size: int, steps: int, optimizer: str = "Canzon
     shapes = _shapes(num_experts)
     master = {n: nn.Parameter(_init(n, shapes[n], seed)) for n in names}
     opt = ReferenceOptimizer([(n, master[n]) for n in names], cfg)
+    if start is not None:
+        _start_from(opt, master, start)
     local = num_experts // ep_size
     ep_groups = ep_layout(world, ep_size)
     data = data if data is not None else batches(steps, micro * world)
@@ -185,6 +191,22 @@ def reference_run(world: int, ep_size: int, steps: int, optimizer: str = "Canzon
             torch.nn.utils.clip_grad_norm_([master[n] for n in names], clip)
         opt.step()
     return {n: master[n].detach().numpy().copy() for n in names}
+
+
+def _start_from(opt, master: dict, start) -> None:
+    """Set the reference's weights and optimizer state to a checkpoint's (``reference_run``)."""
+    with torch.no_grad():
+        for n, p in master.items():
+            p.copy_(start.params[n])
+    opt.step_count = int(start.matrix_step)
+    opt.state = {n: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
+                 for n, st in start.rule_state.items()}
+    if opt.adamw is not None:
+        by_id = {id(p): n for n, p in master.items()}
+        for p in opt.aux:
+            moments = start.adam[by_id[id(p)]]
+            opt.adamw.state[p] = {"step": torch.tensor(float(start.adam_step), dtype=torch.float32),
+                                  "exp_avg": moments["exp_avg"].clone(), "exp_avg_sq": moments["exp_avg_sq"].clone()}
 
 
 def _shapes(num_experts: int) -> dict:
