@@ -57,6 +57,9 @@ SCENARIOS = {
     "w4ep2_to_ep4_z2_muon": (4, 2, 4, 4, 2, "CanzonaMuon"),
     "w4ep2_to_ep4_z1_soap": (4, 2, 4, 4, 1, "CanzonaSOAP"),
     "w4ep2_to_ep1_z1_muon": (4, 2, 4, 1, 1, "CanzonaMuon"),
+    # ZeRO stage 0: DeepSpeed's expp_rank files (every rank keeps all its matrices), same ep_size
+    "w4ep2_to_w2_z0_muon": (4, 2, 2, 2, 0, "CanzonaMuon"),
+    "w2ep2_to_w4_z0_shampoo": (2, 2, 4, 2, 0, "CanzonaShampoo"),
 }
 
 
@@ -73,11 +76,32 @@ def _snapshot(engine) -> dict:
     from canzona_ds.optim.optimizer import MATRIX
 
     zopt = engine.optimizer
-    opt = zopt.optimizer
+    opt = getattr(zopt, "optimizer", zopt)
     glob = opt.moe.global_names
 
     def np_(t):  # (memory order kept: SOAP's eigenbases are column-major, and BLAS rounds by layout)
         return np.array(t.detach().float().numpy(), copy=True, order="K")
+
+    rule_state = {glob.get(n, n): {k: (np_(v) if hasattr(v, "numpy") else v) for k, v in st.items()}
+                  for n, st in opt.matrix_state.items()}
+    module = {glob.get(n, n): np_(p) for n, p in engine.module.named_parameters()}
+    common = dict(rule_state=rule_state, module=module, ep=(opt.groups.ep_size, opt.groups.ep_rank))
+    if opt is zopt:  # ZeRO stage 0: every rank keeps every matrix it has, and AdamW's state per parameter
+        name_of = {id(p): n for n, p in engine.module.named_parameters()}
+        master, adam = {}, []
+        for g in opt.param_groups:
+            for p in g["params"]:
+                n = glob.get(name_of[id(p)], name_of[id(p)])
+                if g["canzona_role"] == MATRIX:
+                    master[n] = np_(p)
+                    matrix_step = g["step"]
+                else:
+                    st = opt.state[p]
+                    adam.append((n, 0, p.numel(), np_(p).reshape(-1), np_(st["exp_avg"]).reshape(-1),
+                                 np_(st["exp_avg_sq"]).reshape(-1)))
+                    adam_step = float(st["step"])
+        return dict(master=master, adam=adam, adam_step=adam_step, matrix_step=matrix_step, owners=None,
+                    groups=None, **common)
 
     master, owners, groups, adam = {}, {}, {}, []
     adam_step = matrix_step = None
@@ -104,11 +128,8 @@ def _snapshot(engine) -> dict:
                 n = zopt.param_names[p]
                 adam.append((glob.get(n, n), a - off, b - off, np_(flat[a - lo:b - lo]),
                              np_(state["exp_avg"][a - lo:b - lo]), np_(state["exp_avg_sq"][a - lo:b - lo])))
-    rule_state = {glob.get(n, n): {k: (np_(v) if hasattr(v, "numpy") else v) for k, v in st.items()}
-                  for n, st in opt.matrix_state.items()}
-    module = {glob.get(n, n): np_(p) for n, p in engine.module.named_parameters()}
-    return dict(master=master, rule_state=rule_state, adam=adam, adam_step=adam_step, matrix_step=matrix_step,
-                owners=owners, groups=groups, module=module, ep=(opt.groups.ep_size, opt.groups.ep_rank))
+    return dict(master=master, adam=adam, adam_step=adam_step, matrix_step=matrix_step, owners=owners,
+                groups=groups, **common)
 
 
 def _save_worker(rank, world, root, names):
@@ -161,11 +182,39 @@ def _as_torch(state: SimpleNamespace) -> SimpleNamespace:
                            adam_step=state.adam_step, matrix_step=state.matrix_step)
 
 
-def _load_worker(rank, world, root, jobs):
+#: name -> (the scenario whose checkpoint is loaded, new world, new ep_size): refused by name
+REFUSED = {
+    # a stage-0 checkpoint (expp_rank files, one per expert-parallel rank) at another ep_size
+    "z0_ep2_to_ep1": ("w4ep2_to_w2_z0_muon", 2, 1),
+}
+
+
+def _refused_worker(rank, world, root, name):
+    from canzona_ds.integration.elastic import ElasticError
+    from canzona_ds.testing.moe import moe_ds_config, run_moe_engine
+
+    source, _, ep = REFUSED[name]
+    stage, opt_type = SCENARIOS[source][4:]
+
+    def load(engine):
+        engine.load_checkpoint(os.path.join(root, source), tag="saved")
+
+    try:
+        run_moe_engine(rank, world, ep, moe_ds_config(world, optimizer=opt_type, stage=stage), 1, after_init=load)
+    except ElasticError as e:
+        return str(e)
+    except Exception:  # noqa: BLE001
+        return "not an ElasticError:\n" + traceback.format_exc()
+    return None
+
+
+def _load_worker(rank, world, root, jobs, refused=()):
     from canzona_ds.testing.moe import moe_ds_config, reference_run, run_moe_engine
 
-    out = {}
-    for name, start in jobs.items():
+    out = {name: _refused_worker(rank, world, root, name) for name in refused}
+    # stage 0 first: DeepSpeed picks the stage-0 optimizer file by the largest expert group
+    # registered in the process, and the ep_size-changing scenarios register larger ones
+    for name, start in sorted(jobs.items(), key=lambda job: SCENARIOS[job[0]][4] != 0):
         _, _, _, ep, stage, opt_type = SCENARIOS[name]
         start = _as_torch(start)
         try:
@@ -219,8 +268,9 @@ def _loaded(world: int) -> dict:
             failed[name] = "saving failed:\n" + bad
         else:
             jobs[name] = _merge(snaps)
-    res = run_distributed(_load_worker, world, _root(), jobs, timeout=900) if jobs else []
-    out = {n: [r[n] for r in res] for n in jobs}
+    refused = [n for n, (source, w, _) in REFUSED.items() if w == world and _saved(SCENARIOS[source][0])]
+    res = run_distributed(_load_worker, world, _root(), jobs, refused, timeout=900) if jobs else []
+    out = {n: [r[n] for r in res] for n in list(jobs) + refused}
     out.update({n: [msg] for n, msg in failed.items()})
     return out
 
@@ -248,6 +298,8 @@ def test_moe_resume_at_new_size(name):
         for n, w in got["master"].items():
             holders.setdefault(n, []).append(rank)
             _eq(w, saved.params[n], f"{name}: fp32 master of {n} on rank {rank}")
+            if stage == 0:  # every rank keeps its matrices: the dense ones and its experts'
+                continue
             key = "ep_size_%d" % ep if ".experts." in n else "None"
             edp_rank, edp_size = got["groups"][key]
             assert got["owners"][n] == edp_rank, (n, rank, got["owners"][n], edp_rank)  # its planned owner
@@ -266,9 +318,14 @@ def test_moe_resume_at_new_size(name):
                 _eq(value, np.asarray(want).reshape(-1)[a:b], f"{name}: AdamW piece [{a}, {b}) of {n} on rank {rank}")
         for n, w in got["module"].items():
             _eq(w, saved.params[n], f"{name}: module weight {n} on rank {rank}")
-    # every matrix of the model (every expert's) owned by exactly one rank
     assert sorted(holders) == sorted(saved.rule_state), sorted(holders)
-    assert all(len(v) == 1 for v in holders.values()), holders
+    if stage:  # every matrix of the model (every expert's) owned by exactly one rank
+        assert all(len(v) == 1 for v in holders.values()), holders
+    else:  # a dense matrix on every rank, an expert's on every rank of its expert-parallel rank
+        for n, ranks in holders.items():
+            e = int(n.split("deepspeed_experts.")[1].split(".")[0]) if ".experts." in n else None
+            want = list(range(world)) if e is None else [r for r in range(world) if r % ep == e // (4 // ep)]
+            assert ranks == want, (n, ranks, want)
     # (b) training on equals the reference continued from the saved state at the new size
     ref, ref_first = res[0]["ref"], res[0]["ref_first"]
     if world == 2:
@@ -287,3 +344,13 @@ def test_moe_resume_at_new_size(name):
     assert first <= 1e-5, first
     if opt_type == "CanzonaMuon":
         assert dev <= 1e-6, dev
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_moe_resume_refused(name):
+    source, world, ep = REFUSED[name]
+    for r in _saved(SCENARIOS[source][0])[source]:
+        if isinstance(r, str):
+            pytest.fail("saving failed:\n" + r)
+    for msg in _loaded(world)[name]:
+        assert msg is not None and f"this run has ep_size={ep}" in msg and "stage 1 or 2" in msg, msg

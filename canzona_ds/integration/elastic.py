@@ -764,6 +764,37 @@ def _stage_file_ranks(engine, ckpt_dir: str, tag: str) -> list[int] | None:
     return [int(r) for r in ranks]
 
 
+#: DeepSpeed's stage-0 MoE optimizer files: one per expert-parallel rank of the largest expert group
+EXPP_FILE = re.compile(r"expp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
+
+
+def check_stage0_moe(engine, ckpt_dir: str, tag: str | None) -> None:
+    """ZeRO stage 0 under DeepSpeed MoE: DeepSpeed saves each expert-parallel rank's whole optimizer
+    state (``expp_rank_<k>_mp_rank_<m>_optim_states.pt``, every rank keeps the state of all its
+    matrices: placement "local"), and each rank loads the file of its expert-parallel rank.  That
+    resumes at any DP size with the same ``ep_size`` (the same experts per file); another
+    ``ep_size`` would hand a rank another rank's experts, so it is refused here by name."""
+    from .runtime_info import canzona_optimizer
+
+    opt = canzona_optimizer(engine)
+    if opt is None or opt.moe is None or not opt.moe.active or engine.zero_optimization_stage() != 0:
+        return
+    tag = latest_tag(ckpt_dir) if tag is None else tag
+    folder = os.path.join(ckpt_dir, str(tag)) if tag is not None else None
+    if folder is None or not os.path.isdir(folder):
+        return  # DeepSpeed's own message
+    saved = sorted(int(m.group(1)) for f in os.listdir(folder) if (m := EXPP_FILE.search(f)))
+    if not saved:
+        return
+    ep_size = opt.groups.ep_size  # the largest expert group's, as DeepSpeed names the files
+    if len(saved) != ep_size:
+        raise ElasticError(
+            f"{folder} was saved at ZeRO stage 0 with expert-parallel size {len(saved)} (expp_rank files "
+            f"{saved}); this run has ep_size={ep_size}. A stage-0 MoE checkpoint resumes at any DP size with the "
+            "same ep_size; to change ep_size, save at ZeRO stage 1 or 2 (those resume at any DP and ep_size), or "
+            "load the module weights only (load_optimizer_states=False).")
+
+
 #: format marker of a file written by ``convert``
 UNIVERSAL_FORMAT = "canzona-universal-1"
 

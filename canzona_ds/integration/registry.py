@@ -352,6 +352,10 @@ def install() -> None:
             from . import elastic
 
             return elastic.load(self, load_dir, tag)
+        if load_optimizer_states and not load_module_only and custom_load_fn is None:
+            from .elastic import check_stage0_moe
+
+            check_stage0_moe(self, load_dir, tag)  # MoE at stage 0: another ep_size refused by name
         return stock_load(self, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
                           load_module_only, custom_load_fn)
 
