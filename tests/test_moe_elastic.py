@@ -13,7 +13,9 @@ saved, independent of the checkpoint reader.  A fresh engine at the new size the
       whole-model name), every AdamW piece (expert biases included) and every module weight
       equal the saved ones bit for bit (rtol = atol = 0); each matrix lives on exactly one rank
       of the model, the planned owner of its new (expert-)DP group (``layout.owners()``), and
-      its expert-DP group is the one of its new expert-parallel rank;
+      its expert-DP group is the one of its new expert-parallel rank (ZeRO 0: every rank of
+      that expert-parallel rank keeps it).  The offline converter's form (``elastic.read``)
+      equals the saved state too;
   (b) it trains 2 more steps, compared with the single-process reference
       (``reference_run(start=<the saved state>)``: the whole model, every expert, the ranks'
       forward/backward and ZeRO's averages at the NEW size, torch's AdamW and the rule per
@@ -276,6 +278,7 @@ def _loaded(world: int) -> dict:
 
 
 def _eq(got, want, what: str) -> None:
+    got, want = (v.detach().numpy() if hasattr(v, "detach") else v for v in (got, want))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=what)
 
 
@@ -326,6 +329,20 @@ def test_moe_resume_at_new_size(name):
             e = int(n.split("deepspeed_experts.")[1].split(".")[0]) if ".experts." in n else None
             want = list(range(world)) if e is None else [r for r in range(world) if r % ep == e // (4 // ep)]
             assert ranks == want, (n, ranks, want)
+    if stage:  # the offline converter's size-independent form (read): the same, by whole-model name
+        from canzona_ds.integration.elastic import read
+
+        uni = read(os.path.join(_root(), name), "saved")
+        assert sorted(uni.params) == sorted(saved.params) and sorted(uni.adam) == sorted(saved.adam)
+        assert sorted(uni.rule_state) == sorted(saved.rule_state)
+        for n, w in uni.params.items():
+            _eq(w, saved.params[n], f"{name}: converted {n}")
+        for n, moments in uni.adam.items():
+            for k, v in moments.items():
+                _eq(v, saved.adam[n][k], f"{name}: converted AdamW {k} of {n}")
+        for n, st in uni.rule_state.items():
+            for k, v in st.items():
+                _eq(v, saved.rule_state[n][k], f"{name}: converted {k} of {n}")
     # (b) training on equals the reference continued from the saved state at the new size
     ref, ref_first = res[0]["ref"], res[0]["ref_first"]
     if world == 2:

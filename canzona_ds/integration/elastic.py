@@ -25,6 +25,14 @@ sizes (``canzona_ds/tp/layout.py``), which each rule maps onto its state through
 state that cannot follow such a permutation (Shampoo blocks cut along the split dimension
 of a fused layout) is refused by name.
 
+Under DeepSpeed MoE (ZeRO 1/2) every expert parameter is indexed by its whole-model name (local
+expert j on expert-parallel rank k is global expert k*E/ep + j, recorded per file in
+``canzona_layout.moe[group].global_names``): each expert-parallel rank's expert group is one
+flat buffer partitioned over its expert-DP group, and at the new size a rank takes the
+experts of its new expert-parallel rank and the matrices of its new expert-DP plan, so a
+resume may change the DP size and ``ep_size`` (docs/moe.md).  At ZeRO stage 0 DeepSpeed's own
+load resumes at another DP size; another ``ep_size`` is refused (``check_stage0_moe``).
+
 ``engine.load_checkpoint`` of a Canzona engine takes this path by itself when the
 checkpoint's DP or TP size differs from the engine's (integration/registry.py), and
 ``canzona_ds.checkpoint.load`` verifies the files first.  The offline converter writes the
