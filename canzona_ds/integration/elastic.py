@@ -284,8 +284,10 @@ class SavedCheckpoint:
                     for r, s in enumerate(shards):
                         base = s["base_optimizer_state"]
                         rule_description = base["canzona"]["config"]["rule"]
+                        # (a DeepSpeed MoE expert's state is under its local name: _index_experts)
+                        experts = {n for info in (metas[r].get("moe") or {}).values() for n in info["matrix_names"]}
                         for name in base["canzona"]["matrix_state"]:
-                            if name in where and where[name][0] == g:  # (an expert's: _index_experts)
+                            if name not in experts:
                                 self._state_at.setdefault(name, (t, r))  # TP replicas of a non-split matrix agree
                                 self._state_key.setdefault(name, name)
                         if t == 0:  # a hosted matrix's element-wise state, cut like its pieces (mixed layout)
