@@ -31,7 +31,8 @@ expert j on expert-parallel rank k is global expert k*E/ep + j, recorded per fil
 flat buffer partitioned over its expert-DP group, and at the new size a rank takes the
 experts of its new expert-parallel rank and the matrices of its new expert-DP plan, so a
 resume may change the DP size and ``ep_size`` (docs/moe.md).  At ZeRO stage 0 DeepSpeed's own
-load resumes at another DP size; another ``ep_size`` is refused (``check_stage0_moe``).
+load resumes at another DP size; another ``ep_size`` goes through ``load_stage0_moe`` (each
+parameter's state from the expp_rank file that held it, by whole-model name).
 
 ``engine.load_checkpoint`` of a Canzona engine takes this path by itself when the
 checkpoint's DP or TP size differs from the engine's (integration/registry.py), and
@@ -778,31 +779,106 @@ def _stage_file_ranks(engine, ckpt_dir: str, tag: str) -> list[int] | None:
 EXPP_FILE = re.compile(r"expp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
 
 
-def check_stage0_moe(engine, ckpt_dir: str, tag: str | None) -> None:
-    """ZeRO stage 0 under DeepSpeed MoE: DeepSpeed saves each expert-parallel rank's whole optimizer
-    state (``expp_rank_<k>_mp_rank_<m>_optim_states.pt``, every rank keeps the state of all its
-    matrices: placement "local"), and each rank loads the file of its expert-parallel rank.  That
-    resumes at any DP size with the same ``ep_size`` (the same experts per file); another
-    ``ep_size`` would hand a rank another rank's experts, so it is refused here by name."""
+def stage0_moe_resize_needed(engine, ckpt_dir: str, tag: str | None) -> bool:
+    """ZeRO stage 0 under DeepSpeed MoE: DeepSpeed saves each expert-parallel rank's whole
+    optimizer state (``expp_rank_<k>_mp_rank_<m>_optim_states.pt``: every rank keeps the state of
+    all its matrices, placement "local") and each rank loads the file of its expert-parallel
+    rank.  That resumes at any DP size with the same ``ep_size`` (the same experts per file);
+    another ``ep_size`` needs :func:`load_stage0_moe` (True here), which the files of an older
+    canzona-ds (no parameter names) cannot give: refused by name."""
     from .runtime_info import canzona_optimizer
 
     opt = canzona_optimizer(engine)
     if opt is None or opt.moe is None or not opt.moe.active or engine.zero_optimization_stage() != 0:
-        return
+        return False
     tag = latest_tag(ckpt_dir) if tag is None else tag
     folder = os.path.join(ckpt_dir, str(tag)) if tag is not None else None
     if folder is None or not os.path.isdir(folder):
-        return  # DeepSpeed's own message
-    saved = sorted(int(m.group(1)) for f in os.listdir(folder) if (m := EXPP_FILE.search(f)))
-    if not saved:
-        return
-    ep_size = opt.groups.ep_size  # the largest expert group's, as DeepSpeed names the files
-    if len(saved) != ep_size:
+        return False  # DeepSpeed's own message
+    saved = _expp_files(folder)
+    if not saved or len(saved) == opt.groups.ep_size:  # (the largest expert group's, as DeepSpeed names files)
+        return False
+    first = _load(saved[0], mmap=True)["optimizer"]
+    if "global_names" not in first.get("canzona", {}):
         raise ElasticError(
-            f"{folder} was saved at ZeRO stage 0 with expert-parallel size {len(saved)} (expp_rank files "
-            f"{saved}); this run has ep_size={ep_size}. A stage-0 MoE checkpoint resumes at any DP size with the "
-            "same ep_size; to change ep_size, save at ZeRO stage 1 or 2 (those resume at any DP and ep_size), or "
-            "load the module weights only (load_optimizer_states=False).")
+            f"{folder} was saved at ZeRO stage 0 with expert-parallel size {len(saved)}; this run has "
+            f"ep_size={opt.groups.ep_size}, and its optimizer files do not name their parameters (written by an "
+            "older canzona-ds). Resume it with the saved ep_size (any DP size), or load the module weights only "
+            "(load_optimizer_states=False).")
+    return True
+
+
+def _expp_files(folder: str) -> list[str]:
+    """DeepSpeed's stage-0 MoE optimizer files of ``folder``, by expert-parallel rank."""
+    found = {int(m.group(1)): os.path.join(folder, f) for f in os.listdir(folder) if (m := EXPP_FILE.search(f))}
+    if sorted(found) != list(range(len(found))):
+        raise ElasticError(f"{folder}: expp_rank optimizer files {sorted(found)} are not 0..{len(found) - 1}.")
+    return [found[k] for k in range(len(found))]
+
+
+def load_stage0_moe(engine, stock_load, ckpt_dir: str, tag: str | None, load_module_strict: bool = True,
+                    load_lr_scheduler_states: bool = True) -> tuple[str, dict]:
+    """Resume a ZeRO stage-0 DeepSpeed MoE checkpoint at another ``ep_size`` (and any DP size).
+
+    DeepSpeed's own load, without the optimizer, restores the module (the dense weights, every
+    local expert from its file by global id), the scheduler and the step counts; then every
+    parameter this rank holds takes its optimizer state from the ``expp_rank`` file of the
+    expert-parallel rank that held it, found by whole-model name (each file records its param
+    groups' parameters by local and by global name): AdamW's moments and step for the rest, the
+    rule state and step count for a matrix.  Nothing is recomputed: the state is copied."""
+    from ..optim.optimizer import MATRIX
+    from .runtime_info import canzona_optimizer
+
+    tag = resolve_tag(ckpt_dir, tag)
+    folder = os.path.join(ckpt_dir, tag)
+    opt = canzona_optimizer(engine)
+    # where every saved parameter's state lies: whole-model name -> (file, group, position)
+    files = [_load(path, mmap=True)["optimizer"] for path in _expp_files(folder)]
+    where: dict[str, tuple[int, int, int]] = {}
+    for k, sd in enumerate(files):
+        for g, names in enumerate(sd["canzona"]["global_names"]):
+            for i, name in enumerate(names):
+                where.setdefault(name, (k, g, i))
+    mine = {(g, i): opt._global_name(n) for g, names in enumerate(opt.group_names) for i, n in enumerate(names)}
+    missing = sorted({n for n in mine.values() if n not in where})
+    if missing:
+        raise ElasticError(f"{folder}: the checkpoint has no optimizer state for {missing[:5]} (another model?).")
+    for (g, i), name in mine.items():  # every check first, alike on every rank, before anything is loaded
+        k, sg, si = where[name]
+        role = files[k]["param_groups"][sg]["canzona_role"]
+        if role != opt.param_groups[g]["canzona_role"]:
+            raise ElasticError(f"{name!r} is in a {role} group in the checkpoint, a "
+                               f"{opt.param_groups[g]['canzona_role']} group here (another optimizer setting?).")
+        if role == MATRIX:
+            local = files[k]["canzona"]["param_names"][sg][si]
+            st = files[k]["canzona"]["matrix_state"].get(local)
+            if st is not None:
+                _check_state(opt.rule, opt.state_infos[opt.group_names[g][i]],
+                             {key: tuple(v.shape) for key, v in st.items() if isinstance(v, Tensor)})
+    if files[0]["canzona"].get("rule") != opt.rule.name:
+        raise ElasticError(f"{folder} holds {files[0]['canzona'].get('rule')!r} state; this engine runs "
+                           f"{opt.rule.name!r}.")
+    path, client_state = stock_load(engine, ckpt_dir, tag, load_module_strict=load_module_strict,
+                                    load_optimizer_states=False, load_lr_scheduler_states=load_lr_scheduler_states)
+    matrix_state = {}
+    with torch.no_grad():
+        for g, group in enumerate(opt.param_groups):
+            for i, p in enumerate(group["params"]):
+                k, sg, si = where[mine[(g, i)]]
+                saved, saved_group = files[k], files[k]["param_groups"][sg]
+                if group["canzona_role"] == MATRIX:
+                    group["step"] = saved_group["step"]
+                    st = saved["canzona"]["matrix_state"].get(saved["canzona"]["param_names"][sg][si])
+                    if st is not None:
+                        matrix_state[opt.group_names[g][i]] = _owned(st)
+                    continue
+                st = saved["state"].get(saved_group["params"][si])
+                opt.state[p] = {} if st is None else {
+                    key: (v.clone() if key == "step" else v.to(device=p.device, dtype=p.dtype).clone())
+                    for key, v in st.items()}
+    opt.matrix_state.clear()
+    opt.load_matrix_state(matrix_state)
+    return path, client_state
 
 
 #: format marker of a file written by ``convert``

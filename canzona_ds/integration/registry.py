@@ -353,9 +353,11 @@ def install() -> None:
 
             return elastic.load(self, load_dir, tag)
         if load_optimizer_states and not load_module_only and custom_load_fn is None:
-            from .elastic import check_stage0_moe
+            from . import elastic
 
-            check_stage0_moe(self, load_dir, tag)  # MoE at stage 0: another ep_size refused by name
+            if elastic.stage0_moe_resize_needed(self, load_dir, tag):  # MoE at stage 0, another ep_size
+                return elastic.load_stage0_moe(self, stock_load, load_dir, tag, load_module_strict,
+                                               load_lr_scheduler_states)
         return stock_load(self, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
                           load_module_only, custom_load_fn)
 

@@ -168,6 +168,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         #: matrix names per partition, in param-group (buffer) order
         self.partition_matrices: dict[str | None, list[str]] = {}
         param_groups = []
+        group_names: list[list[str]] = []
         ordered_matrices, ordered_aux = [], []
         for key in keys:
             mats = [(n, p) for n, p in matrices if partitions.get(n) == key]
@@ -181,14 +182,18 @@ class CanzonaOptimizer(torch.optim.Optimizer):
                 self.partition_matrices[key] = [n for n, _ in mats]
                 param_groups.append(dict(params=[p for _, p in mats], canzona_role=MATRIX, lr=config.lr,
                                          weight_decay=config.weight_decay, step=0, **moe))
+                group_names.append([n for n, _ in mats])
             if rest:
                 param_groups.append(dict(params=[p for _, p in rest], canzona_role=AUX, lr=config.adam_lr,
                                          betas=tuple(config.adam_betas), eps=config.adam_eps,
                                          weight_decay=config.weight_decay, **moe))
+                group_names.append([n for n, _ in rest])
             ordered_matrices += mats
             ordered_aux += rest
         #: the DP ownership plan of the dense matrices (None: none, or every matrix is updated here)
         self.plan: OwnershipPlan | None = self.plans.get(None)
+        #: the parameter names of every param group, in its order
+        self.group_names = group_names
         self.matrix_names = [n for n, _ in ordered_matrices]
         self.aux_names = [n for n, _ in ordered_aux]
         super().__init__(param_groups, {})
@@ -359,8 +364,17 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             "matrix_state": {n: dict(st) for n, st in self.matrix_state.items()},
             "piece_state": {n: dict(st) for n, st in self.piece_state.items()},
             "config": self.config.describe(),
+            # every param group's parameters by name, and by whole-model name (DeepSpeed MoE: local
+            # expert j of expert-parallel rank k is global expert k*E/ep + j): what a stage-0 MoE
+            # checkpoint is resumed at another ep_size by (integration/elastic.py)
+            "param_names": [list(names) for names in self.group_names],
+            "global_names": [[self._global_name(n) for n in names] for names in self.group_names],
         }
         return sd
+
+    def _global_name(self, name: str) -> str:
+        moe = self.moe
+        return moe.global_names.get(name, name) if moe is not None else name
 
     def load_state_dict(self, state_dict: Mapping) -> None:
         state_dict = dict(state_dict)
