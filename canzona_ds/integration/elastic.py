@@ -95,7 +95,8 @@ def _check_moe_meta(folder: str, metas: list[dict], tp: int) -> None:
     whole-model names (``canzona_layout.moe[group].global_names``) and TP was 1."""
     if tp > 1:
         raise ElasticError(f"{folder}: a DeepSpeed MoE checkpoint with tensor parallelism (TP={tp}) cannot be "
-                           "resized (MoE with TP is not supported).")
+                           "resumed at another size or plan (not implemented for MoE x TP); resume it at the size "
+                           "it was saved at, or load the module weights only (load_module_only=True).")
     for m in metas:
         for info in m["moe"].values():
             if not {"global_names", "ep_rank", "ep_size"} <= set(info):
@@ -589,6 +590,9 @@ def write(engine, src: Universal | SavedCheckpoint, gather: bool = True) -> dict
     # DeepSpeed MoE: the checkpoint names every expert by its whole-model (global) number; this
     # rank's local experts are the global ones of its expert-parallel rank (integration/moe.py)
     moe = opt.moe if opt.moe is not None and opt.moe.active else None
+    if moe is not None and opt.tp_size > 1:
+        raise ElasticError(f"Resuming a checkpoint at another size or plan into DeepSpeed MoE with tensor parallelism "
+                           f"(TP={opt.tp_size}) is not implemented; resume MoE x TP at the size it was saved at.")
     glob = (lambda n: moe.global_names.get(n, n)) if moe is not None else (lambda n: n)
     saved_names = set(src.names)
     here = {glob(n) for n in names}
@@ -776,7 +780,7 @@ def _stage_file_ranks(engine, ckpt_dir: str, tag: str) -> list[int] | None:
 
 
 #: DeepSpeed's stage-0 MoE optimizer files: one per expert-parallel rank of the largest expert group
-EXPP_FILE = re.compile(r"expp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
+EXPP_FILE = re.compile(r"expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
 
 def stage0_moe_resize_needed(engine, ckpt_dir: str, tag: str | None) -> bool:
@@ -798,6 +802,10 @@ def stage0_moe_resize_needed(engine, ckpt_dir: str, tag: str | None) -> bool:
     saved = _expp_files(folder)
     if not saved or len(saved) == opt.groups.ep_size:  # (the largest expert group's, as DeepSpeed names files)
         return False
+    if opt.groups.tp_size > 1 or any(int(m.group(2)) for f in os.listdir(folder) if (m := EXPP_FILE.search(f))):
+        raise ElasticError(f"{folder} was saved at ZeRO stage 0 with expert-parallel size {len(saved)}; this run has "
+                           f"ep_size={opt.groups.ep_size}. A change of ep_size under tensor parallelism is not "
+                           "implemented; resume MoE x TP with the saved ep_size.")
     first = _load(saved[0], mmap=True)["optimizer"]
     if "global_names" not in first.get("canzona", {}):
         raise ElasticError(
@@ -810,7 +818,8 @@ def stage0_moe_resize_needed(engine, ckpt_dir: str, tag: str | None) -> bool:
 
 def _expp_files(folder: str) -> list[str]:
     """DeepSpeed's stage-0 MoE optimizer files of ``folder``, by expert-parallel rank."""
-    found = {int(m.group(1)): os.path.join(folder, f) for f in os.listdir(folder) if (m := EXPP_FILE.search(f))}
+    found = {int(m.group(1)): os.path.join(folder, f) for f in os.listdir(folder)
+             if (m := EXPP_FILE.search(f)) and int(m.group(2)) == 0}  # (TP=1: stage0_moe_resize_needed)
     if sorted(found) != list(range(len(found))):
         raise ElasticError(f"{folder}: expp_rank optimizer files {sorted(found)} are not 0..{len(found) - 1}.")
     return [found[k] for k in range(len(found))]
