@@ -1,6 +1,8 @@
 """DeepSpeed MoE checkpoints resumed at another size: DP resize at the same ``ep_size`` (world
-4 -> 2 and 2 -> 4, ep_size 2) and a change of ``ep_size`` at the same world (world 4, ep_size 2
--> 4 and 2 -> 1), ZeRO 1 and 2, Muon, Shampoo and SOAP; real gloo processes.
+4 -> 2 and 2 -> 4, ep_size 2) and a change of ``ep_size`` (world 4, ep_size 2 -> 4 and 2 -> 1;
+stage 0 also world 4 ep_size 2 -> world 2 ep_size 1), ZeRO 0, 1 and 2, Muon, Shampoo and SOAP;
+real gloo processes.  Checkpoints without the records a resize needs (as an older canzona-ds
+wrote them) are refused by name.
 
 Each scenario trains the tiny MoE model (``canzona_ds.testing.moe``) 2 steps at the saved size
 and saves; every saving rank also hands back, by whole-model name (expert ``k*E/ep + j``), what
@@ -26,9 +28,9 @@ saved, independent of the checkpoint reader.  A fresh engine at the new size the
         are associated in gloo's order: ~1 ulp in the gradients, measured <= 2e-6 in the
         parameters); after 2 steps Muon is within 1e-6 of the reference end to end (measured
         <= 3e-8).  Shampoo's and SOAP's 2-step deviations are printed, not asserted: a
-        preconditioner refresh turns those ulps into ~1e-3 (SOAP at ep_size 1 measured 5e-3),
-        the size a misplaced expert or state would also have; their state is checked bit for
-        bit in (a) and their continuation bit for bit at world 2.
+        preconditioner refresh turns those ulps into ~1e-3 (SOAP world 4 ep_size 4: 2e-3), the
+        size a misplaced expert or state would also have; their state is checked bit for bit in
+        (a) and their continuation bit for bit at world 2.
 
 One ``run_distributed`` per (phase, world); each scenario in its own ``try``: one failing
 scenario fails one test.
