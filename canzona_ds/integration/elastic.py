@@ -848,7 +848,7 @@ def load_stage0_moe(engine, stock_load, ckpt_dir: str, tag: str | None, load_mod
         for g, names in enumerate(sd["canzona"]["global_names"]):
             for i, name in enumerate(names):
                 where.setdefault(name, (k, g, i))
-    mine = {(g, i): opt._global_name(n) for g, names in enumerate(opt.group_names) for i, n in enumerate(names)}
+    mine = {(g, i): opt.global_name(n) for g, names in enumerate(opt.group_names) for i, n in enumerate(names)}
     missing = sorted({n for n in mine.values() if n not in where})
     if missing:
         raise ElasticError(f"{folder}: the checkpoint has no optimizer state for {missing[:5]} (another model?).")

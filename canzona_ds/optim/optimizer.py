@@ -368,11 +368,12 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             # expert j of expert-parallel rank k is global expert k*E/ep + j): what a stage-0 MoE
             # checkpoint is resumed at another ep_size by (integration/elastic.py)
             "param_names": [list(names) for names in self.group_names],
-            "global_names": [[self._global_name(n) for n in names] for names in self.group_names],
+            "global_names": [[self.global_name(n) for n in names] for names in self.group_names],
         }
         return sd
 
-    def _global_name(self, name: str) -> str:
+    def global_name(self, name: str) -> str:
+        """``name``'s name in the whole model (a DeepSpeed MoE expert renumbered globally)."""
         moe = self.moe
         return moe.global_names.get(name, name) if moe is not None else name
 
