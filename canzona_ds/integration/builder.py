@@ -191,6 +191,19 @@ def build_optimizer(named: list, cfg: CanzonaConfig, groups: ParallelGroups, set
 
     shapes = {n: tuple(p.ds_shape) for n, p in named if hasattr(p, "ds_shape")}
     partitions = expert_partitions(named)
+    if groups.pp_size > 1:
+        # MoE in a PipelineModule is refused on every rank, including the stages without MoE layers
+        # (their DP/expert degrees differ, which the agreement below would report instead)
+        from .agreement import gather
+        from .moe import pipeline_refusal
+
+        stages = gather({"stage": groups.pp_rank, "moe": bool(partitions or settings.moe)})
+        moe_ranks: dict[int, list[int]] = {}
+        for r, v in enumerate(stages):
+            if v["moe"]:
+                moe_ranks.setdefault(v["stage"], []).append(r)
+        if moe_ranks:
+            raise pipeline_refusal(settings.optimizer_type, groups.pp_size, moe_ranks)
     if partitions or settings.moe:
         from .groups import with_expert_groups
 

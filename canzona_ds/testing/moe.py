@@ -403,3 +403,65 @@ def tp_reference_run(initial: dict, data: list, steps: int, optimizer: str = "Ca
         total.backward()
         opt.step()
     return {n: p.detach().numpy().copy() for n, p in master.items()}
+
+
+# ---------------------------------------------------------------- MoE in a PipelineModule
+class PipeDense(nn.Module):
+    """Pipeline layer 0: embedding and a dense residual matrix."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, D)
+        self.proj = nn.Linear(D, D)
+        with torch.no_grad():
+            for n, p in self.named_parameters():
+                p.copy_(_init(n, tuple(p.shape), seed))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        return h + self.proj(h)
+
+
+class PipeMoE(nn.Module):
+    """A pipeline layer holding one ``deepspeed.moe.layer.MoE`` (residual; the aux loss dropped:
+    a pipeline layer passes one tensor on)."""
+
+    def __init__(self, ep_size: int) -> None:
+        from deepspeed.moe.layer import MoE
+
+        super().__init__()
+        self.moe = MoE(hidden_size=D, expert=nn.Sequential(nn.Linear(D, H), nn.GELU(), nn.Linear(H, D)),
+                       num_experts=NUM_EXPERTS, ep_size=ep_size, k=1, capacity_factor=float(NUM_EXPERTS),
+                       eval_capacity_factor=float(NUM_EXPERTS), min_capacity=0, use_rts=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        out, _, _ = self.moe(h)
+        return h + out
+
+
+class PipeHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm_head = nn.Linear(D, VOCAB, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(h)
+
+
+def _pipe_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+
+def build_moe_pipe(moe_layers: int, ep_size: int = 2):
+    """A 2-stage ``PipelineModule`` (``partition_method="uniform"``): ``PipeDense``, then
+    ``moe_layers`` ``PipeMoE`` layers, then ``PipeHead``.  One MoE layer: stage 0 = dense + MoE,
+    stage 1 = the head (MoE in one stage); two: one MoE layer in each stage (needs
+    torch.distributed initialised)."""
+    import deepspeed
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    if moe_layers not in (1, 2):
+        raise ValueError(f"Invalid moe_layers={moe_layers}. Allowed: [1, 2].")
+    deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), verbose=False)
+    layers = [LayerSpec(PipeDense)] + [LayerSpec(PipeMoE, ep_size)] * moe_layers + [LayerSpec(PipeHead)]
+    return PipelineModule(layers=layers, num_stages=2, loss_fn=_pipe_loss, partition_method="uniform")
