@@ -7,6 +7,7 @@
 Every path runs the same steps, in this order::
 
     settings  = RunSettings (from the engine, or from a ds_config dict before there is one)
+    pipeline_refusal(...)  if pp > 1 and any stage holds MoE layers  # on every rank (one store exchange)
     check_agreement(what every rank must share)        # before anything a rank could wait in
     check_settings(settings)                           # refuse what cannot work, by name
     require_tp_group(...)                              # TP-tagged params need a TP group

@@ -413,9 +413,7 @@ class PipeDense(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, D)
         self.proj = nn.Linear(D, D)
-        with torch.no_grad():
-            for n, p in self.named_parameters():
-                p.copy_(_init(n, tuple(p.shape), seed))
+        _init_by_name(self, seed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.embed(x)
@@ -433,6 +431,7 @@ class PipeMoE(nn.Module):
         self.moe = MoE(hidden_size=D, expert=nn.Sequential(nn.Linear(D, H), nn.GELU(), nn.Linear(H, D)),
                        num_experts=NUM_EXPERTS, ep_size=ep_size, k=1, capacity_factor=float(NUM_EXPERTS),
                        eval_capacity_factor=float(NUM_EXPERTS), min_capacity=0, use_rts=False)
+        _init_by_name(self, seed=1)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         out, _, _ = self.moe(h)
@@ -443,9 +442,17 @@ class PipeHead(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.lm_head = nn.Linear(D, VOCAB, bias=False)
+        _init_by_name(self)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h)
+
+
+def _init_by_name(module: nn.Module, seed: int = 0) -> None:
+    """Deterministic weights from each parameter's name (the pipeline layers' local names)."""
+    with torch.no_grad():
+        for n, p in module.named_parameters():
+            p.copy_(_init(n, tuple(p.shape), seed))
 
 
 def _pipe_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
