@@ -693,7 +693,7 @@ def write(engine, src: Universal | SavedCheckpoint, gather: bool = True) -> dict
         flat = [n for n in with_state if isinstance(split.get(n), (FlatSplit, GridSplit))] if elementwise else []
         if flat:
             # this rank's index in the DP group the pieces are cut over (every matrix group of the
-            # mixed layout is the dense one: MoE keeps the owned layout)
+            # mixed layout is the dense one: MoE x the mixed layout is refused above)
             dp_rank = dist.get_rank(group=zopt.real_dp_process_group[roles.index(MATRIX)])
             for name in flat:
                 m, st = split[name], src.state_of(glob(name))
