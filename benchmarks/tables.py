@@ -726,7 +726,8 @@ def moe_planned(d: Data) -> str:
                    "max/mean", "padding", "bound (largest unit)",
                    f"per expert ({p['per_expert_planner']} at EP 1, {p['planner']} at EP > 1): FLOPs / memory",
                    "padding", "per expert, layout \"mixed\" (each group hosts over its own DP group): FLOPs / "
-                   "memory (padding)", "per expert, dense and experts seeded by each other's loads (lpt), PLANNER ONLY: "
+                   "memory (padding)",
+                   "per expert, dense and experts seeded by each other's loads (lpt), PLANNER ONLY: "
                    "FLOPs / memory (padding)"], rows)
 
 

@@ -25,7 +25,6 @@ One ``run_distributed`` per world size; each scenario runs in its own ``try``.
 """
 from __future__ import annotations
 
-import os
 import tempfile
 import traceback
 from functools import lru_cache
@@ -121,7 +120,8 @@ def _train(rank, world, stage, opt_type, options, ckpt=None):
             with CommCounter() as c:
                 out = stock(*a, **k)
             hosted = inner.placement.hosted_for(group) if group["canzona_role"] == "matrix" else None
-            calls.append((group["canzona_role"], group.get("canzona_partition"), c.count("torch") + c.count("deepspeed"),
+            calls.append((group["canzona_role"], group.get("canzona_partition"),
+                          c.count("torch") + c.count("deepspeed"),
                           hosted.runtime.stats.bytes_sent if hosted is not None else 0))
             return out
 
@@ -180,8 +180,11 @@ def _train(rank, world, stage, opt_type, options, ckpt=None):
         resumed, _, engine2 = run_moe_engine(rank, world, ep, cfg, 1, after_init=load, data=data[2:],
                                              num_experts=experts)
         opt2 = engine2.optimizer.optimizer
-        same = lambda a, b: a.keys() == b.keys() and all(torch.equal(a[n][k], b[n][k]) for n in a for k in a[n])  # noqa: E731
-        out.update(resumed=resumed, same_state=same(state, opt2.matrix_state), same_pieces=same(pieces, opt2.piece_state))
+        def same(a, b):
+            return a.keys() == b.keys() and all(torch.equal(a[n][k], b[n][k]) for n in a for k in a[n])
+
+        out.update(resumed=resumed, same_state=same(state, opt2.matrix_state),
+                   same_pieces=same(pieces, opt2.piece_state))
         from canzona_ds.integration.elastic import ElasticError, load as elastic_load
 
         try:  # the elastic path (a resize, or another plan) refuses MoE x the mixed layout by name
