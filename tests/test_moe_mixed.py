@@ -9,7 +9,8 @@ an odd count of them does not divide over its expert-DP group: a matrix is hoste
 * world 2, ep_size 1, 3 experts: dense ``proj.weight`` hosted over the DP pair, expert 2's
   ``0.weight`` hosted over the expert-DP pair (experts 0 and 1 owned, one per rank); every
   rule at ZeRO 1 and 2, and Muon with clipping: bit for bit against the single-process
-  reference (``testing.moe.reference_run``, the same optimizer params);
+  reference (``testing.moe.reference_run``, the same optimizer params); and at ep_size 2 (4
+  experts; expert-DP groups of one rank, whose mixed layout hosts nothing) SOAP at ZeRO 2;
 * world 4, ep_size 2, 2 experts: each rank's one local expert matrix is hosted over its
   expert-DP pair ({0, 2}, {1, 3}; two different groups stepping at once), ``proj.weight`` over
   the 4 DP ranks: every owner's/host's updates replayed bit for bit in one process from the
@@ -44,7 +45,9 @@ SETUP = {2: (1, 3), 4: (2, 2)}
 
 SCENARIOS = {
     2: {**{f"z{s}_{t}": (s, t, {}) for s in (1, 2) for t in TYPES},
-        "z1_CanzonaMuon_clip": (1, "CanzonaMuon", {"clip": CLIP})},
+        "z1_CanzonaMuon_clip": (1, "CanzonaMuon", {"clip": CLIP}),
+        # ep_size 2, 4 experts: expert-DP groups of one rank, whose mixed layout hosts nothing
+        "z2_CanzonaSOAP_ep2": (2, "CanzonaSOAP", {"setup": (2, 4)})},
     4: {"z1_CanzonaMuon": (1, "CanzonaMuon", {}), "z2_CanzonaShampoo": (2, "CanzonaShampoo", {}),
         "z1_CanzonaSOAP": (1, "CanzonaSOAP", {}), "checkpoint": (2, "CanzonaMuon", {"checkpoint": True})},
 }
@@ -107,7 +110,7 @@ def _train(rank, world, stage, opt_type, options, ckpt=None):
     from canzona_ds.testing.models import batches
     from canzona_ds.testing.moe import moe_ds_config, run_moe_engine
 
-    ep, experts = SETUP[world]
+    ep, experts = options.get("setup", SETUP[world])
     calls, hooks, first = [], {}, {}
 
     def attach(engine):
@@ -202,9 +205,9 @@ def _train(rank, world, stage, opt_type, options, ckpt=None):
 def _world_worker(rank, world, scenarios):
     from canzona_ds.testing.moe import reference_run
 
-    ep, experts = SETUP[world]
     out, refs = {}, {}
     for name, (stage, opt_type, options) in scenarios.items():
+        ep, experts = options.get("setup", SETUP[world])
         try:
             if options.get("checkpoint"):
                 with tempfile.TemporaryDirectory() as d:
@@ -217,7 +220,7 @@ def _world_worker(rank, world, scenarios):
             else:
                 res = _train(rank, world, stage, opt_type, options)
             if rank == 0 and not options.get("checkpoint"):
-                key = (opt_type, options.get("clip", 0.0))
+                key = (opt_type, options.get("clip", 0.0), ep, experts)
                 if key not in refs:
                     steps = STEPS if world == 2 else 1
                     refs[key] = reference_run(world, ep, steps, opt_type, clip=key[1], params=_params(opt_type),
@@ -242,8 +245,8 @@ def _results(world: int, name: str) -> list:
     return res
 
 
-def _check_plan_and_collectives(res: list, world: int) -> None:
-    ep, experts = SETUP[world]
+def _check_plan_and_collectives(res: list, world: int, setup: tuple | None = None) -> None:
+    ep, experts = setup or SETUP[world]
     key = f"ep_size_{ep}"
     for rank, r in enumerate(res):
         g = r["groups"]
@@ -251,12 +254,17 @@ def _check_plan_and_collectives(res: list, world: int) -> None:
         # both matrix groups host something, each over its own DP group
         assert g["None"]["hosted"] == ["proj.weight"] and g["None"]["dp_ranks"] == list(range(world))
         assert g[key]["dp_ranks"] == list(range(rank % ep, world, ep))
-        if world == 2:  # 3 experts over the pair: expert 2 hosted, 0 and 1 owned
+        if ep == world:  # expert-DP groups of one rank: nothing to host there
+            assert g[key]["hosted"] == [] and g[key]["mixed"] and g[key]["expected"] == 0
+        elif world == 2:  # 3 experts over the pair: expert 2 hosted, 0 and 1 owned
             assert g[key]["hosted"] == ["moe.deepspeed_moe.experts.deepspeed_experts.2.0.weight"]
         else:  # one local expert per rank (global expert ep_rank), hosted over its pair
             assert g[key]["hosted"] == [f"moe.deepspeed_moe.experts.deepspeed_experts.{rank % ep}.0.weight"]
         for info in g.values():
             assert info["mixed"] and info["pieces_ok"]
+            if not info["hosted"]:
+                assert info["runtime_expected"] == {}
+                continue
             # every hosted matrix is really cut: pieces on two ranks or more
             assert all(sum(1 for n in lengths if n) >= 2 for lengths in info["pieces"].values()), info["pieces"]
             assert info["runtime_expected"] == {"all_to_all_single": info["expected"]} and info["expected"] > 0
@@ -277,9 +285,9 @@ def _assert_equal(got: dict, ref: dict, what: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS[2]))
-def test_world2_ep1_bit_exact(name):
+def test_world2_bit_exact(name):
     res = _results(2, name)
-    _check_plan_and_collectives(res, 2)
+    _check_plan_and_collectives(res, 2, SCENARIOS[2][name][2].get("setup"))
     for r in res:
         _assert_equal(r["params"], res[0]["ref"], name)
 
