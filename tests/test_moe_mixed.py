@@ -19,6 +19,9 @@ an odd count of them does not divide over its expert-DP group: a matrix is hoste
 * every matrix group's inner step issues exactly its plan's all-to-alls (2 per micro-group,
   none for a group that hosts nothing) and sends the plan's bytes (planning.mixed.step_bytes);
   Muon's momentum of a hosted matrix stays in pieces;
+* MoE x TP (world 4 = DP 2 x TP 2, ep_size 2, Megatron stand-in mpu): the mixed layout's run
+  (the TP-split dense ``down.weight`` hosted over the DP x TP grid) equals the owned layout's
+  bit for bit, and the loss falls;
 * checkpoints (world 4): a same-size round trip continues bit for bit; a resize (the elastic
   path) of a mixed MoE checkpoint is refused by name.
 
@@ -49,7 +52,9 @@ SCENARIOS = {
         # ep_size 2, 4 experts: expert-DP groups of one rank, whose mixed layout hosts nothing
         "z2_CanzonaSOAP_ep2": (2, "CanzonaSOAP", {"setup": (2, 4)})},
     4: {"z1_CanzonaMuon": (1, "CanzonaMuon", {}), "z2_CanzonaShampoo": (2, "CanzonaShampoo", {}),
-        "z1_CanzonaSOAP": (1, "CanzonaSOAP", {}), "checkpoint": (2, "CanzonaMuon", {"checkpoint": True})},
+        "z1_CanzonaSOAP": (1, "CanzonaSOAP", {}), "checkpoint": (2, "CanzonaMuon", {"checkpoint": True}),
+        # last: it installs the Megatron stand-in's TP groups in this process
+        "tp2": (1, "CanzonaMuon", {"tp": True})},
 }
 
 
@@ -202,6 +207,30 @@ def _train(rank, world, stage, opt_type, options, ckpt=None):
     return out
 
 
+def _tp_owned_vs_mixed(rank, stage, opt_type):
+    """MoE x TP (DP 2 x TP 2, ep_size 2; testing.moe.TinyMoETP): the same run with the owned and
+    the mixed layout; the mixed one hosts the TP-split dense ``down.weight`` over the DP x TP grid."""
+    import numpy as np
+
+    from canzona_ds.testing import megatron_standin as ms
+    from canzona_ds.testing.models import batches
+    from canzona_ds.testing.moe import moe_ds_config, run_moe_tp_engine
+
+    ms.initialize_model_parallel(2)
+    data = batches(1, 2 * 2) * STEPS  # the same batch every step: the loss must fall
+    out = {}
+    for layout in ("owned", "mixed"):
+        cfg = moe_ds_config(2, optimizer=opt_type, stage=stage, micro=2, params=dict(HP[opt_type], layout=layout))
+        params, losses, engine = run_moe_tp_engine(rank, 2, 2, cfg, STEPS, data, micro=2)
+        z = engine.optimizer
+        hosted = {str(z._canzona_partition(i)): [z._canzona.partition_matrices[z._canzona_partition(i)][k]
+                                                 for k in lay.hosted_indices()] for i, lay in z.canzona_layouts.items()}
+        out[layout] = (params, losses, hosted, [lay.mixed for lay in z.canzona_layouts.values()])
+    owned, mixed = out["owned"][0], out["mixed"][0]
+    return dict(diff=max(float(np.abs(owned[n] - mixed[n]).max()) for n in owned), losses=out["mixed"][1],
+                hosted=out["mixed"][2], mixed=out["mixed"][3], owned_mixed=out["owned"][3])
+
+
 def _world_worker(rank, world, scenarios):
     from canzona_ds.testing.moe import reference_run
 
@@ -209,6 +238,9 @@ def _world_worker(rank, world, scenarios):
     for name, (stage, opt_type, options) in scenarios.items():
         ep, experts = options.get("setup", SETUP[world])
         try:
+            if options.get("tp"):
+                out[name] = _tp_owned_vs_mixed(rank, stage, opt_type)
+                continue
             if options.get("checkpoint"):
                 with tempfile.TemporaryDirectory() as d:
                     import torch.distributed as tdist
@@ -292,7 +324,7 @@ def test_world2_bit_exact(name):
         _assert_equal(r["params"], res[0]["ref"], name)
 
 
-@pytest.mark.parametrize("name", sorted(n for n in SCENARIOS[4] if n != "checkpoint"))
+@pytest.mark.parametrize("name", sorted(n for n in SCENARIOS[4] if n not in ("checkpoint", "tp2")))
 def test_world4_ep2_replays_exactly(name):
     res = _results(4, name)
     _check_plan_and_collectives(res, 4)
@@ -318,3 +350,13 @@ def test_saved_mixed_moe_checkpoint_refused_by_name():
     with pytest.raises(ElasticError, match=r"mixed ZeRO layout.*\['dense'\]"):
         _check_moe_meta("ckpt/two", [{"layout": "mixed", "moe": {"ep_size_2": dict(info, layout="owned")}}], 1)
     _check_moe_meta("ckpt/two", [{"layout": "owned", "moe": {"ep_size_2": dict(info, layout="owned")}}], 1)
+
+
+def test_world4_tp2_mixed_equals_owned():
+    """MoE x TP x the mixed layout: bit for bit the owned layout's run (itself exact against the
+    reference in tests/test_moe_tp.py), the TP-split dense matrix hosted over the grid."""
+    res = _results(4, "tp2")
+    for r in res:
+        assert r["hosted"]["None"] == ["down.weight"] and all(r["mixed"]) and not any(r["owned_mixed"]), r
+        assert r["diff"] == 0.0
+        assert r["losses"][-1] < r["losses"][0]
