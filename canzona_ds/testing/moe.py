@@ -220,7 +220,7 @@ def _shapes(num_experts: int) -> dict:
 
 def run_moe_engine(rank: int, world: int, ep_size: int, cfg: dict, steps: int, micro: int = 2, seed: int = 0,
                    groups: bool = False, after_init=None, data: list | None = None, after_step=None, mpu=None,
-                   client: bool = False, after_build=None):
+                   client: bool = False, after_build=None, num_experts: int = NUM_EXPERTS):
     """Train the tiny MoE model on a DeepSpeed engine; return (whole-model-named parameters of
     this rank, losses, engine).  ``groups``: pass DeepSpeed's own MoE param groups
     (split_params_into_different_moe_groups_for_optimizer) instead of the parameters (which
@@ -228,13 +228,14 @@ def run_moe_engine(rank: int, world: int, ep_size: int, cfg: dict, steps: int, m
     Megatron mpu passed to deepspeed.initialize (Megatron-DeepSpeed's configuration); ``client``:
     Megatron-DeepSpeed's stage-0 path, the optimizer built by ``build_tp_optimizer`` before
     ``deepspeed.initialize`` and passed to it as the client optimizer (``after_build(model,
-    optimizer)`` runs in between)."""
+    optimizer)`` runs in between); ``num_experts``: the MoE layer's experts (``reference_run`` takes
+    the same)."""
     import canzona_ds  # noqa: F401 - registers the Canzona types
     import deepspeed
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
     ep_rank = rank % ep_size
-    model = TinyMoE(ep_size, ep_rank, seed=seed)
+    model = TinyMoE(ep_size, ep_rank, num_experts=num_experts, seed=seed)
     params = split_params_into_different_moe_groups_for_optimizer(
         {"params": list(model.parameters()), "name": "dense"}) if groups else list(model.parameters())
     if client:
@@ -249,7 +250,7 @@ def run_moe_engine(rank: int, world: int, ep_size: int, cfg: dict, steps: int, m
     if after_init is not None:
         after_init(engine)
     losses = []
-    local = NUM_EXPERTS // ep_size
+    local = num_experts // ep_size
 
     def whole():
         return {global_name(n, ep_rank, local): p.detach().float().numpy().copy()
