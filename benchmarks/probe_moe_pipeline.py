@@ -11,9 +11,10 @@ that does not finish is reported as deadlocked, with the innermost DeepSpeed fra
 was waiting in (``faulthandler`` dumps a few seconds before the timeout).
 
 Run: ``python benchmarks/probe_moe_pipeline.py`` (~2 min on 2 cores) ->
-``benchmarks/results/moe_pipeline_probe.json``.  canzona-ds refuses MoE with pipeline
-parallelism (integration/moe.py ``pipeline_refusal``) and its message states what this finds;
-re-run it on a new DeepSpeed version before lifting the refusal.
+``benchmarks/results/moe_pipeline_probe.json``.  canzona-ds runs the layouts DeepSpeed runs
+(tests/test_moe_pipeline.py) and refuses the one it deadlocks on (integration/moe.py
+``pipeline_refusal``, whose message states what this finds); re-run it on a new DeepSpeed version
+before changing the refusal.
 """
 from __future__ import annotations
 

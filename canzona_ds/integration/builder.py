@@ -7,7 +7,7 @@
 Every path runs the same steps, in this order::
 
     settings  = RunSettings (from the engine, or from a ds_config dict before there is one)
-    pipeline_refusal(...)  if pp > 1 and any stage holds MoE layers  # on every rank (one store exchange)
+    pipeline_refusal(...)  if pp > 1, ZeRO 1, stages differ in expert groups  # every rank (one store exchange)
     check_agreement(what every rank must share)        # before anything a rank could wait in
     check_settings(settings)                           # refuse what cannot work, by name
     require_tp_group(...)                              # TP-tagged params need a TP group
@@ -172,6 +172,10 @@ def agreement_settings(s: RunSettings, cfg: CanzonaConfig, named: list, groups: 
     settings = asdict(s)
     out.update({key: settings[field] for field, key in _DS_KEYS.items()})
     out.update({f"parallel.{k}": v for k, v in groups.degrees.items()})
+    if groups.pp_size > 1:
+        # MoE in some pipeline stages only (ZeRO 0): the expert degree is a stage's own
+        out["parallel.ep"] = {"scope": groups.pp_rank, "value": groups.ep_size,
+                              "what": f"expert-parallel size of pipeline stage {groups.pp_rank}"}
     shapes = json.dumps([(n, list(getattr(p, "ds_shape", p.shape))) for n, p in named])
     digest = hashlib.sha256(shapes.encode()).hexdigest()[:16]
     stage = f" of pipeline stage {groups.pp_rank}" if groups.pp_size > 1 else ""
@@ -193,18 +197,24 @@ def build_optimizer(named: list, cfg: CanzonaConfig, groups: ParallelGroups, set
     shapes = {n: tuple(p.ds_shape) for n, p in named if hasattr(p, "ds_shape")}
     partitions = expert_partitions(named)
     if groups.pp_size > 1:
-        # MoE in a PipelineModule is refused on every rank, including the stages without MoE layers
-        # (their DP/expert degrees differ, which the agreement below would report instead)
+        # MoE in a PipelineModule: what DeepSpeed 0.19.8 itself runs is planned per stage; the
+        # layout its ZeRO-1 optimizer deadlocks on is refused on every rank, the stages without MoE
+        # layers included (one store exchange, the same decision everywhere)
         from .agreement import gather
         from .moe import pipeline_refusal
 
-        stages = gather({"stage": groups.pp_rank, "moe": bool(partitions or settings.moe)})
+        stages = gather({"stage": groups.pp_rank, "moe": bool(partitions or settings.moe),
+                         "groups": sorted(set(partitions.values()))})
         moe_ranks: dict[int, list[int]] = {}
         for r, v in enumerate(stages):
             if v["moe"]:
                 moe_ranks.setdefault(v["stage"], []).append(r)
-        if moe_ranks:
-            raise pipeline_refusal(settings.optimizer_type, groups.pp_size, moe_ranks)
+        if moe_ranks and settings.zero_stage != 0:
+            per_stage = {v["stage"]: tuple(v["groups"]) for v in stages}
+            uniform = len(moe_ranks) == groups.pp_size and len(set(per_stage.values())) == 1
+            if not uniform:
+                raise pipeline_refusal(settings.optimizer_type, groups.pp_size, moe_ranks, settings.zero_stage,
+                                       per_stage)
     if partitions or settings.moe:
         from .groups import with_expert_groups
 

@@ -326,7 +326,7 @@ class TorchClipMoETP(TorchClip):
         return torch.where(torch.isfinite(total), total, torch.full_like(total, -1.0))
 
 
-def clip_moe_module_gradients(module, opt, max_norm: float) -> Tensor:
+def clip_moe_module_gradients(module, opt, max_norm: float, pipeline: PipelineNorm | None = None) -> Tensor:
     """ZeRO stage 0 with DeepSpeed MoE: ``torch.nn.utils.clip_grad_norm_`` over the whole model
     (every expert of every expert-parallel rank), each parameter's norm in its whole-model slot:
     dense ones from DP rank 0, experts from expert-DP rank 0 of their group; one all-reduce over
@@ -335,7 +335,12 @@ def clip_moe_module_gradients(module, opt, max_norm: float) -> Tensor:
     Under tensor parallelism (an mpu) the slots are filled as in :class:`TorchClipMoETP`:
     replicated dense parameters on TP rank 0 only, TP-split ones as squared shard norms summed
     over the TP group (torch's norm up to that rounding), experts by their expert-DP rank 0 (every
-    copy of an expert lies in one expert-DP group); a second all-reduce over the TP group."""
+    copy of an expert lies in one expert-DP group); a second all-reduce over the TP group.
+
+    Under pipeline parallelism ``module`` is this stage's, the slots this stage's whole-model
+    parameters (every expert of the stage), and ``pipeline`` stacks the stages' norms in stage
+    order (the stages without MoE layers pass theirs to the same :class:`PipelineNorm` from
+    :func:`clip_module_gradients`)."""
     from deepspeed.runtime.utils import is_model_parallel_parameter
 
     moe, groups = opt.moe, opt.groups
@@ -370,7 +375,7 @@ def clip_moe_module_gradients(module, opt, max_norm: float) -> Tensor:
         tdist.all_reduce(norms, group=groups.tp_group)
         squares, norms = norms[size:], norms[:size]
         norms = torch.where(squares > 0, squares.sqrt(), norms)
-    norm = total_norm(norms)
+    norm = pipeline.total(norms) if pipeline is not None else total_norm(norms)
     coef = clip_coefficient(norm, max_norm)
     for _, p in named:
         if p.grad is not None:

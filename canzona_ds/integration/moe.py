@@ -183,8 +183,6 @@ def check_moe(settings, groups: ParallelGroups, zero: dict, named: list = (), mo
                          "zero_optimization.stage=3 (DeepSpeed refuses native MoE at stage 3). Use stage 0, 1 or 2.")
     if groups.tp_size > 1:
         _check_moe_tp(name, settings, groups, named, modules)
-    if groups.pp_size > 1:
-        raise pipeline_refusal(name, groups.pp_size)
     if settings.zero_stage in (1, 2):
         # offload_optimizer "cpu" combines (DeepSpeed runs MoE with offload; tests/test_moe_offload.py),
         # "nvme" is refused for every model (builder.check_settings)
@@ -195,27 +193,26 @@ def check_moe(settings, groups: ParallelGroups, zero: dict, named: list = (), mo
                              "true (got false).")
 
 
-def pipeline_refusal(name: str, pp_size: int, moe_ranks: dict | None = None) -> ValueError:
-    """The refusal of DeepSpeed MoE layers in a ``PipelineModule`` (pipeline parallelism).
+def pipeline_refusal(name: str, pp_size: int, moe_ranks: dict, zero_stage: int, per_stage: dict) -> ValueError:
+    """The refusal of the one MoE x pipeline layout DeepSpeed 0.19.8 itself deadlocks on.
 
-    DeepSpeed 0.19.8's own limit (docs/moe.md, "MoE and pipeline parallelism"): under the
+    DeepSpeed's own limit (docs/moe.md, "MoE and pipeline parallelism"): under the
     ``PipelineEngine`` at ZeRO stage 1, ``DeepSpeedZeroOptimizer.get_grad_norm_direct``
     all-reduces each parameter group's norm over the pipeline's model-parallel group, one call
-    per group; a stage holding expert parameter groups makes more calls than a stage without
-    them, and the first ``train_batch`` deadlocks (MoE in one stage of two, its own ``"AdamW"``).
-    ``moe_ranks``: pipeline stage -> the ranks whose stage holds MoE layers (gathered at setup,
-    builder.build_optimizer), named in the message."""
-    where = ""
-    if moe_ranks:
-        where = "; MoE layers on " + ", ".join(f"stage {s} (ranks {r})" for s, r in sorted(moe_ranks.items()))
+    per group; a stage holding other expert parameter groups than another makes a different
+    number of calls, and the first ``train_batch`` deadlocks (MoE in one stage of two, its own
+    ``"AdamW"``).  ZeRO stage 0 (any layout) and ZeRO 1 with the same expert groups in every
+    stage run.  ``moe_ranks``: pipeline stage -> the ranks whose stage holds MoE layers;
+    ``per_stage``: stage -> its expert group names (gathered at setup, builder.build_optimizer)."""
+    where = ", ".join(f"stage {s} (ranks {r})" for s, r in sorted(moe_ranks.items()))
+    holds = "; ".join(f"stage {s}: {list(g) if g else 'no expert groups'}" for s, g in sorted(per_stage.items()))
     return ValueError(
-        f"{name}: DeepSpeed MoE layers (deepspeed.moe.layer.MoE) with pipeline parallelism (pp_size={pp_size}"
-        f"{where}) are not supported by canzona-ds yet. DeepSpeed 0.19.8 itself runs MoE in a PipelineModule at "
-        "ZeRO stage 0, but at stage 1 only when every pipeline stage holds expert parameters of the same expert "
-        "groups: its ZeRO optimizer all-reduces each parameter group's gradient norm over the pipeline stages "
-        "(DeepSpeedZeroOptimizer.get_grad_norm_direct), so a stage with MoE layers and a stage without deadlock "
-        "in the first train_batch. Train MoE models with pp=1 (expert parallelism over the data-parallel ranks, "
-        "docs/moe.md).")
+        f"{name}: DeepSpeed MoE layers (deepspeed.moe.layer.MoE) with pipeline parallelism (pp_size={pp_size}; "
+        f"MoE layers on {where}) at zero_optimization.stage={zero_stage} need the same expert groups in every "
+        f"pipeline stage (got {holds}). DeepSpeed 0.19.8's ZeRO optimizer all-reduces each parameter group's "
+        "gradient norm over the pipeline stages (DeepSpeedZeroOptimizer.get_grad_norm_direct), so stages with "
+        "different expert groups deadlock in the first train_batch. Allowed: ZeRO stage 0 (MoE in any stages), "
+        "ZeRO stage 1 with MoE layers of the same ep_size in every stage, or pp=1 (docs/moe.md).")
 
 
 def _check_moe_tp(name: str, settings, groups: ParallelGroups, named: list, modules: list) -> None:

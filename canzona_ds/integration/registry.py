@@ -322,16 +322,23 @@ def install() -> None:
         opt = getattr(self, "basic_optimizer", None)
         if isinstance(opt, CanzonaOptimizer) and opt.moe is not None and opt.moe.active:
             # DeepSpeed's stage-0 clip under MoE averages each rank's norm of the experts it holds
-            from .clip import clip_moe_module_gradients
+            from .clip import PipelineNorm, clip_moe_module_gradients
 
-            clip_moe_module_gradients(self.module, opt, self.gradient_clipping())
+            pipeline = None
+            if opt.groups.pp_size > 1:  # MoE in a PipelineModule: the stages' norms stacked in stage order
+                if getattr(self, "_canzona_pipeline_norm", None) is None:
+                    self._canzona_pipeline_norm = PipelineNorm(opt.groups.pp_group, opt.groups.pp_size)
+                pipeline = self._canzona_pipeline_norm
+            #: the whole model's gradient norm of this step (torch's), as clipped
+            self._canzona_clip_norm = clip_moe_module_gradients(self.module, opt, self.gradient_clipping(), pipeline)
             return
         if isinstance(opt, CanzonaOptimizer) and opt.tp_size == 1:
             from .clip import PipelineNorm, clip_module_gradients
 
             if getattr(self, "_canzona_pipeline_norm", None) is None:
                 self._canzona_pipeline_norm = PipelineNorm(opt.groups.pp_group, opt.groups.pp_size)
-            clip_module_gradients(list(self.module.parameters()), self.gradient_clipping(), self._canzona_pipeline_norm)
+            self._canzona_clip_norm = clip_module_gradients(list(self.module.parameters()), self.gradient_clipping(),
+                                                            self._canzona_pipeline_norm)
             return
         return stock_clip(self)
 

@@ -310,7 +310,9 @@ def _make_zero_class():
 
                 moe = self._canzona.moe
                 if moe is not None and moe.active:  # slots of the whole model: every expert counted once
-                    self._canzona_clip = TorchClip(self, list(moe.global_order), rename=moe.global_names)
+                    # (pipeline: this stage's whole-model slots, stacked in stage order)
+                    self._canzona_clip = TorchClip(self, list(moe.global_order), groups.pp_group, groups.pp_size,
+                                                   rename=moe.global_names)
                 else:
                     self._canzona_clip = TorchClip(self, self._canzona.param_order, groups.pp_group, groups.pp_size)
             return self._canzona_clip

@@ -1,0 +1,188 @@
+"""DeepSpeed MoE layers in a PipelineModule (world 4 = PP 2 x DP 2, ep_size 2), the layouts
+DeepSpeed 0.19.8 itself runs (docs/moe.md, "MoE and pipeline parallelism"):
+
+    z0  ZeRO stage 0, MoE in stage 0 only      (build_moe_pipe(1): stage 1 holds the head)
+    z1  ZeRO stage 1, one MoE layer per stage  (build_moe_pipe(2): the same expert group "ep_size_2")
+
+Each stage's expert-parallel group is its two ranks (DeepSpeed's pipeline-aware expert groups),
+so every rank holds 2 of a layer's 4 experts and each expert-DP group is one rank.  Per scenario
+(3 ``train_batch`` calls, gradient clipping that clips on every step):
+
+- every owner's matrix updates replay bit for bit from the gradients it saw (MatrixStepRecorder);
+- every matrix of the whole model is updated by exactly one rank of its planning group: an expert
+  by one rank of its expert-DP group, a dense one by one rank of its stage's DP group at ZeRO 1
+  (at ZeRO 0 every DP rank steps every dense matrix it holds, placement "local");
+- the global gradient norm each rank clipped with equals ``torch.nn.utils.clip_grad_norm_`` over
+  the whole model's gradients (every stage, every expert of every expert-parallel rank, in the
+  whole model's order), gathered from the ranks' gradients before the clip, bit for bit;
+- the loss falls.
+
+One distributed run per scenario (ZeRO stage x optimizer), one test each.  The refusal of the layout DeepSpeed deadlocks on is tested in tests/test_moe.py.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from canzona_ds.testing.dist import run_distributed
+
+EP, CLIP, STEPS = 2, 0.05, 3
+OPTIMIZERS = ("CanzonaMuon", "CanzonaShampoo")
+LAYOUTS = {0: 1, 1: 2}  # ZeRO stage -> MoE layers (1: stage 0 only; 2: one per stage)
+
+
+def _run(rank, stage, opt_type):
+    import deepspeed
+    import torch.distributed as tdist
+
+    import canzona_ds  # noqa: F401
+    from canzona_ds.integration.clip import TorchClip
+    from canzona_ds.testing.models import HP, MatrixStepRecorder, batches
+    from canzona_ds.testing.moe import build_moe_pipe
+
+    module = build_moe_pipe(LAYOUTS[stage], ep_size=EP)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10 ** 6,
+           "gradient_clipping": CLIP, "zero_optimization": {"stage": stage},
+           "optimizer": {"type": opt_type, "params": HP[opt_type]}}
+    engine, *_ = deepspeed.initialize(model=module, model_parameters=list(module.parameters()), config=cfg)
+    opt = engine.basic_optimizer
+    grid = module.mpu()
+    pp_rank, dp_rank = grid.get_stage_id(), grid.get_data_parallel_rank()
+    moe = opt.moe
+    rename = moe.global_names if moe is not None and moe.active else {}
+    whole = lambda n: rename.get(n, n)  # noqa: E731
+    order = list(moe.global_order) if rename else [n for n, p in module.named_parameters() if p.requires_grad]
+    shapes = {whole(n): tuple(p.shape) for n, p in module.named_parameters()}
+    recorder = MatrixStepRecorder(opt)
+    seen, norms = [], []  # per step: this rank's gradients before the clip; the norm it clipped with
+
+    if stage == 0:
+        stock = engine.clip_fp32_gradients
+
+        def clip():
+            seen.append({whole(n): [(0, p.grad.detach().reshape(-1).clone())]
+                         for n, p in module.named_parameters() if p.grad is not None})
+            stock()
+            norms.append(engine._canzona_clip_norm.detach().clone())
+        engine.clip_fp32_gradients = clip
+    else:
+        zero = engine.optimizer
+        stock = zero.scaled_global_norm
+
+        def scaled_global_norm(norm_type=2):
+            pieces = {}
+            for i in range(len(zero.bit16_groups)):
+                r = tdist.get_rank(group=zero.real_dp_process_group[i])
+                for pid, g in TorchClip.partition_pieces(zero, i).items():
+                    p = next(q for grp in zero.bit16_groups for q in grp if zero.get_param_id(q) == pid)
+                    start = int(zero.grad_start_offset[i][r][pid])
+                    pieces.setdefault(whole(zero.param_names[p]), []).append((start, g.detach().clone()))
+            seen.append(pieces)
+            norm = stock(norm_type)
+            norms.append(norm.detach().clone())
+            return norm
+        zero.scaled_global_norm = scaled_global_norm
+
+    micro, dp = 2, 2
+    xs = [(x[dp_rank * micro:(dp_rank + 1) * micro], y[dp_rank * micro:(dp_rank + 1) * micro])
+          for _ in range(STEPS) for x, y in batches(2, micro * dp)]  # the same batch each step: the loss falls
+    data = iter(xs)
+    losses = [float(engine.train_batch(data)) for _ in range(STEPS)]
+
+    # who updated which matrix, in its planning group (a dense matrix: the stage's DP group; an
+    # expert: its expert-DP group, named by its members)
+    has_matrices = any(g["canzona_role"] == "matrix" for g in opt.param_groups)  # stage 1 of z0: the head (AdamW)
+    replay = recorder.summary() if has_matrices else {"steps": 0, "matrices": [], "replay_max_diff": 0.0}
+    if rename:
+        edp = {part: sorted(tdist.get_process_group_ranks(opt.groups.expert(part).edp_group))
+               for part in set(moe.partitions.values())}
+    else:
+        edp = {}
+    updated = {whole(n): (f"expert-DP {edp[moe.partitions[n]]}" if rename and n in moe.partitions
+                          else f"stage {pp_rank} DP") for n in replay["matrices"]}
+    seen = [{n: [(start, g.numpy()) for start, g in pieces] for n, pieces in step.items()} for step in seen]
+    norms = [n.numpy() for n in norms]  # (host arrays: the result crosses a process queue)
+    mine = dict(pp=pp_rank, dp=dp_rank, rank=rank, order=order, shapes=shapes, seen=seen, norms=norms,
+                matrices=sorted({whole(n) for n in opt.infos}), updated=updated)
+    everyone: list = [None] * tdist.get_world_size()
+    tdist.all_gather_object(everyone, mine)
+    return dict(rank=rank, losses=losses, replay=replay, everyone=everyone)
+
+
+def _check(results, stage):
+    import torch
+
+    by_stage = {}
+    for r in results[0]["everyone"]:
+        by_stage.setdefault(r["pp"], []).append(r)
+    for rank, res in enumerate(results):
+        if res["replay"]["matrices"]:
+            assert res["replay"]["steps"] == STEPS, (rank, res["replay"])
+        assert res["replay"]["replay_max_diff"] == 0.0, (rank, res["replay"])
+        assert res["losses"][-1] < res["losses"][0], (rank, res["losses"])
+        assert res["losses"] == results[0]["losses"], (rank, res["losses"])
+    # every matrix of the whole model: updated by exactly one rank of its planning group
+    counts: dict = {}
+    for r in results[0]["everyone"]:
+        for name, where in r["updated"].items():
+            counts.setdefault((name, where), []).append(r["rank"])
+    matrices = {n for r in results[0]["everyone"] for n in r["matrices"]}
+    assert {n for n, _ in counts} == matrices, sorted(matrices - {n for n, _ in counts})
+    # ZeRO 0 steps every matrix on every rank that holds it (placement "local"): a dense matrix on
+    # both DP ranks of its stage; ZeRO 1 on its one owner.  An expert: one rank of its expert-DP group
+    want = {n: (2 if stage == 0 and ".deepspeed_experts." not in n else 1) for n in matrices}
+    assert all(len(v) == want[n] for (n, _), v in counts.items()), \
+        {k: v for k, v in counts.items() if len(v) != want[k[0]]}
+    assert any(".deepspeed_experts." not in n for n in matrices)
+    experts = [n for n in matrices if ".deepspeed_experts." in n]
+    assert len(experts) == (2 if stage == 1 else 1) * 4 * 2, sorted(experts)  # layers x experts x (2 weights)
+    # the global norm: torch's over the whole model's gradients (stage order, every expert)
+    order = [n for s in sorted(by_stage) for n in by_stage[s][0]["order"]]
+    shapes = {n: s for r in results[0]["everyone"] for n, s in r["shapes"].items()}
+    assert len(order) == len(set(order)) and set(order) == set(shapes), "whole-model order"
+    for t in range(STEPS):
+        grads = {}
+        for r in results[0]["everyone"]:
+            if stage == 0 and r["dp"] != 0 and not any(".deepspeed_experts." in n for n in r["seen"][t]):
+                continue
+            for name, pieces in r["seen"][t].items():
+                grads.setdefault(name, {}).update({start: torch.from_numpy(g) for start, g in pieces})
+        whole = []
+        for name in order:
+            pieces = grads[name]
+            flat = torch.cat([pieces[s] for s in sorted(pieces)])
+            whole.append(flat.reshape(shapes[name]))
+        leaves = [torch.zeros_like(g, requires_grad=True) for g in whole]
+        for leaf, g in zip(leaves, whole):
+            leaf.grad = g.clone()
+        ref = torch.nn.utils.clip_grad_norm_(leaves, CLIP)
+        assert ref > CLIP, (t, float(ref))  # the clip clips
+        for r in results[0]["everyone"]:
+            got = torch.from_numpy(r["norms"][t]).reshape(()).float()
+            assert torch.equal(got, ref), (t, r["rank"], float(got), float(ref))
+
+
+def _worker(rank, world, stage, opt_type):
+    try:
+        return "ok", _run(rank, stage, opt_type)
+    except Exception as e:  # noqa: BLE001
+        import traceback
+
+        return "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+
+
+@functools.lru_cache(maxsize=None)
+def _runs(stage, opt_type):
+    # one run per scenario (a second PipelineEngine built in the same processes hung when tried)
+    return run_distributed(_worker, 4, stage, opt_type, timeout=240)
+
+
+@pytest.mark.parametrize("stage", sorted(LAYOUTS))
+@pytest.mark.parametrize("opt_type", OPTIMIZERS)
+def test_moe_pipeline(stage, opt_type):
+    results = []
+    for rank, (status, res) in enumerate(_runs(stage, opt_type)):
+        assert status == "ok", (rank, res)
+        results.append(res)
+    _check(results, stage)
