@@ -103,7 +103,11 @@ def _run(rank, stage, opt_type):
                           else f"stage {pp_rank} DP") for n in replay["matrices"]}
     seen = [{n: [(start, g.numpy()) for start, g in pieces] for n, pieces in step.items()} for step in seen]
     norms = [n.numpy() for n in norms]  # (host arrays: the result crosses a process queue)
-    mine = dict(pp=pp_rank, dp=dp_rank, rank=rank, order=order, shapes=shapes, seen=seen, norms=norms,
+    g = opt.groups  # the pipeline grid and the expert groups in one ParallelGroups
+    ranks = tdist.get_process_group_ranks
+    planned = dict(pp=(g.pp_size, g.pp_rank), dp=sorted(ranks(g.dp_group)),
+                   experts={e.name: (sorted(ranks(e.ep_group)), sorted(ranks(e.edp_group))) for e in g.experts})
+    mine = dict(pp=pp_rank, dp=dp_rank, rank=rank, order=order, shapes=shapes, seen=seen, norms=norms, planned=planned,
                 matrices=sorted({whole(n) for n in opt.infos}), updated=updated)
     everyone: list = [None] * tdist.get_world_size()
     tdist.all_gather_object(everyone, mine)
@@ -122,6 +126,12 @@ def _check(results, stage):
         assert res["replay"]["replay_max_diff"] == 0.0, (rank, res["replay"])
         assert res["losses"][-1] < res["losses"][0], (rank, res["losses"])
         assert res["losses"] == results[0]["losses"], (rank, res["losses"])
+    # the groups planned over: the stage's DP group; the stage's expert-parallel group, expert-DP groups of one
+    for r in results[0]["everyone"]:
+        stage_ranks = sorted(q["rank"] for q in by_stage[r["pp"]])
+        has_moe = stage == 1 or r["pp"] == 0
+        want = {"ep_size_2": (stage_ranks, [r["rank"]])} if has_moe else {}
+        assert r["planned"] == dict(pp=(2, r["pp"]), dp=stage_ranks, experts=want), (r["rank"], r["planned"])
     # every matrix of the whole model: updated by exactly one rank of its planning group
     counts: dict = {}
     for r in results[0]["everyone"]:
