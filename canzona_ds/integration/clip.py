@@ -346,13 +346,18 @@ def clip_moe_module_gradients(module, opt, max_norm: float, pipeline: PipelineNo
     moe, groups = opt.moe, opt.groups
     tp = groups.tp_size > 1
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    slot = {name: k for k, name in enumerate(moe.global_order)}
+    # a tied layer's replicated copy in a later pipeline stage is counted once (by its first stage)
+    replicated = {moe.global_names[n] for n, p in named if getattr(p, "ds_pipe_replicated", False)}
+    order = [name for name in moe.global_order if name not in replicated]
+    slot = {name: k for k, name in enumerate(order)}
     device = named[0][1].device
     mine, at, square = [], [], []
     for n, p in named:
         part = moe.partitions.get(n)
         split = tp and part is None and is_model_parallel_parameter(p)
-        if part is not None:
+        if moe.global_names[n] in replicated:
+            counts = False
+        elif part is not None:
             counts = groups.expert(part).edp_rank == 0
         else:
             counts = groups.dp_rank == 0 and (split or groups.tp_rank == 0)
@@ -360,7 +365,7 @@ def clip_moe_module_gradients(module, opt, max_norm: float, pipeline: PipelineNo
             mine.append(p.grad if p.grad is not None else torch.zeros_like(p))
             at.append(slot[moe.global_names[n]])
             square.append(split)
-    size = len(moe.global_order)
+    size = len(order)
     norms = torch.zeros(2 * size if tp else size, dtype=torch.float32, device=device)
     if mine:
         values = torch.stack([v.to(device) for v in

@@ -324,13 +324,14 @@ def install() -> None:
             # DeepSpeed's stage-0 clip under MoE averages each rank's norm of the experts it holds
             from .clip import PipelineNorm, clip_moe_module_gradients
 
-            pipeline = None
+            #: the whole model's gradient norm of this step (torch's), as clipped
             if opt.groups.pp_size > 1:  # MoE in a PipelineModule: the stages' norms stacked in stage order
                 if getattr(self, "_canzona_pipeline_norm", None) is None:
                     self._canzona_pipeline_norm = PipelineNorm(opt.groups.pp_group, opt.groups.pp_size)
-                pipeline = self._canzona_pipeline_norm
-            #: the whole model's gradient norm of this step (torch's), as clipped
-            self._canzona_clip_norm = clip_moe_module_gradients(self.module, opt, self.gradient_clipping(), pipeline)
+                self._canzona_clip_norm = clip_moe_module_gradients(self.module, opt, self.gradient_clipping(),
+                                                                    self._canzona_pipeline_norm)
+            else:
+                self._canzona_clip_norm = clip_moe_module_gradients(self.module, opt, self.gradient_clipping())
             return
         if isinstance(opt, CanzonaOptimizer) and opt.tp_size == 1:
             from .clip import PipelineNorm, clip_module_gradients
