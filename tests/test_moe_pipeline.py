@@ -196,3 +196,41 @@ def test_moe_pipeline(stage, opt_type):
         assert status == "ok", (rank, res)
         results.append(res)
     _check(results, stage)
+
+
+# ----------------------------------------------------------- same-size checkpoint round trip
+def _checkpoint_worker(rank, world, stage, folder):
+    """2 steps, save, 2 more steps; load the checkpoint into the same engine and run the same 2
+    steps again: losses and every parameter bit for bit (Shampoo: its factors and
+    preconditioners, refreshed at step 4, come back from the checkpoint)."""
+    import deepspeed
+    import torch
+
+    import canzona_ds  # noqa: F401
+    from canzona_ds.testing.models import HP, batches
+    from canzona_ds.testing.moe import build_moe_pipe
+
+    module = build_moe_pipe(LAYOUTS[stage], ep_size=EP)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10 ** 6,
+           "gradient_clipping": CLIP, "zero_optimization": {"stage": stage},
+           "optimizer": {"type": "CanzonaShampoo", "params": HP["CanzonaShampoo"]}}
+    engine, *_ = deepspeed.initialize(model=module, model_parameters=list(module.parameters()), config=cfg)
+    dp = module.mpu().get_data_parallel_rank()
+    xs = [(x[dp * 2:dp * 2 + 2], y[dp * 2:dp * 2 + 2]) for x, y in batches(8, 4)]
+    data = iter(xs)
+    for _ in range(2):
+        engine.train_batch(data)
+    engine.save_checkpoint(folder, tag="t")
+    after = [float(engine.train_batch(data)) for _ in range(2)]
+    params = {n: p.detach().clone() for n, p in module.named_parameters()}
+    engine.load_checkpoint(folder, tag="t")
+    data = iter(xs[4:])
+    again = [float(engine.train_batch(data)) for _ in range(2)]
+    differ = [n for n, p in module.named_parameters() if not torch.equal(params[n], p.detach())]
+    return dict(after=after, again=again, differ=differ)
+
+
+@pytest.mark.parametrize("stage", sorted(LAYOUTS))
+def test_moe_pipeline_checkpoint_round_trip(stage, tmp_path):
+    for rank, r in enumerate(run_distributed(_checkpoint_worker, 4, stage, str(tmp_path), timeout=240)):
+        assert r["after"] == r["again"] and not r["differ"], (rank, r)
