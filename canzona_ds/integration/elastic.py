@@ -90,13 +90,10 @@ MOE_REFUSAL = ("{where}: this checkpoint has DeepSpeed MoE expert groups but its
                "load_module_only=True); checkpoints written now resume at any DP and ep_size (docs/moe.md).")
 
 
-def _check_moe_meta(folder: str, metas: list[dict], tp: int) -> None:
+def _check_moe_meta(folder: str, metas: list[dict]) -> None:
     """A DeepSpeed MoE checkpoint resumes at another size when every file records its experts'
-    whole-model names (``canzona_layout.moe[group].global_names``) and TP was 1."""
-    if tp > 1:
-        raise ElasticError(f"{folder}: a DeepSpeed MoE checkpoint with tensor parallelism (TP={tp}) cannot be "
-                           "resumed at another size or plan (not implemented for MoE x TP); resume it at the size "
-                           "it was saved at, or load the module weights only (load_module_only=True).")
+    whole-model names (``canzona_layout.moe[group].global_names``), at any TP size (whole experts:
+    each file holds its expert-parallel rank's partition, wherever its TP rank lies)."""
     for m in metas:
         for info in m["moe"].values():
             if not {"global_names", "ep_rank", "ep_size"} <= set(info):
@@ -262,7 +259,7 @@ class SavedCheckpoint:
                 raise ElasticError(f"{folder} was not written by a Canzona optimizer with a planned layout (no "
                                    f"'{LAYOUT_KEY}'); only Canzona checkpoints can change size here.")
             if any(m.get("moe") for m in metas):
-                _check_moe_meta(folder, metas, tp)
+                _check_moe_meta(folder, metas)
             meta = metas[0]
             meta0 = meta0 or meta
             where: dict[str, tuple] = {}
@@ -272,7 +269,8 @@ class SavedCheckpoint:
                 shapes = dict(model["param_shapes"][g])
                 key = partition_of[g]
                 if key is not None:  # a DeepSpeed MoE expert group: one buffer per expert-parallel rank
-                    self._index_experts(t, g, role, key, shapes, metas, where, parts)
+                    if t == 0:  # (its files lie across the TP ranks: indexed once, from all of them)
+                        self._index_experts(g, role, key, shapes, where, parts)
                     continue
                 if role == "matrix":
                     P = meta["shard_numel"]
@@ -327,21 +325,31 @@ class SavedCheckpoint:
     def names(self) -> list[str]:
         return list(self._where[0])
 
-    def _index_experts(self, t: int, g: int, role: str, key: str, shapes: dict, metas: list, where: dict,
-                       parts: dict) -> None:
+    def _index_experts(self, g: int, role: str, key: str, shapes: dict, where: dict, parts: dict) -> None:
         """Index group ``g``, the ``role`` group of DeepSpeed MoE expert group ``key``, by the
-        experts' whole-model names.
+        experts' whole-model names (into TP rank 0's tables, which every unsplit parameter is
+        read through).
 
         Each expert-parallel rank k holds its own experts in its own flat buffer, partitioned over
-        its expert-DP group: file r holds partition ``edp_rank`` of rank ``ep_rank``'s buffer
-        (``canzona_layout.moe[key]``).  A matrix lies whole in its owner's partition; an expert's
-        AdamW range may cross the partitions of its buffer."""
-        shards = self._shards[t]
-        files: dict[int, dict[int, int]] = {}  # ep rank -> edp rank -> file
-        for r, m in enumerate(metas):
-            info = m["moe"][key]
-            files.setdefault(int(info["ep_rank"]), {})[int(info["edp_rank"])] = r
-        info0 = metas[0]["moe"][key]
+        its expert-DP group: file (t, r) holds partition ``edp_rank`` of rank ``ep_rank``'s buffer
+        (``canzona_layout.moe[key]``).  The experts are whole (not split over TP), and under
+        tensor parallelism DeepSpeed's expert groups span the TP ranks (at TP 2 x DP 2, ep_size 2
+        the expert-parallel groups are the TP groups), so the files of one buffer may lie at
+        different TP ranks: every file of every TP rank is a (t, r) here.  A matrix lies whole in
+        its owner's partition; an expert's AdamW range may cross the partitions of its buffer."""
+        files: dict[int, dict[int, tuple[int, int]]] = {}  # ep rank -> edp rank -> file (tp, dp)
+        metas = {}
+        for t, shards in enumerate(self._shards):
+            for r, s in enumerate(shards):
+                info = s[LAYOUT_KEY]["moe"][key]
+                k, e = int(info["ep_rank"]), int(info["edp_rank"])
+                if e in files.setdefault(k, {}):
+                    raise ElasticError(f"{self.folder}: expert group {key!r} has two files for expert-parallel rank "
+                                       f"{k}, expert-DP rank {e}: {files[k][e]} and {(t, r)} (experts split over "
+                                       "TP are not supported).")
+                files[k][e] = (t, r)
+                metas[(t, r)] = info
+        info0 = metas[(0, 0)]
         ep_size, edp_size = int(info0["ep_size"]), int(info0["world_size"])
         if sorted(files) != list(range(ep_size)) or any(sorted(f) != list(range(edp_size)) for f in files.values()):
             raise ElasticError(f"{self.folder}: the files of expert group {key!r} do not cover its {ep_size} "
@@ -349,26 +357,27 @@ class SavedCheckpoint:
         self.moe[key] = {"ep_size": ep_size, "edp_size": edp_size}
         for k, by_edp in sorted(files.items()):
             order = [by_edp[e] for e in range(edp_size)]
-            glob = metas[order[0]]["moe"][key]["global_names"]
+            info = metas[order[0]]
+            glob = info["global_names"]
             if role == "matrix":
-                info = metas[order[0]]["moe"][key]
                 P = int(info["shard_numel"])
                 owners = [e for e, c in enumerate(info["rank_counts"]) for _ in range(c)]
                 for name, off, owner in zip(info["matrix_names"], info["offsets"], owners):
                     where[glob[name]] = (g, order[owner], off - owner * P, tuple(shapes[name]), (g, k))
-                for r in order:
-                    base = shards[r]["base_optimizer_state"]
+                for t, r in order:
+                    base = self._shards[t][r]["base_optimizer_state"]
                     self.matrix_step = int(base["param_groups"][g]["step"])
                     for name in base["canzona"]["matrix_state"]:
                         if name in glob and name in info["matrix_names"]:
                             self._state_at.setdefault(glob[name], (t, r))
                             self._state_key.setdefault(glob[name], name)
                 continue
-            lengths = [shards[r]["single_partition_of_fp32_groups"][g].numel() for r in order]
-            parts[(g, k)] = [(r, sum(lengths[:e]), n) for e, (r, n) in enumerate(zip(order, lengths))]
-            self.adam_step = float(shards[order[0]]["base_optimizer_state"]["state"][g]["step"])
+            lengths = [self._shards[t][r]["single_partition_of_fp32_groups"][g].numel() for t, r in order]
+            parts[(g, k)] = [(tr, sum(lengths[:e]), n) for e, (tr, n) in enumerate(zip(order, lengths))]
+            t0, r0 = order[0]
+            self.adam_step = float(self._shards[t0][r0]["base_optimizer_state"]["state"][g]["step"])
             off = 0
-            for (name, shape), pad in zip(shapes.items(), shards[order[0]]["param_alignment_paddings"][g]):
+            for (name, shape), pad in zip(shapes.items(), self._shards[t0][r0]["param_alignment_paddings"][g]):
                 where[glob[name]] = (g, None, off, tuple(shape), (g, k))
                 off += int(torch.Size(shape).numel()) + pad
 
@@ -385,7 +394,10 @@ class SavedCheckpoint:
             shape[dim] = sum(sizes)
         return tuple(shape)
 
-    def _partition(self, t: int, r: int, g: int, key: str) -> Tensor:
+    def _partition(self, t: int, r: int | tuple[int, int], g: int, key: str) -> Tensor:
+        """File ``r`` of TP rank ``t`` (or the file ``r`` = (tp, dp) itself: an expert group's)."""
+        if isinstance(r, tuple):
+            t, r = r
         shard = self._shards[t][r]
         if key == MASTER:
             return shard["single_partition_of_fp32_groups"][g]
@@ -590,9 +602,6 @@ def write(engine, src: Universal | SavedCheckpoint, gather: bool = True) -> dict
     # DeepSpeed MoE: the checkpoint names every expert by its whole-model (global) number; this
     # rank's local experts are the global ones of its expert-parallel rank (integration/moe.py)
     moe = opt.moe if opt.moe is not None and opt.moe.active else None
-    if moe is not None and opt.tp_size > 1:
-        raise ElasticError(f"Resuming a checkpoint at another size or plan into DeepSpeed MoE with tensor parallelism "
-                           f"(TP={opt.tp_size}) is not implemented; resume MoE x TP at the size it was saved at.")
     glob = (lambda n: moe.global_names.get(n, n)) if moe is not None else (lambda n: n)
     saved_names = set(src.names)
     here = {glob(n) for n in names}

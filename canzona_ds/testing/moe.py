@@ -105,8 +105,11 @@ def moe_ds_config(dp: int, optimizer: str = "CanzonaMuon", stage: int = 1, micro
 
 def reference_run(world: int, ep_size: int, steps: int, optimizer: str = "CanzonaMuon", micro: int = 2,
                   clip: float = 0.0, seed: int = 0, params: dict | None = None, num_experts: int = NUM_EXPERTS,
-                  data: list | None = None, start=None) -> dict:
+                  data: list | None = None, start=None, tp_mlp: bool = False) -> dict:
     """The whole model's parameters after ``steps`` (module docstring); call inside a worker.
+
+    ``tp_mlp``: the model of :class:`TinyMoETP` at TP=1 (its ``up``/``down`` MLP whole, before the
+    MoE layer; at TP=1 the ranks compute exactly this).
 
     ``start``: continue from a checkpoint's state instead of the initial weights (an
     ``integration.elastic.Universal``, every parameter and its state by whole-model name: the
@@ -118,8 +121,9 @@ def reference_run(world: int, ep_size: int, steps: int, optimizer: str = "Canzon
 
     torch.set_num_threads(1)
     cfg = CanzonaConfig.from_ds(optimizer, dict(HP[optimizer] if params is None else params))
-    names = whole_names(num_experts)
+    names = whole_names(num_experts) + (list(TP_SPLIT) if tp_mlp else [])
     shapes = _shapes(num_experts)
+    shapes.update({n: shape for n, (shape, _) in TP_SPLIT.items()})
     master = {n: nn.Parameter(_init(n, shapes[n], seed)) for n in names}
     opt = ReferenceOptimizer([(n, master[n]) for n in names], cfg)
     if start is not None:
@@ -140,6 +144,8 @@ def reference_run(world: int, ep_size: int, steps: int, optimizer: str = "Canzon
             x, y = x_all[s * micro:(s + 1) * micro], y_all[s * micro:(s + 1) * micro]
             h = F.embedding(x, P["embed.weight"])
             h = h + F.linear(F.layer_norm(h, (D,), P["norm.weight"], P["norm.bias"]), P["proj.weight"], P["proj.bias"])
+            if tp_mlp:
+                h = h + F.linear(F.gelu(F.linear(h, P["up.weight"])), P["down.weight"])
             flat = h.reshape(-1, D)
             # TopKGate.forward's arithmetic with this rank's gate weight
             logits = F.linear(flat.float(), weight=P[MOE + "gate.wg.weight"].float(), bias=None)
