@@ -28,8 +28,9 @@ their split dimension).  A fresh engine at the new size ``engine.load_checkpoint
         TP 1 x DP 2 (every sum of two terms, no TP): every parameter bit for bit;
         TP 2: the row-parallel partial sums and DeepSpeed's TP split of each expert's capacity
         associate differently from the TP=1 model (as in tests/test_moe_tp.py's closed loop):
-        after 1 step every parameter within 1e-5; Muon within 1e-5 after 2 steps; Shampoo's
-        2-step deviation is printed (a preconditioner refresh amplifies the ulps).
+        after 1 step every parameter within 1e-6 (measured 6e-8); after 2 steps Muon within
+        1e-6 (measured 6e-8) and Shampoo, whose refresh amplifies the ulps, within 1e-4
+        (measured 3e-6; a misplaced expert or state moves it by ~1e-3, tests/test_moe_elastic.py).
 
 One ``run_distributed`` per (phase, world, TP); each scenario in its own ``try``: one failing
 scenario fails one test.
@@ -287,6 +288,5 @@ def test_moe_tp_resume_at_new_size(name):
     dev1 = max(float(np.abs(first[n] - ref_first[n]).max()) for n in first)
     dev = max(float(np.abs(params[n] - ref[n]).max()) for n in params)
     print(f"{name}: max |param - TP=1 reference| after 1 step = {dev1:.3g}, after {MORE} steps = {dev:.3g}")
-    assert dev1 <= 1e-5, dev1
-    if opt_type == "CanzonaMuon":
-        assert dev <= 1e-5, dev
+    assert dev1 <= 1e-6, dev1  # measured 6e-8
+    assert dev <= (1e-6 if opt_type == "CanzonaMuon" else 1e-4), dev  # measured: Muon 6e-8, Shampoo 3e-6
