@@ -372,13 +372,13 @@ class TinyMoETP(TinyMoE):
 
 
 def run_moe_tp_engine(rank: int, tp: int, ep_size: int, cfg: dict, steps: int, data: list, micro: int = 2,
-                      after_init=None, seed: int = 0):
+                      after_init=None, seed: int = 0, after_step=None):
     """Train :class:`TinyMoETP` on a DeepSpeed engine with the Megatron stand-in's mpu (TP groups of
     consecutive ranks, DP strided); DeepSpeed's expert groups over the world (ep groups of
     consecutive ranks).  ``data``: global batches of ``micro * dp`` sequences, each DP rank its own
     slice (the TP ranks of one DP rank the same).  Returns (this rank's parameters by whole-model
     name, losses, engine).  The stand-in's model-parallel groups must exist
-    (``megatron_standin.initialize_model_parallel(tp)``)."""
+    (``megatron_standin.initialize_model_parallel(tp)``).  ``after_step(step, parameters)``."""
     import canzona_ds  # noqa: F401 - registers the Canzona types
     import deepspeed
 
@@ -394,16 +394,20 @@ def run_moe_tp_engine(rank: int, tp: int, ep_size: int, cfg: dict, steps: int, d
         after_init(engine)
     local = NUM_EXPERTS // ep_size
     losses = []
-    for x, y in data[:steps]:
+
+    def whole():  # whole-model names (a TP-split parameter keeps its name: its shards join along TP_SPLIT's dim)
+        return {global_name(n, ep_rank, local): p.detach().float().numpy().copy()
+                for n, p in engine.module.named_parameters()}
+
+    for step, (x, y) in enumerate(data[:steps], start=1):
         x, y = x[dp_rank * micro:(dp_rank + 1) * micro], y[dp_rank * micro:(dp_rank + 1) * micro]
         loss = engine(x, y)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    # whole-model names (a TP-split parameter keeps its name: its shards join along TP_SPLIT's dim)
-    params = {global_name(n, ep_rank, local): p.detach().float().numpy().copy()
-              for n, p in engine.module.named_parameters()}
-    return params, losses, engine
+        if after_step is not None:
+            after_step(step, whole())
+    return whole(), losses, engine
 
 
 def tp_reference_run(initial: dict, data: list, steps: int, optimizer: str = "CanzonaMuon", dp: int = 2,
