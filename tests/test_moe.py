@@ -384,7 +384,9 @@ REFUSALS = {
     "stage2_no_contiguous": ({"zero_optimization": {"stage": 2, "contiguous_gradients": False}},
                              "contiguous_gradients"),
     "no_reduce_scatter": ({"zero_optimization": {"stage": 1, "reduce_scatter": False}}, "reduce_scatter"),
-    "offload": ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}, "offload_optimizer"),
+    # offload_optimizer.device='cpu' works with MoE (tests/test_moe_offload.py); NVMe is refused as without MoE
+    "offload_nvme": ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}},
+                     "offload_optimizer.device='nvme'"),
     "group_settings": ({"zero_optimization": {"stage": 1}, "_groups": "weight_decay"}, "'weight_decay'"),
     "moe_group_with_dense": ({"zero_optimization": {"stage": 1}, "_groups": "bad_moe"}, "non-expert parameters"),
     # the stage-0 client optimizer creates the expert groups with its mpu: another one already in DeepSpeed

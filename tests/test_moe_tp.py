@@ -35,6 +35,8 @@ Per scenario (each in its own ``try``; one failing scenario fails one test):
   norms), where DeepSpeed's own ZeRO norm misses the experts of TP rank 1; the run then equals
   the clipped reference within 1e-6;
 * ZeRO stage 0 (Shampoo; Muon clipped): the same reference, every rank stepping what it holds;
+* ZeRO-Offload (``offload_optimizer.device = "cpu"``: ZeRO 2 Shampoo, ZeRO 1 Muon at ep_size 1):
+  the same checks, bit for bit (DeepSpeed's offload path taken);
 * a same-size checkpoint round trip (ZeRO-1 Shampoo) is bit for bit;
 * refused by name: experts split over TP (``enable_expert_tensor_parallelism=True``), an expert
   plan that differs between the TP ranks (every rank fails at build), MoE with AutoTP.
@@ -66,6 +68,9 @@ SCENARIOS.update({
     "z0_CanzonaShampoo": (0, "CanzonaShampoo", 2, {}),        # no ZeRO: every rank steps what it holds
     "z0_CanzonaMuon_clip": (0, "CanzonaMuon", 2, {"clip": CLIP}),
     "z1_CanzonaSOAP_bf16": (1, "CanzonaSOAP", 2, {"bf16": True}),  # fp32 master: the same reference, rounded
+    # ZeRO-Offload (offload_optimizer cpu): the fp32 partitions and their gradients on the host
+    "z2_CanzonaShampoo_offload": (2, "CanzonaShampoo", 2, {"offload": True}),
+    "z1_CanzonaMuon_ep1_offload": (1, "CanzonaMuon", 1, {"offload": True}),
 })
 REFUSALS = ("expert_tp", "expert_plan")
 
@@ -104,6 +109,8 @@ def _train(rank: int, stage: int, opt_type: str, ep: int, options: dict) -> dict
 
     clip = options.get("clip", 0.0)
     extra = {"bf16": {"enabled": True}} if options.get("bf16") else {}
+    if options.get("offload"):
+        extra["zero_optimization"] = {"stage": stage, "offload_optimizer": {"device": "cpu"}}
     cfg = moe_ds_config(DP, optimizer=opt_type, stage=stage, micro=MICRO, gradient_clipping=clip, **extra)
     data = batches(1, MICRO * DP) * STEPS  # the same batch every step: the loss must fall
     state: dict = {"calls": [], "captured": [], "norms": [], "stock_norms": [], "initial": {}}
@@ -190,7 +197,8 @@ def _train(rank: int, stage: int, opt_type: str, ep: int, options: dict) -> dict
         zero_groups=zero_groups,
         edp=list(ds_groups._get_expert_data_parallel_group_ranks(f"ep_size_{ep}")),
         edp_of_groups=dist.get_process_group_ranks(inner.groups.expert(f"ep_size_{ep}").edp_group),
-        source=inner.groups.source, cpu=torch.get_num_threads())
+        source=inner.groups.source, cpu=torch.get_num_threads(),
+        offload=bool(getattr(engine.optimizer, "cpu_offload", False)))
 
 
 def _refusal(rank: int, case: str) -> str:
@@ -372,6 +380,7 @@ def test_moe_tp(name):
         assert r["calls"] == [r["expected"]] * STEPS, (r["calls"], r["expected"])  # the plan's collectives only
         assert r["losses"][-1] < r["losses"][0], r["losses"]
         assert r["source"] == "mpu" and r["tp_split"] == ["down.weight", "up.weight"]
+        assert r["offload"] == bool(options.get("offload")), r["offload"]  # DeepSpeed's offload path taken
         assert r["edp"] == r["edp_of_groups"] and len(r["edp"]) == WORLD // ep, r["edp"]
         if stage:  # planned over ZeRO's groups: dense over DP, experts over DeepSpeed's expert-DP group
             assert r["zero_groups"][f"ep_size_{ep}"] == r["edp"], r["zero_groups"]

@@ -1,0 +1,366 @@
+"""DeepSpeed MoE (``deepspeed.moe.layer.MoE``, 4 experts, ep_size 2) with ZeRO-Offload
+(``zero_optimization.offload_optimizer.device = "cpu"``) at ZeRO 1 and 2, world 2, on real gloo
+processes, against the single-process reference of ``canzona_ds.testing.moe``.
+
+With offload DeepSpeed keeps every param group's fp32 partition (dense and each expert group,
+``single_partition_of_fp32_groups``) and its gradient on the host, copies each averaged gradient
+piece there (``cpu_offload`` paths of ``stage_1_and_2.py``) and runs the optimizer there; the
+Canzona layout binds its matrix views into those host partitions and the torch-exact clip reads
+the gradient partitions from ``single_partition_of_fp32_groups[i].grad``
+(``integration/clip.py``, ``TorchClip.partition_pieces``).  (DeepSpeed 0.19.8 itself runs MoE with
+offload: its own ``"AdamW"`` - ``DeepSpeedCPUAdam`` - on this model at ZeRO 1 and 2, with and
+without clipping, equals the run without offload bit for bit: checked below; docs/moe.md.)
+
+  * ZeRO 1 and 2, Muon, Shampoo, SOAP: every rank's parameters equal the reference bit for bit
+    (rtol = atol = 0); offload active (``cpu_offload``), every matrix group's views bound into its
+    fp32 partition, each owner's updates replayed bit for bit, no collective call in the step,
+    each matrix owned once (dense over DP, experts over their expert-DP group);
+  * gradient clipping (ZeRO 1 Muon, ZeRO 2 SOAP): the norm is above the clip every step (it
+    clips) and the parameters equal the reference with torch's ``clip_grad_norm_`` bit for bit;
+  * bf16 with clipping (ZeRO 1, Muon) and gradient accumulation (ZeRO 2, Shampoo, 2 micro-steps),
+    which the reference does not model: bit for bit with the same run without offload, each
+    owner's updates replayed bit for bit;
+  * DeepSpeed's own ``"AdamW"`` with clipping, ZeRO 1 and 2: with offload (``DeepSpeedCPUAdam``)
+    bit for bit with the run without it (DeepSpeed supports MoE with offload itself);
+  * checkpoints (ZeRO 2, Shampoo): saved after 2 steps, a fresh engine loads and trains the
+    third: bit for bit with the uninterrupted run, rule state equal;
+  * resizes (integration/elastic.py): that checkpoint at ep_size 1 (the experts' expert-DP group
+    1 -> 2 ranks), and one saved at world 4, ep_size 2 (ZeRO 1 Muon) resumed at world 2 (dense DP
+    4 -> 2, expert-DP 2 -> 1): the state as saved on the planned owners, then 2 steps bit for bit
+    with the reference continued from it (test_moe_elastic's snapshot and merge).
+
+Two ``run_distributed`` (world 4 saves, world 2 runs everything else); each scenario in its own
+``try``: one failing scenario fails one test.
+"""
+from __future__ import annotations
+
+import atexit
+import shutil
+import tempfile
+import traceback
+from functools import lru_cache
+
+import numpy as np
+import pytest
+
+from canzona_ds.testing.dist import run_distributed
+from canzona_ds.testing.models import TYPES
+
+STEPS = 3  # Shampoo/SOAP in HP refresh every 2 steps
+CLIP = 0.05  # well below the gradient norm (~1.8): every step clips
+EP = 2
+OFFLOAD = {"offload_optimizer": {"device": "cpu"}}
+
+#: name -> (stage, type, clip)
+SCENARIOS = {f"z{stage}_{t}": (stage, t, 0.0) for stage in (1, 2) for t in TYPES}
+SCENARIOS.update({"z1_muon_clip": (1, "CanzonaMuon", CLIP), "z2_soap_clip": (2, "CanzonaSOAP", CLIP)})
+#: name -> (stage, type, micro-steps, extra ds_config): offload against the same run without it
+TWINS = {"z1_muon_bf16_clip_twin": (1, "CanzonaMuon", STEPS, {"bf16": {"enabled": True}, "gradient_clipping": CLIP}),
+         "z2_shampoo_gas2_twin": (2, "CanzonaShampoo", 2 * STEPS, {"gas": 2})}
+#: DeepSpeed's own optimizer on the same model: DeepSpeed 0.19.8 supports MoE with offload itself
+DS_ADAMW = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}
+TWINS.update({f"z{stage}_deepspeed_adamw_clip_twin": (stage, DS_ADAMW, STEPS, {"gradient_clipping": CLIP})
+              for stage in (1, 2)})
+CKPT = "z2_shampoo_checkpoint"
+RESIZE = "z2_shampoo_resume_ep1"
+RESIZE_W4 = "z1_muon_w4_resume_w2"
+CKPT_TYPE = "CanzonaShampoo"
+
+
+def _cfg(world: int, stage: int, opt_type: str, clip: float = 0.0) -> dict:
+    from canzona_ds.testing.moe import moe_ds_config
+
+    return moe_ds_config(world, optimizer=opt_type, stage=stage, gradient_clipping=clip,
+                         zero_optimization={"stage": stage, **OFFLOAD})
+
+
+def _train(rank, world, stage, opt_type, clip):
+    from canzona_ds.testing.comm import CommCounter
+    from canzona_ds.testing.models import MatrixStepRecorder
+    from canzona_ds.testing.moe import run_moe_engine
+
+    calls, recorder, norms = [], [], []
+
+    def attach(engine):
+        inner = engine.optimizer.optimizer
+        stock = inner.step
+
+        def counted(*a, **k):
+            with CommCounter() as c:
+                out = stock(*a, **k)
+            calls.append(c.count("torch") + c.count("deepspeed"))
+            return out
+
+        inner.step = counted
+        recorder.append(MatrixStepRecorder(inner))
+        engines.append(engine)
+
+    engines = []
+
+    def after_step(step, params):
+        norms.append(float(engines[0].get_global_grad_norm()))
+
+    params, _, engine = run_moe_engine(rank, world, EP, _cfg(world, stage, opt_type, clip), STEPS, after_init=attach,
+                                       after_step=after_step)
+    zopt, inner = engine.optimizer, engine.optimizer.optimizer
+    # every matrix group's views lie in its (host) fp32 partition
+    bound = []
+    for i, g in enumerate(inner.param_groups):
+        if g["canzona_role"] == "matrix":
+            flat = zopt.single_partition_of_fp32_groups[i]
+            bound.append((str(g.get("canzona_partition")), sorted(v.name for v in inner.placement.views[id(flat)]),
+                          str(flat.device)))
+    return dict(params=params, calls=calls, replay=recorder[0].summary(), norms=norms, bound=bound,
+                cpu_offload=bool(zopt.cpu_offload), owned=sorted(inner.handled_names()),
+                plans={str(k): v.world_size for k, v in inner.plans.items()}, zero_class=type(zopt).__name__,
+                groups=[[g["canzona_role"], g.get("moe", False)] for g in inner.param_groups])
+
+
+def _twin(rank, world, stage, opt_type, steps, extra):
+    """bf16 and gradient accumulation, which the reference does not model: the offloaded run
+    equals the same run without offload bit for bit, each owner's updates replayed bit for bit."""
+    from canzona_ds.testing.models import MatrixStepRecorder
+    from canzona_ds.testing.moe import moe_ds_config, run_moe_engine
+
+    out, recorder, norms = {}, [], []
+    for offload in (True, False):
+        zero = {"stage": stage, **(OFFLOAD if offload else {})}
+        cfg = moe_ds_config(world, optimizer=opt_type, stage=stage, zero_optimization=zero, **extra)
+        engines = []
+
+        def attach(engine):
+            engines.append(engine)
+            if offload and isinstance(opt_type, str):
+                recorder.append(MatrixStepRecorder(engine.optimizer.optimizer))
+
+        def after_step(step, p):
+            if offload and extra.get("gradient_clipping"):
+                norms.append(float(engines[0].get_global_grad_norm()))
+
+        params, losses, engine = run_moe_engine(rank, world, EP, cfg, steps, after_init=attach, after_step=after_step)
+        out[offload] = dict(params=params, losses=losses, cpu_offload=bool(engine.optimizer.cpu_offload),
+                            inner=type(engine.optimizer.optimizer).__name__)
+    return dict(offload=out[True], plain=out[False], replay=recorder[0].summary() if recorder else None, norms=norms)
+
+
+def _checkpoint(rank, world, root):
+    """Save after 2 steps, train 1 more; a fresh engine loads and trains the same step.  Also
+    what the saving ranks held (test_moe_elastic's snapshot), for the resize."""
+    import torch
+
+    from canzona_ds.testing.models import batches
+    from canzona_ds.testing.moe import run_moe_engine
+    from test_moe_elastic import _snapshot
+
+    data = batches(3, 2 * world)
+    cfg = _cfg(world, 2, CKPT_TYPE)
+    saved = {}
+
+    def after_step(step, params):
+        if step == 2:
+            saved["engine"].save_checkpoint(root, tag="two")
+            saved["snapshot"] = _snapshot(saved["engine"])
+
+    straight, _, engine = run_moe_engine(rank, world, EP, cfg, 3, after_init=lambda e: saved.update(engine=e),
+                                         after_step=after_step, data=data)
+    state = {n: {k: v.clone() for k, v in st.items()} for n, st in engine.optimizer.optimizer.matrix_state.items()}
+    resumed, _, engine2 = run_moe_engine(rank, world, EP, cfg, 1, data=data[2:],
+                                         after_init=lambda e: e.load_checkpoint(root, tag="two"))
+    state2 = engine2.optimizer.optimizer.matrix_state
+    same_state = state.keys() == state2.keys() and all(torch.equal(state[n][k], state2[n][k])
+                                                        for n in state for k in state[n])
+    res = dict(straight=straight, resumed=resumed, same_state=same_state,
+               cpu_offload=bool(engine2.optimizer.cpu_offload), experts=sorted(n for n in state if ".experts." in n))
+    return res, saved["snapshot"]
+
+
+def _resume(rank, world, root, tag, saved, ep, stage, opt_type):
+    """Load ``root``/``tag`` at (world, ep), then 2 steps; ``saved``: the saving ranks' merged state."""
+    from canzona_ds.testing.models import batches
+    from canzona_ds.testing.moe import reference_run, run_moe_engine
+    from test_moe_elastic import _as_torch, _snapshot
+
+    loaded = {}
+
+    def load(engine):
+        engine.load_checkpoint(root, tag=tag)
+        loaded.update(_snapshot(engine))
+
+    data = batches(2, 2 * world, seed=7)
+    params, _, engine = run_moe_engine(rank, world, ep, _cfg(world, stage, opt_type), 2, after_init=load, data=data)
+    out = dict(loaded=loaded, params=params, saved=saved, cpu_offload=bool(engine.optimizer.cpu_offload))
+    if rank == 0:
+        out["ref"] = reference_run(world, ep, 2, opt_type, data=data, start=_as_torch(saved))
+    return out
+
+
+def _save_w4(rank, world, root):
+    """World 4, ep_size 2, ZeRO 1 Muon with offload: 2 steps, save; what each rank held."""
+    from canzona_ds.testing.models import batches
+    from canzona_ds.testing.moe import run_moe_engine
+    from test_moe_elastic import _snapshot
+
+    try:
+        cfg = _cfg(world, 1, "CanzonaMuon")
+        _, _, engine = run_moe_engine(rank, world, EP, cfg, 2, data=batches(2, 2 * world, seed=1))
+        engine.save_checkpoint(root, tag="w4")
+        return _snapshot(engine)
+    except Exception:  # noqa: BLE001
+        return traceback.format_exc()
+
+
+def _worker(rank, world, root, saved_w4):
+    import torch.distributed as dist
+
+    from canzona_ds.testing.moe import reference_run
+
+    out, refs = {}, {}
+    for name, (stage, opt_type, clip) in SCENARIOS.items():
+        try:
+            res = _train(rank, world, stage, opt_type, clip)
+            if rank == 0:
+                if (opt_type, clip) not in refs:
+                    refs[(opt_type, clip)] = reference_run(world, EP, STEPS, opt_type, clip=clip)
+                res["ref"] = refs[(opt_type, clip)]
+            out[name] = res
+        except Exception:  # noqa: BLE001 - reported per scenario
+            out[name] = traceback.format_exc()
+    for name, args in TWINS.items():
+        try:
+            out[name] = _twin(rank, world, *args)
+        except Exception:  # noqa: BLE001
+            out[name] = traceback.format_exc()
+    snaps = None
+    try:
+        out[CKPT], snaps = _checkpoint(rank, world, root)
+    except Exception:  # noqa: BLE001
+        out[CKPT] = traceback.format_exc()
+    try:  # the same checkpoint at ep_size 1
+        if snaps is None:
+            raise RuntimeError("the checkpoint scenario failed")
+        from test_moe_elastic import _merge
+
+        gathered = [None] * world
+        dist.all_gather_object(gathered, snaps)
+        out[RESIZE] = _resume(rank, world, root, "two", _merge(gathered), 1, 2, CKPT_TYPE)
+    except Exception:  # noqa: BLE001
+        out[RESIZE] = traceback.format_exc()
+    try:  # world 4 -> 2 (the dense plan over DP 4 -> 2, the experts' expert-DP groups 2 -> 1)
+        if isinstance(saved_w4, str):
+            raise RuntimeError("saving at world 4 failed:\n" + saved_w4)
+        out[RESIZE_W4] = _resume(rank, world, root, "w4", saved_w4, EP, 1, "CanzonaMuon")
+    except Exception:  # noqa: BLE001
+        out[RESIZE_W4] = traceback.format_exc()
+    return out
+
+
+@lru_cache(maxsize=None)
+def _run() -> list:
+    root = tempfile.mkdtemp(prefix="canzona_moe_offload_")
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    from test_moe_elastic import _merge
+
+    snaps = run_distributed(_save_w4, 4, root, timeout=900)
+    bad = next((s for s in snaps if isinstance(s, str)), None)
+    return run_distributed(_worker, 2, root, bad if bad is not None else _merge(snaps), timeout=900)
+
+
+def _results(name: str) -> list:
+    res = [r[name] for r in _run()]
+    for r in res:
+        if isinstance(r, str):
+            pytest.fail(r)
+    return res
+
+
+def _eq(got: dict, want: dict, what: str) -> None:
+    assert got and set(got) <= set(want)
+    for n in got:
+        np.testing.assert_array_equal(got[n], want[n], err_msg=f"{what}: {n}")
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_offload_bit_exact(name):
+    stage, opt_type, clip = SCENARIOS[name]
+    res = _results(name)
+    for rank, r in enumerate(res):
+        _eq(r["params"], res[0]["ref"], name)
+        assert r["cpu_offload"] and r["zero_class"] == "CanzonaZeroOptimizer"
+        assert r["calls"] and set(r["calls"]) == {0}, r["calls"]  # no collective call in the step
+        assert r["replay"]["replay_max_diff"] == 0.0 and r["replay"]["steps"] == STEPS, r["replay"]
+        assert r["groups"] == [["matrix", False], ["aux", False], ["matrix", True], ["aux", True]], r["groups"]
+        assert r["plans"] == {"None": 2, "ep_size_2": 1}
+        # the dense matrices over DP, this rank's 2 local experts (2 matrices each) over its expert-DP
+        # group of one rank: all bound into the host fp32 partitions
+        bound = {part: names for part, names, _ in r["bound"]}
+        assert sorted(bound) == ["None", "ep_size_2"] and len(bound["ep_size_2"]) == 4, r["bound"]
+        assert all(device == "cpu" for _, _, device in r["bound"]), r["bound"]
+        assert sorted(n for n in r["owned"] if ".experts." in n) == bound["ep_size_2"]
+        if clip:
+            assert len(r["norms"]) == STEPS and min(r["norms"]) > clip, r["norms"]  # clipping clips
+    dense = sorted(n for r in res for n in r["owned"] if ".experts." not in n)
+    assert dense == ["moe.deepspeed_moe.gate.wg.weight", "proj.weight"], dense  # each dense matrix once
+
+
+@pytest.mark.parametrize("name", sorted(TWINS))
+def test_offload_equals_plain(name):
+    stage, opt_type, steps, extra = TWINS[name]
+    gas = extra.get("gas", 1)
+    for r in _results(name):
+        assert r["offload"]["cpu_offload"] and not r["plain"]["cpu_offload"]
+        _eq(r["offload"]["params"], r["plain"]["params"], name)
+        assert r["offload"]["losses"] == r["plain"]["losses"]
+        if isinstance(opt_type, str):
+            assert r["replay"]["replay_max_diff"] == 0.0 and r["replay"]["steps"] == steps // gas, r["replay"]
+        else:  # DeepSpeed's offload runs its own CPU Adam
+            assert r["offload"]["inner"] == "DeepSpeedCPUAdam", r["offload"]["inner"]
+        if extra.get("gradient_clipping"):  # clipping clips
+            assert min(r["norms"]) > extra["gradient_clipping"], r["norms"]
+
+
+def test_offload_checkpoint_round_trip():
+    res = _results(CKPT)
+    for r in res:
+        _eq(r["resumed"], r["straight"], "resumed")
+        assert r["same_state"] and r["cpu_offload"] and len(r["experts"]) == 4, r["experts"]
+
+
+def _check_resumed(name: str, ep: int) -> None:
+    """Right after loading: each matrix's fp32 master and rule state, every AdamW piece as saved,
+    on exactly one rank, the planned owner of its new (expert-)DP group; then 2 steps bit for
+    bit with the reference continued from the saved state at the new size."""
+    res = _results(name)
+    saved = res[0]["saved"]
+    holders = {}
+    for rank, r in enumerate(res):
+        got = r["loaded"]
+        assert r["cpu_offload"] and got["ep"] == (ep, rank % ep) and got["matrix_step"] == saved.matrix_step == 2
+        for n, w in got["master"].items():
+            holders.setdefault(n, []).append(rank)
+            np.testing.assert_array_equal(w, saved.params[n], err_msg=f"fp32 master of {n} on rank {rank}")
+            key = f"ep_size_{ep}" if ".experts." in n else "None"
+            assert got["owners"][n] == got["groups"][key][0], (n, got["groups"])
+            assert got["groups"][key][1] == (2 // ep if ".experts." in n else 2), (n, got["groups"])
+        assert set(got["rule_state"]) == set(got["master"])
+        for n, st in got["rule_state"].items():
+            for k, v in st.items():
+                np.testing.assert_array_equal(v, saved.rule_state[n][k], err_msg=f"{k} of {n} on rank {rank}")
+        for n, a, b, m, ea, eas in got["adam"]:
+            for value, want in ((m, saved.params[n]), (ea, saved.adam[n]["exp_avg"]),
+                                (eas, saved.adam[n]["exp_avg_sq"])):
+                np.testing.assert_array_equal(value, np.asarray(want).reshape(-1)[a:b], err_msg=f"{n} [{a}, {b})")
+        _eq(r["params"], res[0]["ref"], f"{name}: after 2 steps")
+    assert sorted(holders) == sorted(saved.rule_state) and len([n for n in holders if ".experts." in n]) == 8
+    assert all(len(v) == 1 for v in holders.values()), holders
+
+
+def test_offload_checkpoint_resumed_at_ep_size_1():
+    """Saved at world 2, ep_size 2 (expert-DP groups of one rank), resumed at ep_size 1 (both
+    ranks hold every expert, planned over an expert-DP group of 2)."""
+    _check_resumed(RESIZE, 1)
+
+
+def test_offload_checkpoint_resumed_at_world_2():
+    """Saved at world 4, ep_size 2 (ZeRO 1 Muon), resumed at world 2: the dense plan over DP
+    4 -> 2, the experts' expert-DP groups 2 -> 1."""
+    _check_resumed(RESIZE_W4, EP)
