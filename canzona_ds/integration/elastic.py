@@ -30,7 +30,11 @@ expert j on expert-parallel rank k is global expert k*E/ep + j, recorded per fil
 ``canzona_layout.moe[group].global_names``): each expert-parallel rank's expert group is one
 flat buffer partitioned over its expert-DP group, and at the new size a rank takes the
 experts of its new expert-parallel rank and the matrices of its new expert-DP plan, so a
-resume may change the DP size and ``ep_size`` (docs/moe.md).  At ZeRO stage 0 DeepSpeed's own
+resume may change the DP size and ``ep_size`` (docs/moe.md).  Under Megatron tensor parallelism
+(whole experts) DeepSpeed's expert groups span the TP ranks, so one expert group's files lie at
+different TP ranks: each expert group is indexed over the files of every TP rank (by the
+expert-parallel and expert-DP rank each file records), the dense groups as without MoE, and a
+resume may change TP too.  At ZeRO stage 0 DeepSpeed's own
 load resumes at another DP size; another ``ep_size`` goes through ``load_stage0_moe`` (each
 parameter's state from the expp_rank file that held it, by whole-model name).
 
