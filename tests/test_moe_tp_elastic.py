@@ -9,7 +9,9 @@ ranks, TP peers included), and resumed as a Megatron-DeepSpeed user would resize
 
 * TP 2 -> 1 at the same DP size (world 2 = TP 1 x DP 2, ``ep_size`` 2; from ``ep_size`` 1 too);
 * half the nodes (world 2 = TP 2 x DP 1, ``ep_size`` 2: the expert-parallel group is the TP group);
-* the same size with another ``ep_size`` (TP 2 x DP 2, ``ep_size`` 2 -> 1).
+* the same size with another ``ep_size`` (TP 2 x DP 2, ``ep_size`` 2 -> 1);
+* TP 1 -> 2 on twice the nodes (TP 1 x DP 2 -> TP 2 x DP 2, ``ep_size`` 2);
+* TP 2 -> 1 with ZeRO-Offload (``offload_optimizer`` cpu) saved and resumed.
 
 Each scenario trains 2 steps at the saved size and saves; every saving rank hands back, by
 whole-model name, what it held in memory (``tests/test_moe_elastic._snapshot``: fp32 masters
@@ -63,7 +65,18 @@ SCENARIOS = {
     "tp2dp2ep2_to_ep1_z1_muon": ((2, 2, 2), (2, 2, 1), 1, "CanzonaMuon"),
     # TP 1 -> 2 on twice the nodes (the MLP's TP layout rebuilt, the experts to their new ranks)
     "tp1dp2_to_tp2dp2_z1_soap": ((1, 2, 2), (2, 2, 2), 1, "CanzonaSOAP"),
+    # ZeRO-Offload (offload_optimizer cpu) saved and resumed: the fp32 partitions on the host
+    "tp2dp2_to_tp1dp2_z2_shampoo_offload": ((2, 2, 2), (1, 2, 2), 2, "CanzonaShampoo"),
 }
+
+
+def _cfg(name: str, dp: int) -> dict:
+    from canzona_ds.testing.moe import moe_ds_config
+
+    _, _, stage, opt_type = SCENARIOS[name]
+    extra = {"zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}}} \
+        if name.endswith("_offload") else {}
+    return moe_ds_config(dp, optimizer=opt_type, stage=stage, micro=MICRO, **extra)
 
 
 def _split_dim(name: str):
@@ -79,14 +92,14 @@ def _save_worker(rank, world, root, tp, names):
 
     from canzona_ds.testing import megatron_standin as ms
     from canzona_ds.testing.models import batches
-    from canzona_ds.testing.moe import moe_ds_config, run_moe_tp_engine
+    from canzona_ds.testing.moe import run_moe_tp_engine
 
     ms.initialize_model_parallel(tp)
     out = {}
     for name in names:
-        (_, dp, ep), _, stage, opt_type = SCENARIOS[name]
+        (_, dp, ep), _, _, _ = SCENARIOS[name]
         try:
-            cfg = moe_ds_config(dp, optimizer=opt_type, stage=stage, micro=MICRO)
+            cfg = _cfg(name, dp)
             data = batches(SAVE_STEPS, MICRO * dp, seed=1)
             _, _, engine = run_moe_tp_engine(rank, tp, ep, cfg, SAVE_STEPS, data, micro=MICRO)
             engine.save_checkpoint(os.path.join(root, name), tag="saved")
@@ -123,22 +136,22 @@ def _load_worker(rank, world, root, tp, jobs):
 
     from canzona_ds.testing import megatron_standin as ms
     from canzona_ds.testing.models import batches
-    from canzona_ds.testing.moe import moe_ds_config, reference_run, run_moe_tp_engine
+    from canzona_ds.testing.moe import reference_run, run_moe_tp_engine
 
     ms.initialize_model_parallel(tp)
     out = {}
     for name, start in sorted(jobs.items(), key=lambda job: SCENARIOS[job[0]][1][2]):
-        _, (_, dp, ep), stage, opt_type = SCENARIOS[name]
+        _, (_, dp, ep), _, opt_type = SCENARIOS[name]
         start = _as_torch(start)
         try:
             loaded = {}
 
             def load(engine):
                 engine.load_checkpoint(os.path.join(root, name), tag="saved")
-                loaded.update(_snapshot(engine))
+                loaded.update(_snapshot(engine), offload=bool(getattr(engine.optimizer, "cpu_offload", False)))
 
             data = batches(MORE, MICRO * dp, seed=7)
-            cfg = moe_ds_config(dp, optimizer=opt_type, stage=stage, micro=MICRO)
+            cfg = _cfg(name, dp)
             first = {}
 
             def after_step(step, params):
@@ -237,6 +250,7 @@ def test_moe_tp_resume_at_new_size(name):
     states: dict[str, list[int]] = {}
     for rank, r in enumerate(res):
         got, tp_rank = r["loaded"], r["tp_rank"]
+        assert got["offload"] == name.endswith("_offload"), got["offload"]  # DeepSpeed's offload path taken
         assert got["ep"] == (ep, rank % ep), got["ep"]
         assert got["matrix_step"] == saved.matrix_step == SAVE_STEPS and got["adam_step"] == saved.adam_step
         for n, w in got["master"].items():
