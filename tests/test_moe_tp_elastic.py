@@ -11,7 +11,8 @@ ranks, TP peers included), and resumed as a Megatron-DeepSpeed user would resize
 * half the nodes (world 2 = TP 2 x DP 1, ``ep_size`` 2: the expert-parallel group is the TP group);
 * the same size with another ``ep_size`` (TP 2 x DP 2, ``ep_size`` 2 -> 1);
 * TP 1 -> 2 on twice the nodes (TP 1 x DP 2 -> TP 2 x DP 2, ``ep_size`` 2);
-* TP 2 -> 1 with ZeRO-Offload (``offload_optimizer`` cpu) saved and resumed.
+* TP 2 -> 1 with ZeRO-Offload (``offload_optimizer`` cpu) saved and resumed;
+* refused by name: a ZeRO stage 0 checkpoint (DeepSpeed's own files) at another TP size.
 
 Each scenario trains 2 steps at the saved size and saves; every saving rank hands back, by
 whole-model name, what it held in memory (``tests/test_moe_elastic._snapshot``: fp32 masters
@@ -70,10 +71,24 @@ SCENARIOS = {
 }
 
 
+#: name -> (saved (TP, DP, ep_size), new (TP, DP, ep_size), ZeRO stage, type): refused by name
+REFUSED = {
+    # ZeRO 0 keeps DeepSpeed's own files (the module per TP rank, expp_rank optimizer files): its
+    # load cannot change TP
+    "z0_tp2dp2_to_tp1dp2_refused": ((2, 2, 2), (1, 2, 2), 0, "CanzonaMuon"),
+}
+REFUSAL_TEXT = {"z0_tp2dp2_to_tp1dp2_refused": ("ZeRO stage 0", "2 model-parallel rank(s)", "this run has TP=1",
+                                                "ZeRO 1/2")}
+
+
+def _spec(name: str) -> tuple:
+    return SCENARIOS[name] if name in SCENARIOS else REFUSED[name]
+
+
 def _cfg(name: str, dp: int) -> dict:
     from canzona_ds.testing.moe import moe_ds_config
 
-    _, _, stage, opt_type = SCENARIOS[name]
+    _, _, stage, opt_type = _spec(name)
     extra = {"zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}}} \
         if name.endswith("_offload") else {}
     return moe_ds_config(dp, optimizer=opt_type, stage=stage, micro=MICRO, **extra)
@@ -97,7 +112,7 @@ def _save_worker(rank, world, root, tp, names):
     ms.initialize_model_parallel(tp)
     out = {}
     for name in names:
-        (_, dp, ep), _, _, _ = SCENARIOS[name]
+        (_, dp, ep), _, _, _ = _spec(name)
         try:
             cfg = _cfg(name, dp)
             data = batches(SAVE_STEPS, MICRO * dp, seed=1)
@@ -131,7 +146,23 @@ def _merge(snaps: list):
     return state
 
 
-def _load_worker(rank, world, root, tp, jobs):
+def _refused_worker(rank, name: str, root: str, tp: int) -> str | None:
+    from canzona_ds.integration.elastic import ElasticError
+    from canzona_ds.testing.models import batches
+    from canzona_ds.testing.moe import run_moe_tp_engine
+
+    _, (_, dp, ep), _, _ = REFUSED[name]
+    try:
+        run_moe_tp_engine(rank, tp, ep, _cfg(name, dp), 1, batches(1, MICRO * dp), micro=MICRO,
+                          after_init=lambda e: e.load_checkpoint(os.path.join(root, name), tag="saved"))
+    except ElasticError as e:
+        return str(e)
+    except Exception:  # noqa: BLE001
+        return "not an ElasticError:\n" + traceback.format_exc()
+    return None
+
+
+def _load_worker(rank, world, root, tp, jobs, refused=()):
     from test_moe_elastic import _as_torch, _snapshot
 
     from canzona_ds.testing import megatron_standin as ms
@@ -139,7 +170,7 @@ def _load_worker(rank, world, root, tp, jobs):
     from canzona_ds.testing.moe import reference_run, run_moe_tp_engine
 
     ms.initialize_model_parallel(tp)
-    out = {}
+    out = {name: _refused_worker(rank, name, root, tp) for name in refused}
     for name, start in sorted(jobs.items(), key=lambda job: SCENARIOS[job[0]][1][2]):
         _, (_, dp, ep), _, opt_type = SCENARIOS[name]
         start = _as_torch(start)
@@ -181,13 +212,13 @@ def _root() -> str:
 
 @lru_cache(maxsize=None)
 def _saved_at(tp: int, dp: int) -> dict:
-    names = [n for n, s in SCENARIOS.items() if s[0][:2] == (tp, dp)]
+    names = [n for n, s in {**SCENARIOS, **REFUSED}.items() if s[0][:2] == (tp, dp)]
     res = run_distributed(_save_worker, tp * dp, _root(), tp, names, timeout=900)
     return {n: [r[n] for r in res] for n in names}
 
 
 def _saved(name: str) -> list:
-    return _saved_at(*SCENARIOS[name][0][:2])[name]
+    return _saved_at(*_spec(name)[0][:2])[name]
 
 
 @lru_cache(maxsize=None)
@@ -202,8 +233,12 @@ def _loaded(tp: int, dp: int) -> dict:
             failed[name] = "saving failed:\n" + bad
         else:
             jobs[name] = _merge(snaps)
-    res = run_distributed(_load_worker, tp * dp, _root(), tp, jobs, timeout=900) if jobs else []
-    out = {n: [r[n] for r in res] for n in jobs}
+    refused = [n for n, s in REFUSED.items() if s[1][:2] == (tp, dp)
+               and not any(isinstance(r, str) for r in _saved(n))]
+    failed.update({n: "saving failed:\n" + next(r for r in _saved(n) if isinstance(r, str))
+                   for n, s in REFUSED.items() if s[1][:2] == (tp, dp) and n not in refused})
+    res = run_distributed(_load_worker, tp * dp, _root(), tp, jobs, refused, timeout=900) if jobs or refused else []
+    out = {n: [r[n] for r in res] for n in list(jobs) + refused}
     out.update({n: [msg] for n, msg in failed.items()})
     return out
 
@@ -319,3 +354,10 @@ def test_moe_tp_resume_at_new_size(name):
     assert dev1 <= (1e-4 if opt_type == "CanzonaSOAP" else 1e-6), dev1
     if opt_type != "CanzonaSOAP":
         assert dev <= (1e-6 if opt_type == "CanzonaMuon" else 1e-4), dev
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_moe_tp_resume_refused(name):
+    _, (tp, dp, _), _, _ = REFUSED[name]
+    for msg in _loaded(tp, dp)[name]:
+        assert msg is not None and all(text in msg for text in REFUSAL_TEXT[name]), msg

@@ -813,6 +813,16 @@ def stage0_moe_resize_needed(engine, ckpt_dir: str, tag: str | None) -> bool:
     if folder is None or not os.path.isdir(folder):
         return False  # DeepSpeed's own message
     saved = _expp_files(folder)
+    # (every model-parallel rank's DP rank 0 writes its model-states file; the expp_rank files come
+    # from expert-DP rank 0 only, which under TP with a small ep_size is not on every TP rank)
+    mp = {f for f in os.listdir(folder) if re.fullmatch(r"mp_rank_\d+_model_states\.pt", f)}
+    if saved and len(mp) != opt.groups.tp_size * opt.groups.pp_size:
+        raise ElasticError(f"{folder} was saved at ZeRO stage 0 under DeepSpeed MoE with {len(mp)} model-parallel "
+                           f"rank(s) (TP x PP); this run has TP={opt.groups.tp_size} x PP={opt.groups.pp_size}. "
+                           "A stage-0 MoE checkpoint resumes at its saved TP and PP size only (another DP size; "
+                           "another ep_size without TP). To change TP, train at ZeRO 1/2 (its MoE x TP checkpoints "
+                           "resume at another TP size, docs/moe.md), or load the module weights only "
+                           "(load_module_only=True) at the saved TP size.")
     if not saved or len(saved) == opt.groups.ep_size:  # (the largest expert group's, as DeepSpeed names files)
         return False
     if opt.groups.tp_size > 1 or any(int(m.group(2)) for f in os.listdir(folder) if (m := EXPP_FILE.search(f))):
