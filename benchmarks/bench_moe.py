@@ -18,7 +18,9 @@ share, ratios max/mean over all DP ranks.  There ``per_expert`` is what the runt
 layout) and ``whole`` an HF-style stack of E/ep per expert-parallel rank, kept whole; ``joint``
 (PLANNER ONLY, the runtime does not do it) the per-expert units with the dense and expert
 partitions planned by LPT, each seeded with the other's per-rank loads
-(``compare.plan_expert_parallel(joint=True)``).
+(``compare.plan_expert_parallel(joint=True)``); ``per_expert_mixed`` the runtime's plans with
+``layout: "mixed"`` forced (each partition in the mixed layout, its hosted matrices over its
+own DP group: ``compare.plan_expert_parallel(mixed=True)``).
 
 Measured: the tiny transformers ``Qwen3MoeForCausalLM`` of ``canzona_ds.testing.hf_moe`` (4 layers,
 16 experts per stack: gate_up [16, 64, 64], down [16, 64, 32]) under ZeRO-1 at DP 2, 4, 8 with CanzonaMuon and
@@ -68,7 +70,8 @@ def planned() -> dict:
                     x = s["expert_stacks"]
                     rows.append({"dp": dp, "ep": x["ep"], "expert_dp": x["expert_dp"],
                                  "per_expert_planner": x["per_expert_planner"], "whole": x["whole"],
-                                 "per_expert": x["per_expert"], "joint": x.get("joint"), "stacks": x["stacks"],
+                                 "per_expert": x["per_expert"], "joint": x.get("joint"),
+                                 "per_expert_mixed": x.get("per_expert_mixed"), "stacks": x["stacks"],
                                  "experts_per_stack": x["experts_per_stack"],
                                  "largest_stack_numel": x["largest_stack_numel"],
                                  "plan_s": round(time.perf_counter() - t, 2)})

@@ -713,17 +713,21 @@ def moe_planned(d: Data) -> str:
     for model, rules in p["models"].items():
         for rule, entries in rules.items():
             for e in entries:
-                w, x, j = e["whole"], e["per_expert"], e.get("joint")
+                w, x, j, m = e["whole"], e["per_expert"], e.get("joint"), e.get("per_expert_mixed")
                 rows.append([model, rule, str(e["dp"]), str(e["ep"]),
                              f"**{w['flops_ratio']:.3f}** / {w['memory_ratio']:.3f}", _pct(w["padding_fraction"]),
                              f"{w['flops_lower_bound']:.3f}", f"**{x['flops_ratio']:.3f}** / {x['memory_ratio']:.3f}",
                              _pct(x["padding_fraction"]),
+                             f"{m['flops_ratio']:.3f} / {m['memory_ratio']:.3f} ({_pct(m['padding_fraction'])})"
+                             if m else "-",
                              f"{j['flops_ratio']:.3f} / {j['memory_ratio']:.3f} ({_pct(j['padding_fraction'])})"
                              if j else "-"])
     return _table(["model", "rule", "DP", "EP", f"whole stacks, E/EP per stack ({p['planner']}): FLOPs / memory "
                    "max/mean", "padding", "bound (largest unit)",
                    f"per expert ({p['per_expert_planner']} at EP 1, {p['planner']} at EP > 1): FLOPs / memory",
-                   "padding", "per expert, dense and experts seeded by each other's loads (lpt), PLANNER ONLY: "
+                   "padding", "per expert, layout \"mixed\" (each group hosts over its own DP group): FLOPs / "
+                   "memory (padding)",
+                   "per expert, dense and experts seeded by each other's loads (lpt), PLANNER ONLY: "
                    "FLOPs / memory (padding)"], rows)
 
 

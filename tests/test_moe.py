@@ -441,6 +441,47 @@ def test_refused_by_name(name):
     assert got is not None and REFUSALS[name][1] in got, got
 
 
+# ------------------------------------------------------------ pipeline parallelism: refused
+# MoE layers in a PipelineModule (world 4 = PP 2 x DP 2, ep_size 2): refused on EVERY rank, the
+# stages without MoE layers included (they would otherwise fail on "parallel.ep" disagreement or
+# wait).  DeepSpeed's own limit, named in the message: at ZeRO 1 its optimizer all-reduces one
+# gradient norm per parameter group over the pipeline (get_grad_norm_direct), so MoE in one stage
+# of two deadlocks its own "AdamW" in the first train_batch (docs/moe.md, "MoE and pipeline
+# parallelism"; benchmarks/probe_moe_pipeline.py reproduces it).
+PIPE_REFUSALS = {  # name -> (MoE layers: 1 = stage 0 only, 2 = one per stage; ZeRO stage; stages named)
+    "one_stage_z1": (1, 1, "MoE layers on stage 0 (ranks [0, 1]))"),
+    "every_stage_z1": (2, 1, "MoE layers on stage 0 (ranks [0, 1]), stage 1 (ranks [2, 3]))"),
+    "one_stage_z0": (1, 0, "MoE layers on stage 0 (ranks [0, 1]))"),
+}
+
+
+def _pipe_refusal_worker(rank, world, moe_layers, stage):
+    import deepspeed
+
+    import canzona_ds  # noqa: F401
+    from canzona_ds.testing.models import HP
+    from canzona_ds.testing.moe import build_moe_pipe
+
+    module = build_moe_pipe(moe_layers, ep_size=EP)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10 ** 6,
+           "zero_optimization": {"stage": stage}, "optimizer": {"type": "CanzonaMuon", "params": HP["CanzonaMuon"]}}
+    try:
+        deepspeed.initialize(model=module, model_parameters=list(module.parameters()), config=cfg)
+        return None
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+
+
+@pytest.mark.parametrize("name", sorted(PIPE_REFUSALS))
+def test_pipeline_refused_on_every_rank(name):
+    moe_layers, stage, where = PIPE_REFUSALS[name]
+    got = run_distributed(_pipe_refusal_worker, 4, moe_layers, stage, timeout=120)
+    for rank, msg in enumerate(got):
+        assert msg is not None and msg.startswith("ValueError: CanzonaMuon: DeepSpeed MoE layers"), (rank, msg)
+        assert "pipeline parallelism (pp_size=2; " + where in msg, (rank, msg)
+        assert "get_grad_norm_direct" in msg and "pp=1" in msg, (rank, msg)
+
+
 # ---------------------------------------------------------------------------- fp16
 def _fp16_worker(rank, world, stage):
     """fp16 with dynamic loss scaling, world 2, ep_size 2: 4 iterations, the second one's loss made

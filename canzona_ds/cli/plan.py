@@ -157,6 +157,10 @@ def format_table(summary: dict) -> str:
             r = x[unit]
             lines.append(f"{label:<24}{r['flops_ratio']:>14.3f}{r['memory_ratio']:>13.3f}{r['padding_fraction']:>9.2%}"
                          f"{r['flops_lower_bound']:>8.3f}")
+        if "per_expert_mixed" in x:  # layout "mixed" forced: every group's hosted matrices over its own DP group
+            r = x["per_expert_mixed"]
+            lines.append(f"{'per expert, mixed':<24}{r['flops_ratio']:>14.3f}{r['memory_ratio']:>13.3f}"
+                         f"{r['padding_fraction']:>9.2%}{r['flops_lower_bound']:>8.3f}")
         if "joint" in x:
             r = x["joint"]
             lines.append(f"{'joint (planner only)':<24}{r['flops_ratio']:>14.3f}{r['memory_ratio']:>13.3f}"
@@ -164,6 +168,8 @@ def format_table(summary: dict) -> str:
                          f"{r['flops_lower_bound']:>8.3f}")
         lines.append("(ZeRO-1/2 keeps a stack whole on one owner; DeepSpeed MoE's experts are separate matrices "
                      "(per expert): docs/zero.md, 'Mixture of experts'"
+                     + ("; per expert, mixed: layout 'mixed' forced, each group's matrices that do not fit hosted "
+                        "over its own DP group" if "per_expert_mixed" in x else "")
                      + ("; joint: per expert, the dense and expert partitions planned by lpt each seeded with the "
                         "other's per-rank loads, which the runtime does not do: it plans them separately)"
                         if "joint" in x else ")"))

@@ -62,6 +62,20 @@ def check_agreement(settings: dict[str, Any], what: str = "the optimizer setting
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
+    values = gather(settings, timeout_s)
+    diff = _differences(values)
+    if diff:
+        raise ValueError(f"Ranks disagree on {what}: " + "; ".join(diff) + ". Every rank must run the same "
+                         "ds_config and model.")
+
+
+def gather(settings: dict[str, Any], timeout_s: float | None = None) -> list[dict]:
+    """Every rank's ``settings`` (rank order), through the store as :func:`check_agreement`
+    exchanges them (no collective; every rank must call it, in the same order)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [json.loads(json.dumps(settings, sort_keys=True, default=str))]
     global _round
     _round += 1
     timeout_s = float(os.environ.get("CANZONA_AGREEMENT_TIMEOUT", DEFAULT_TIMEOUT_S)) if timeout_s is None else timeout_s
@@ -77,8 +91,4 @@ def check_agreement(settings: dict[str, Any], what: str = "the optimizer setting
             f"Ranks {missing} did not reach the Canzona optimizer setup within {timeout_s:.0f} s: they run another "
             "optimizer type or failed before it. Every rank must start with the same ds_config (and model). "
             "(CANZONA_AGREEMENT_TIMEOUT sets the wait.)") from None
-    values = [json.loads(store.get(k)) for k in keys]
-    diff = _differences(values)
-    if diff:
-        raise ValueError(f"Ranks disagree on {what}: " + "; ".join(diff) + ". Every rank must run the same "
-                         "ds_config and model.")
+    return [json.loads(store.get(k)) for k in keys]

@@ -7,6 +7,7 @@
 Every path runs the same steps, in this order::
 
     settings  = RunSettings (from the engine, or from a ds_config dict before there is one)
+    pipeline_refusal(...)  if pp > 1 and any stage holds MoE layers  # on every rank (one store exchange)
     check_agreement(what every rank must share)        # before anything a rank could wait in
     check_settings(settings)                           # refuse what cannot work, by name
     require_tp_group(...)                              # TP-tagged params need a TP group
@@ -191,6 +192,19 @@ def build_optimizer(named: list, cfg: CanzonaConfig, groups: ParallelGroups, set
 
     shapes = {n: tuple(p.ds_shape) for n, p in named if hasattr(p, "ds_shape")}
     partitions = expert_partitions(named)
+    if groups.pp_size > 1:
+        # MoE in a PipelineModule is refused on every rank, including the stages without MoE layers
+        # (their DP/expert degrees differ, which the agreement below would report instead)
+        from .agreement import gather
+        from .moe import pipeline_refusal
+
+        stages = gather({"stage": groups.pp_rank, "moe": bool(partitions or settings.moe)})
+        moe_ranks: dict[int, list[int]] = {}
+        for r, v in enumerate(stages):
+            if v["moe"]:
+                moe_ranks.setdefault(v["stage"], []).append(r)
+        if moe_ranks:
+            raise pipeline_refusal(settings.optimizer_type, groups.pp_size, moe_ranks)
     if partitions or settings.moe:
         from .groups import with_expert_groups
 

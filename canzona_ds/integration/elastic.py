@@ -102,6 +102,17 @@ def _check_moe_meta(folder: str, metas: list[dict]) -> None:
         for info in m["moe"].values():
             if not {"global_names", "ep_rank", "ep_size"} <= set(info):
                 raise ElasticError(MOE_REFUSAL.format(where=folder))
+        mixed = [k for k, info in m["moe"].items() if info.get("layout") == "mixed"]
+        if mixed or m.get("layout") == "mixed":
+            raise ElasticError(MOE_MIXED_REFUSAL.format(where=folder, groups=(["dense"] if m.get("layout") == "mixed"
+                                                                             else []) + mixed))
+
+
+#: the mixed layout under DeepSpeed MoE (hosted matrices cut over each group's DP group)
+MOE_MIXED_REFUSAL = ("{where}: a DeepSpeed MoE checkpoint with the mixed ZeRO layout (layout='mixed'; hosted matrices "
+                     "in matrix groups {groups}) cannot be resumed at another size or plan (not implemented for MoE x "
+                     "the mixed layout); resume it at the size and layout it was saved at (engine.load_checkpoint "
+                     "does), or load the module weights only (load_module_only=True).")
 
 
 #: the owner recorded for a hosted matrix of the mixed layout (ZeRO's partitions hold its pieces)
@@ -606,6 +617,10 @@ def write(engine, src: Universal | SavedCheckpoint, gather: bool = True) -> dict
     # DeepSpeed MoE: the checkpoint names every expert by its whole-model (global) number; this
     # rank's local experts are the global ones of its expert-parallel rank (integration/moe.py)
     moe = opt.moe if opt.moe is not None and opt.moe.active else None
+    if moe is not None and any(lay.mixed for lay in zopt.canzona_layouts.values()):
+        raise ElasticError(MOE_MIXED_REFUSAL.format(
+            where="this run", groups=[zopt._canzona_partition(i) or "dense" for i, lay in zopt.canzona_layouts.items()
+                                      if lay.mixed]))
     glob = (lambda n: moe.global_names.get(n, n)) if moe is not None else (lambda n: n)
     saved_names = set(src.names)
     here = {glob(n) for n in names}
@@ -691,7 +706,7 @@ def write(engine, src: Universal | SavedCheckpoint, gather: bool = True) -> dict
         flat = [n for n in with_state if isinstance(split.get(n), (FlatSplit, GridSplit))] if elementwise else []
         if flat:
             # this rank's index in the DP group the pieces are cut over (every matrix group of the
-            # mixed layout is the dense one: MoE keeps the owned layout)
+            # mixed layout is the dense one: MoE x the mixed layout is refused above)
             dp_rank = dist.get_rank(group=zopt.real_dp_process_group[roles.index(MATRIX)])
             for name in flat:
                 m, st = split[name], src.state_of(glob(name))

@@ -184,7 +184,7 @@ def check_moe(settings, groups: ParallelGroups, zero: dict, named: list = (), mo
     if groups.tp_size > 1:
         _check_moe_tp(name, settings, groups, named, modules)
     if groups.pp_size > 1:
-        raise ValueError(f"{name}: MoE with pipeline parallelism (pp_size={groups.pp_size}) is not supported yet.")
+        raise pipeline_refusal(name, groups.pp_size)
     if settings.zero_stage in (1, 2):
         # offload_optimizer "cpu" combines (DeepSpeed runs MoE with offload; tests/test_moe_offload.py),
         # "nvme" is refused for every model (builder.check_settings)
@@ -193,6 +193,29 @@ def check_moe(settings, groups: ParallelGroups, zero: dict, named: list = (), mo
         if settings.zero_stage == 2 and not zero.get("contiguous_gradients", True):
             raise ValueError(f"{name}: DeepSpeed MoE at ZeRO stage 2 needs zero_optimization.contiguous_gradients="
                              "true (got false).")
+
+
+def pipeline_refusal(name: str, pp_size: int, moe_ranks: dict | None = None) -> ValueError:
+    """The refusal of DeepSpeed MoE layers in a ``PipelineModule`` (pipeline parallelism).
+
+    DeepSpeed 0.19.8's own limit (docs/moe.md, "MoE and pipeline parallelism"): under the
+    ``PipelineEngine`` at ZeRO stage 1, ``DeepSpeedZeroOptimizer.get_grad_norm_direct``
+    all-reduces each parameter group's norm over the pipeline's model-parallel group, one call
+    per group; a stage holding expert parameter groups makes more calls than a stage without
+    them, and the first ``train_batch`` deadlocks (MoE in one stage of two, its own ``"AdamW"``).
+    ``moe_ranks``: pipeline stage -> the ranks whose stage holds MoE layers (gathered at setup,
+    builder.build_optimizer), named in the message."""
+    where = ""
+    if moe_ranks:
+        where = "; MoE layers on " + ", ".join(f"stage {s} (ranks {r})" for s, r in sorted(moe_ranks.items()))
+    return ValueError(
+        f"{name}: DeepSpeed MoE layers (deepspeed.moe.layer.MoE) with pipeline parallelism (pp_size={pp_size}"
+        f"{where}) are not supported by canzona-ds yet. DeepSpeed 0.19.8 itself runs MoE in a PipelineModule at "
+        "ZeRO stage 0, but at stage 1 only when every pipeline stage holds expert parameters of the same expert "
+        "groups: its ZeRO optimizer all-reduces each parameter group's gradient norm over the pipeline stages "
+        "(DeepSpeedZeroOptimizer.get_grad_norm_direct), so a stage with MoE layers and a stage without deadlock "
+        "in the first train_batch. Train MoE models with pp=1 (expert parallelism over the data-parallel ranks, "
+        "docs/moe.md).")
 
 
 def _check_moe_tp(name: str, settings, groups: ParallelGroups, named: list, modules: list) -> None:

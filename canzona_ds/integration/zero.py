@@ -169,16 +169,21 @@ def _make_zero_class():
                     local = max(layout.offsets[k] + starts[rank] - rank * P, 0) if lengths[rank] else 0
                     views.append(FlatView(name, local, (lengths[rank],)))
             opt.bind_partition(self.single_partition_of_fp32_groups[i], views, dp_hosted=splits,
-                               dp_group=self.real_dp_process_group[i])
+                               dp_group=self.real_dp_process_group[i], partition=self._canzona_partition(i))
 
-        def _canzona_hosted_meta(self) -> dict:
-            """The mixed layout's hosted matrices: name -> host DP rank and every rank's piece
-            (start in the matrix, or in its TP-local shard, and length), as the step and elastic
-            resume use them; a TP-split one also its host's TP rank ("tp_host")."""
+        def _canzona_hosted_meta(self, i: int | None = None) -> dict:
+            """Matrix group i's (default: the first, the dense one) hosted matrices of the mixed
+            layout: name -> host rank in the group's DP group (an expert group's: its expert-DP
+            group) and every rank's piece (start in the matrix, or in its TP-local shard, and
+            length), as the step and elastic resume use them; a TP-split one also its host's TP
+            rank ("tp_host")."""
             from ..planning.mixed import hosted_pieces
             from ..tp.runtime import GridSplit
 
-            layout, opt = self.canzona_layout, self._canzona
+            i = self._canzona_groups[0] if i is None else i
+            layout, opt = self.canzona_layouts[i], self._canzona
+            key = self._canzona_partition(i)
+            plan = opt.plans[key]
             hosted = opt.placement.hosted
             split = hosted.split if hosted is not None else {}
             grid_hosts = {}
@@ -187,10 +192,10 @@ def _make_zero_class():
                     if isinstance(m, GridSplit):
                         grid_hosts[m.name] = m.cells[h][0]
             out = {}
-            for k in layout.hosted_indices():  # (the dense group: MoE keeps the owned layout, optim._plan)
-                name = opt.partition_matrices[None][k]
+            for k in layout.hosted_indices():
+                name = opt.partition_matrices[key][k]
                 starts, lengths = hosted_pieces(layout, k)
-                out[name] = {"host": opt.plan.host[opt.plan.buffer_order()[k]], "starts": list(starts),
+                out[name] = {"host": plan.host[plan.buffer_order()[k]], "starts": list(starts),
                              "lengths": list(lengths)}
                 if isinstance(split.get(name), GridSplit):
                     out[name]["tp_host"] = grid_hosts[name]
@@ -252,6 +257,8 @@ def _make_zero_class():
                 experts[key] = {"world_size": lay.world_size, "shard_numel": lay.shard_numel,
                                 "matrix_names": list(opt.partition_matrices[key]),
                                 "rank_counts": list(lay.rank_counts), "offsets": list(lay.offsets),
+                                "layout": "mixed" if lay.mixed else "owned", "owner_at": list(lay.owners()),
+                                "hosted": self._canzona_hosted_meta(i),
                                 "edp_rank": dist.get_rank(group=self.real_dp_process_group[i]),
                                 "ep_size": eg.ep_size, "ep_rank": eg.ep_rank, "global_names": global_names}
             tp_params = {}

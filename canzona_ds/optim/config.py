@@ -62,8 +62,9 @@ class PlacementConfig:
     #: ZeRO-1/2 layout of the matrices: "owned" (every matrix whole on its planned owner, each rank's range
     #: padded to the largest), "mixed" (equal chunks; matrices that do not fit are hosted: updated on a planned
     #: rank through all-to-alls over the DP group, no padding; docs/zero.md), "auto" (owned unless its padding
-    #: exceeds max_padding). Under tensor parallelism a hosted TP-split matrix is updated over the DP x TP grid
-    #: (each TP shard cut into DP pieces, docs/tp.md)
+    #: exceeds max_padding; under DeepSpeed MoE "auto" keeps owned and "mixed" plans every matrix group over its
+    #: own DP or expert-DP group, docs/moe.md). Under tensor parallelism a hosted TP-split matrix is updated over
+    #: the DP x TP grid (each TP shard cut into DP pieces, docs/tp.md)
     layout: str = "auto"
     #: largest padding of the owned layout (padding / matrix elements, 0.02 = 2%) that layout "auto" accepts
     #: before it switches to the mixed layout

@@ -249,7 +249,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         return HostedPlacement(split, self.rule, self.groups.tp_group, self.config.tp, self.matrix_state)
 
     def bind_partition(self, flat_param: Tensor, views: Iterable[FlatView], dp_hosted: list | None = None,
-                       dp_group=None) -> None:
+                       dp_group=None, partition: str | None = None) -> None:
         """ZeRO: ``flat_param`` (this rank's partition of the matrix group) holds ``views``.  The
         mixed layout: ``views`` also holds this rank's piece (1-D, maybe empty) of every hosted
         matrix, and ``dp_hosted`` their cuts, hosted where the plan says:
@@ -257,7 +257,12 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         :class:`~canzona_ds.tp.runtime.GridSplit` over ``groups.grid_group`` (TP-split ones: the
         plan's DP host, at the TP rank :func:`~canzona_ds.planning.mixed.grid_tp_hosts` picks).
         Under TP a rank then runs up to three runtimes, in this order on every rank: the owned
-        TP-split matrices over the TP group, the flat ones over DP, the grid ones."""
+        TP-split matrices over the TP group, the flat ones over DP, the grid ones.
+
+        ``partition``: the matrix group's partition (None: dense; DeepSpeed MoE: its expert
+        group's name), whose plan places the hosted matrices and whose DP group (an expert
+        group's expert-data-parallel group) is ``dp_group``: every matrix group gets its own
+        hosted strategy, stepped in that group's step."""
         if self.placement.kind != "owned":
             raise RuntimeError(f"bind_partition on a CanzonaOptimizer with placement={self.placement.kind!r}; ZeRO "
                                "stage 1/2 needs placement='owned'.")
@@ -267,7 +272,15 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             from ..planning.mixed import grid_tp_hosts
             from ..tp.runtime import GridSplit
 
-            index = {s.name: i for i, s in enumerate(self.plan.specs)}
+            if partition not in self.plans:
+                raise RuntimeError(f"bind_partition: no ownership plan for partition {partition!r} (plans: "
+                                   f"{sorted(self.plans, key=str)}).")
+            plan = self.plans[partition]
+            index = {s.name: i for i, s in enumerate(plan.specs)}
+            unplanned = [m.name for m in dp_hosted if m.name not in index]
+            if unplanned:
+                raise RuntimeError(f"bind_partition: hosted matrices {unplanned[:3]} are not in the plan of partition "
+                                   f"{partition!r}.")
             flat = [m for m in dp_hosted if not isinstance(m, GridSplit)]
             grid = [m for m in dp_hosted if isinstance(m, GridSplit)]
             wrong = [m.name for m in flat if m.name in self.tp_matrices] + \
@@ -278,7 +291,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             if grid and self.groups.grid_group is None:
                 raise RuntimeError("The mixed layout hosts tensor-parallel matrices over the DP x TP grid, but "
                                    "groups.grid_group is None (integration/groups.with_grid_group builds it).")
-            dp_hosts = [self.plan.host[index[m.name]] for m in grid]
+            dp_hosts = [plan.host[index[m.name]] for m in grid]
             costs = [self.rule.flops(m.info.shape2d, m.num_heads).amortised for m in grid]
             tp_hosts = grid_tp_hosts(dp_hosts, costs, self.groups.tp_size)
             hosted = {m.name for m in dp_hosted}
@@ -290,7 +303,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
                     parts.append(owned)
                 if flat:
                     parts.append(HostedPlacement(flat, self.rule, dp_group, self.config.tp, self.matrix_state,
-                                                 hosts=[self.plan.host[index[m.name]] for m in flat],
+                                                 hosts=[plan.host[index[m.name]] for m in flat],
                                                  piece_states=self.piece_state))
                 if grid:
                     parts.append(HostedPlacement(grid, self.rule, self.groups.grid_group, self.config.tp,
@@ -425,13 +438,11 @@ def _plan(specs: list[ParamSpec], dp: int, config: CanzonaConfig, rule, moe: boo
                          f"{tp_split[0]!r}) over the DP x TP grid, but no grid group was given "
                          "(ParallelGroups.grid_group; the DeepSpeed integration builds it at ZeRO stage 1/2). Use "
                          "layout 'owned' or 'auto', or pass groups with a grid_group.")
-    if placement.layout == "mixed" and moe:
-        raise ValueError("layout='mixed' is not implemented with DeepSpeed MoE expert groups (each matrix group "
-                         "would host over its own DP group). Use layout 'owned' or 'auto' (which keeps the owned "
-                         "layout under MoE).")
     plan, _, why = choose_layout(specs, dp, layout=placement.layout, max_padding=placement.max_padding,
                                  planner=placement.planner, alpha=placement.alpha, cost=placement.cost_model,
                                  model=rule, bucket_numel=placement.bucket_numel,
+                                 # under MoE "auto" keeps the owned layout (a checkpoint of the mixed one
+                                 # does not resize: integration/elastic.py); "mixed" is planned per group
                                  allow_mixed=(grid or not tp_split) and not moe)
     plan.extra["layout_choice"] = why  # reported in checkpoints (canzona_layout.layout_choice)
     if "cannot host" in why:

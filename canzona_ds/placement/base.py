@@ -65,15 +65,20 @@ class Placement(ABC):
         out = [n for n in self.held_names() if n not in split]
         return out + (self.hosted.hosted_names() if self.hosted is not None else [])
 
+    def hosted_for(self, group: dict) -> HostedPlacement | HostedSet | None:
+        """The hosted strategy of the matrix param group ``group`` (default: ``hosted``)."""
+        return self.hosted
+
     def step(self, group: dict, ctx: StepContext) -> None:
+        hosted = self.hosted_for(group)
         split: dict[str, tuple[Tensor, Tensor]] = {}
         for name, param, grad in self.items(group):
-            if self.hosted is not None and name in self.hosted.split:
+            if hosted is not None and name in hosted.split:
                 split[name] = (param, grad)
                 continue
             rule_step(ctx.rule, param, grad, ctx.states, ctx.infos[name], ctx.step, ctx.lr, ctx.weight_decay)
-        if self.hosted is not None and split:
+        if hosted is not None and split:
             # every rank of the split group calls this (the same matrices, by construction); a
             # group without split matrices (an MoE expert group beside the TP-split dense one)
             # holds none of the hosted ones
-            self.hosted.step(split, ctx)
+            hosted.step(split, ctx)

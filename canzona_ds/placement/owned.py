@@ -42,6 +42,11 @@ class OwnedPlacement(Placement):
         self.names = set(names)
         #: id(flat partition) -> the matrices inside it
         self.views: dict[int, tuple[FlatView, ...]] = {}
+        #: id(flat partition) -> the hosted strategy of that matrix group (one per matrix param
+        #: group that has split matrices: under DeepSpeed MoE the dense group's over the DP/TP
+        #: groups, each expert group's over its own expert-data-parallel group); ``hosted`` reads
+        #: them all as one (HostedSet), and each group's step runs only its own
+        self.hosted_of: dict[int, object] = {}
 
     def bind(self, flat_param: Tensor, views: Iterable[FlatView],
              make_hosted: Callable[[list[str]], object] | None = None) -> None:
@@ -55,11 +60,18 @@ class OwnedPlacement(Placement):
                 raise RuntimeError(f"Matrix {v.name} at offset {v.offset} does not fit in a partition of "
                                    f"{flat_param.numel()} elements.")
         self.views[id(flat_param)] = views
-        if make_hosted is not None:  # one partition per matrix group (several under MoE; with TP the
-            # dense one, bound first, holds the TP-split matrices and keeps the hosted strategy)
+        if make_hosted is not None:  # one partition per matrix group (several under MoE, each with
+            # its own hosted strategy over its own group: the dense one's TP-split and DP-hosted
+            # matrices, an expert group's hosted experts over its expert-DP group)
             hosted = make_hosted([v.name for v in views])
-            if hosted is not None or len(self.views) == 1:
-                self.hosted = hosted
+            if hosted is not None:
+                self.hosted_of[id(flat_param)] = hosted
+            self.hosted = _as_one(list(self.hosted_of.values()))
+
+    def hosted_for(self, group: dict):
+        """The hosted strategy bound with this group's flat partition (None: it hosts nothing)."""
+        found = [self.hosted_of[id(p)] for p in group["params"] if id(p) in self.hosted_of]
+        return _as_one(found)
 
     def items(self, group: dict) -> list[tuple[str, Tensor, Tensor]]:
         if not self.views:
@@ -75,3 +87,14 @@ class OwnedPlacement(Placement):
 
     def held_names(self) -> list[str]:
         return [v.name for views in self.views.values() for v in views]
+
+
+def _as_one(hosted: list):
+    """None, the one hosted strategy, or a HostedSet of all their parts (in the order given)."""
+    if not hosted:
+        return None
+    if len(hosted) == 1:
+        return hosted[0]
+    from .hosted import HostedSet
+
+    return HostedSet([part for h in hosted for part in getattr(h, "parts", (h,))])

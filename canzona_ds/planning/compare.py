@@ -19,13 +19,15 @@ What is planned (shared by ``canzona-plan`` and ``benchmarks/plan_sweep.py``):
          dense matrices over all dp ranks, and a DP rank's load is its dense share plus its
          expert share.  ``joint`` (ep > 1, PLANNER ONLY: the runtime does not plan this way) plans
          the two partitions with each other's per-rank loads as seeds (:func:`_joint_plans`).
+         ``per_expert_mixed`` (ep > 1): the runtime's plans with ``layout: "mixed"`` forced (each
+         partition in the mixed layout, its hosted matrices over its own DP group).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .dp import DEFAULT_DP_PLANNER, DEFAULT_BUCKET_NUMEL, DP_PLANNERS, OwnershipPlan, plan_dp
+from .dp import DEFAULT_DP_PLANNER, DEFAULT_BUCKET_NUMEL, DP_PLANNERS, OwnershipPlan, plan_dp, plan_mixed_dp
 from .models import matrix_specs, model_shape, model_specs
 from .params import split_experts
 from .cost import cost_vector
@@ -208,7 +210,7 @@ def _joint_plans(dense, experts, dp: int, ep: int, cost: str, cost_model) -> dic
 
 
 def plan_expert_parallel(mats, dp: int, ep: int, planner: str, cost: str, cost_model, per_expert: bool,
-                         joint: bool = False) -> dict:
+                         joint: bool = False, mixed: bool = False) -> dict:
     """DeepSpeed MoE's plan at expert-parallel size ``ep``: the dense matrices planned over all
     ``dp`` ranks, one expert-parallel rank's experts (:func:`local_experts`) over its
     expert-data-parallel group of dp/ep ranks (every EP rank alike: one plan serves all).  DP rank
@@ -217,7 +219,9 @@ def plan_expert_parallel(mats, dp: int, ep: int, planner: str, cost: str, cost_m
     max over the dp ranks / (useful total / dp); padding = (dense buffer + ep expert buffers) /
     useful elements - 1; ``flops_lower_bound``: the largest unit over the mean rank.
     ``joint``: PLANNER ONLY, not what the runtime does: the two partitions planned with each
-    other's loads as seeds (:func:`_joint_plans`, LPT on ``cost``; ``planner`` is not used)."""
+    other's loads as seeds (:func:`_joint_plans`, LPT on ``cost``; ``planner`` is not used).
+    ``mixed``: each partition in the mixed layout (``layout: "mixed"``: planning/mixed.py, what the
+    runtime plans per matrix group when it is forced; ``planner`` is not used)."""
     check_ep(ep, dp, mats)
     dense = [s for s in mats if s.num_experts is None]
     experts = local_experts(mats, ep, per_expert)
@@ -225,7 +229,9 @@ def plan_expert_parallel(mats, dp: int, ep: int, planner: str, cost: str, cost_m
     if joint:
         plans = _joint_plans(dense, experts, dp, ep, cost, cost_model)
     for key, specs, world in (("dense", dense, dp), ("experts", experts, dp // ep)):
-        if specs and not joint:
+        if specs and mixed:
+            plans[key] = plan_mixed_dp(specs, world, cost_vector(specs, cost, cost_model), cost, cost_model)
+        elif specs and not joint:
             # the runtime relabels ranks so that rank 0 owns a matrix (optim/optimizer.py _plan)
             plans[key] = plan_dp(specs, world, planner=planner, cost=cost, model=cost_model).nonempty_first()
     out: dict = {"ep": ep, "expert_dp": dp // ep, "units": {"dense": len(dense), "experts_per_ep_rank": len(experts)}}
@@ -266,8 +272,11 @@ def _expert_stacks(whole: OwnershipPlan, mats, stacks, dp: int, planner: str, co
         w = plan_expert_parallel(mats, dp, ep, planner, cost, cost_model, per_expert=False)
         x = plan_expert_parallel(mats, dp, ep, planner, cost, cost_model, per_expert=True)
         j = plan_expert_parallel(mats, dp, ep, planner, cost, cost_model, per_expert=True, joint=True)
-        # "joint": PLANNER ONLY (the runtime plans the dense and expert partitions on their own)
+        m = plan_expert_parallel(mats, dp, ep, planner, cost, cost_model, per_expert=True, mixed=True)
+        # "joint": PLANNER ONLY (the runtime plans the dense and expert partitions on their own);
+        # "per_expert_mixed": the runtime's plans with layout "mixed" forced (each group hosts over its own DP group)
         return {**head, "whole": {k: w[k] for k in keys}, "per_expert": {k: x[k] for k in keys},
+                "per_expert_mixed": {k: m[k] for k in keys},
                 "joint": {**{k: j[k] for k in keys}, "planner_only": True, "planner": "lpt, seeded"}}
     # lpt: thousands of experts make multi_lpt slow (minutes at 12k units), and lpt already
     # balances them to within a percent

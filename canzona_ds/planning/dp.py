@@ -971,8 +971,9 @@ def choose_layout(specs: Sequence[ParamSpec], world_size: int, layout: str = "au
     busiest rank (``step_bytes(...)["rank_cost"]``: its share of ZeRO's gradient reduction and
     all-gather of the buffer, padded or not, plus the hosted all-to-alls' bytes and latency,
     planning/mixed.py); then the mixed one.  ``allow_mixed=False``
-    (the matrices cannot be hosted: tensor-parallel ones without a DP x TP grid group, MoE
-    expert groups) keeps the atomic plan under "auto".  Returns (chosen plan, the atomic plan or None, why)."""
+    (tensor-parallel matrices without a DP x TP grid group, which cannot be hosted; DeepSpeed MoE,
+    whose mixed checkpoints cannot resize, so only a forced "mixed" hosts there) keeps the atomic
+    plan under "auto".  Returns (chosen plan, the atomic plan or None, why)."""
     if layout not in LAYOUTS:
         raise ValueError(f"Invalid layout={layout!r}. Allowed: {list(LAYOUTS)}.")
     if isinstance(max_padding, bool) or not isinstance(max_padding, (int, float)) or not max_padding >= 0:
@@ -996,5 +997,7 @@ def choose_layout(specs: Sequence[ParamSpec], world_size: int, layout: str = "au
     why = f"owned padding {pad:.2%} > max_padding {max_padding:.2%} and the mixed step costs less " \
           f"({mixed_cost:,} < {owned_cost:,} byte-equivalents per rank)"
     if not allow_mixed:
-        return atomic, atomic, f"{why}, but the mixed layout cannot host these matrices (tensor-parallel ones without a DP x TP grid group, or MoE expert groups): owned kept"
+        return atomic, atomic, (f"{why}, but the mixed layout cannot host these matrices (tensor-parallel ones "
+                                "without a DP x TP grid group), or DeepSpeed MoE, where 'auto' keeps the owned layout "
+                                "(a mixed MoE checkpoint cannot resize; layout 'mixed' forces it): owned kept")
     return mixed, atomic, f"{why}: mixed"

@@ -268,7 +268,8 @@ def _shapes(num_experts: int) -> dict:
 
 def run_moe_engine(rank: int, world: int, ep_size: int, cfg: dict, steps: int, micro: int = 2, seed: int = 0,
                    groups: bool = False, after_init=None, data: list | None = None, after_step=None, mpu=None,
-                   client: bool = False, after_build=None, ep2: int | None = None):
+                   client: bool = False, after_build=None, num_experts: int = NUM_EXPERTS,
+                   ep2: int | None = None):
     """Train the tiny MoE model on a DeepSpeed engine; return (whole-model-named parameters of
     this rank, losses, engine).  ``groups``: pass DeepSpeed's own MoE param groups
     (split_params_into_different_moe_groups_for_optimizer) instead of the parameters (which
@@ -276,13 +277,14 @@ def run_moe_engine(rank: int, world: int, ep_size: int, cfg: dict, steps: int, m
     Megatron mpu passed to deepspeed.initialize (Megatron-DeepSpeed's configuration); ``client``:
     Megatron-DeepSpeed's stage-0 path, the optimizer built by ``build_tp_optimizer`` before
     ``deepspeed.initialize`` and passed to it as the client optimizer (``after_build(model,
-    optimizer)`` runs in between)."""
+    optimizer)`` runs in between); ``num_experts``: the MoE layer's experts (``reference_run`` takes
+    the same); ``ep2``: a second MoE layer with that ep_size (``TinyMoE``)."""
     import canzona_ds  # noqa: F401 - registers the Canzona types
     import deepspeed
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
     ep_rank = rank % ep_size
-    model = TinyMoE(ep_size, ep_rank, seed=seed, ep2=ep2, ep2_rank=rank % ep2 if ep2 else 0)
+    model = TinyMoE(ep_size, ep_rank, num_experts=num_experts, seed=seed, ep2=ep2, ep2_rank=rank % ep2 if ep2 else 0)
     params = split_params_into_different_moe_groups_for_optimizer(
         {"params": list(model.parameters()), "name": "dense"}) if groups else list(model.parameters())
     if client:
@@ -297,8 +299,8 @@ def run_moe_engine(rank: int, world: int, ep_size: int, cfg: dict, steps: int, m
     if after_init is not None:
         after_init(engine)
     losses = []
-    local = NUM_EXPERTS // ep_size
-    local2 = NUM_EXPERTS // ep2 if ep2 else 1
+    local = num_experts // ep_size
+    local2 = num_experts // ep2 if ep2 else 1
 
     def whole():
         return {global_name(n, ep_rank, local, rank % ep2 if ep2 else 0, local2): p.detach().float().numpy().copy()
@@ -456,3 +458,72 @@ def tp_reference_run(initial: dict, data: list, steps: int, optimizer: str = "Ca
         total.backward()
         opt.step()
     return {n: p.detach().numpy().copy() for n, p in master.items()}
+
+
+# ---------------------------------------------------------------- MoE in a PipelineModule
+class PipeDense(nn.Module):
+    """Pipeline layer 0: embedding and a dense residual matrix."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, D)
+        self.proj = nn.Linear(D, D)
+        _init_by_name(self, seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        return h + self.proj(h)
+
+
+class PipeMoE(nn.Module):
+    """A pipeline layer holding one ``deepspeed.moe.layer.MoE`` (residual; the aux loss dropped:
+    a pipeline layer passes one tensor on)."""
+
+    def __init__(self, ep_size: int) -> None:
+        from deepspeed.moe.layer import MoE
+
+        super().__init__()
+        self.moe = MoE(hidden_size=D, expert=nn.Sequential(nn.Linear(D, H), nn.GELU(), nn.Linear(H, D)),
+                       num_experts=NUM_EXPERTS, ep_size=ep_size, k=1, capacity_factor=float(NUM_EXPERTS),
+                       eval_capacity_factor=float(NUM_EXPERTS), min_capacity=0, use_rts=False)
+        _init_by_name(self, seed=1)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        out, _, _ = self.moe(h)
+        return h + out
+
+
+class PipeHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm_head = nn.Linear(D, VOCAB, bias=False)
+        _init_by_name(self)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(h)
+
+
+def _init_by_name(module: nn.Module, seed: int = 0) -> None:
+    """Deterministic weights from each parameter's name (the pipeline layers' local names)."""
+    with torch.no_grad():
+        for n, p in module.named_parameters():
+            p.copy_(_init(n, tuple(p.shape), seed))
+
+
+def _pipe_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+
+def build_moe_pipe(moe_layers: int, ep_size: int = 2):
+    """A 2-stage ``PipelineModule`` (``partition_method="uniform"``): ``PipeDense``, then
+    ``moe_layers`` ``PipeMoE`` layers, then ``PipeHead``.  One MoE layer: stage 0 = dense + MoE,
+    stage 1 = the head (MoE in one stage); two: one MoE layer in each stage (needs
+    torch.distributed initialised)."""
+    import deepspeed
+    from deepspeed.pipe import LayerSpec, PipelineModule
+
+    if moe_layers not in (1, 2):
+        raise ValueError(f"Invalid moe_layers={moe_layers}. Allowed: [1, 2].")
+    deepspeed.init_distributed(dist_backend=torch.distributed.get_backend(), verbose=False)
+    layers = [LayerSpec(PipeDense)] + [LayerSpec(PipeMoE, ep_size)] * moe_layers + [LayerSpec(PipeHead)]
+    return PipelineModule(layers=layers, num_stages=2, loss_fn=_pipe_loss, partition_method="uniform")
