@@ -94,10 +94,11 @@ MOE_REFUSAL = ("{where}: this checkpoint has DeepSpeed MoE expert groups but its
                "load_module_only=True); checkpoints written now resume at any DP and ep_size (docs/moe.md).")
 
 
-def _check_moe_meta(folder: str, metas: list[dict]) -> None:
+def _check_moe_meta(folder: str, metas: list[dict], tp: int = 1) -> None:
     """A DeepSpeed MoE checkpoint resumes at another size when every file records its experts'
-    whole-model names (``canzona_layout.moe[group].global_names``), at any TP size (whole experts:
-    each file holds its expert-parallel rank's partition, wherever its TP rank lies)."""
+    whole-model names (``canzona_layout.moe[group].global_names``) and its layout is the owned one,
+    at any TP size ``tp`` (whole experts: each file holds its expert-parallel rank's partition,
+    wherever its TP rank lies; ``SavedCheckpoint._index_experts``)."""
     for m in metas:
         for info in m["moe"].values():
             if not {"global_names", "ep_rank", "ep_size"} <= set(info):
@@ -274,7 +275,7 @@ class SavedCheckpoint:
                 raise ElasticError(f"{folder} was not written by a Canzona optimizer with a planned layout (no "
                                    f"'{LAYOUT_KEY}'); only Canzona checkpoints can change size here.")
             if any(m.get("moe") for m in metas):
-                _check_moe_meta(folder, metas)
+                _check_moe_meta(folder, metas, tp)
             meta = metas[0]
             meta0 = meta0 or meta
             where: dict[str, tuple] = {}
