@@ -30,7 +30,11 @@ expert j on expert-parallel rank k is global expert k*E/ep + j, recorded per fil
 ``canzona_layout.moe[group].global_names``): each expert-parallel rank's expert group is one
 flat buffer partitioned over its expert-DP group, and at the new size a rank takes the
 experts of its new expert-parallel rank and the matrices of its new expert-DP plan, so a
-resume may change the DP size and ``ep_size`` (docs/moe.md).  At ZeRO stage 0 DeepSpeed's own
+resume may change the DP size and ``ep_size`` (docs/moe.md).  Under Megatron tensor parallelism
+(whole experts) DeepSpeed's expert groups span the TP ranks, so one expert group's files lie at
+different TP ranks: each expert group is indexed over the files of every TP rank (by the
+expert-parallel and expert-DP rank each file records), the dense groups as without MoE, and a
+resume may change TP too.  At ZeRO stage 0 DeepSpeed's own
 load resumes at another DP size; another ``ep_size`` goes through ``load_stage0_moe`` (each
 parameter's state from the expp_rank file that held it, by whole-model name).
 
@@ -90,13 +94,11 @@ MOE_REFUSAL = ("{where}: this checkpoint has DeepSpeed MoE expert groups but its
                "load_module_only=True); checkpoints written now resume at any DP and ep_size (docs/moe.md).")
 
 
-def _check_moe_meta(folder: str, metas: list[dict], tp: int) -> None:
+def _check_moe_meta(folder: str, metas: list[dict], tp: int = 1) -> None:
     """A DeepSpeed MoE checkpoint resumes at another size when every file records its experts'
-    whole-model names (``canzona_layout.moe[group].global_names``) and TP was 1."""
-    if tp > 1:
-        raise ElasticError(f"{folder}: a DeepSpeed MoE checkpoint with tensor parallelism (TP={tp}) cannot be "
-                           "resumed at another size or plan (not implemented for MoE x TP); resume it at the size "
-                           "it was saved at, or load the module weights only (load_module_only=True).")
+    whole-model names (``canzona_layout.moe[group].global_names``) and its layout is the owned one,
+    at any TP size ``tp`` (whole experts: each file holds its expert-parallel rank's partition,
+    wherever its TP rank lies; ``SavedCheckpoint._index_experts``)."""
     for m in metas:
         for info in m["moe"].values():
             if not {"global_names", "ep_rank", "ep_size"} <= set(info):
@@ -283,7 +285,8 @@ class SavedCheckpoint:
                 shapes = dict(model["param_shapes"][g])
                 key = partition_of[g]
                 if key is not None:  # a DeepSpeed MoE expert group: one buffer per expert-parallel rank
-                    self._index_experts(t, g, role, key, shapes, metas, where, parts)
+                    if t == 0:  # (its files lie across the TP ranks: indexed once, from all of them)
+                        self._index_experts(g, role, key, shapes, where, parts)
                     continue
                 if role == "matrix":
                     P = meta["shard_numel"]
@@ -338,21 +341,31 @@ class SavedCheckpoint:
     def names(self) -> list[str]:
         return list(self._where[0])
 
-    def _index_experts(self, t: int, g: int, role: str, key: str, shapes: dict, metas: list, where: dict,
-                       parts: dict) -> None:
+    def _index_experts(self, g: int, role: str, key: str, shapes: dict, where: dict, parts: dict) -> None:
         """Index group ``g``, the ``role`` group of DeepSpeed MoE expert group ``key``, by the
-        experts' whole-model names.
+        experts' whole-model names (into TP rank 0's tables, which every unsplit parameter is
+        read through).
 
         Each expert-parallel rank k holds its own experts in its own flat buffer, partitioned over
-        its expert-DP group: file r holds partition ``edp_rank`` of rank ``ep_rank``'s buffer
-        (``canzona_layout.moe[key]``).  A matrix lies whole in its owner's partition; an expert's
-        AdamW range may cross the partitions of its buffer."""
-        shards = self._shards[t]
-        files: dict[int, dict[int, int]] = {}  # ep rank -> edp rank -> file
-        for r, m in enumerate(metas):
-            info = m["moe"][key]
-            files.setdefault(int(info["ep_rank"]), {})[int(info["edp_rank"])] = r
-        info0 = metas[0]["moe"][key]
+        its expert-DP group: file (t, r) holds partition ``edp_rank`` of rank ``ep_rank``'s buffer
+        (``canzona_layout.moe[key]``).  The experts are whole (not split over TP), and under
+        tensor parallelism DeepSpeed's expert groups span the TP ranks (at TP 2 x DP 2, ep_size 2
+        the expert-parallel groups are the TP groups), so the files of one buffer may lie at
+        different TP ranks: every file of every TP rank is a (t, r) here.  A matrix lies whole in
+        its owner's partition; an expert's AdamW range may cross the partitions of its buffer."""
+        files: dict[int, dict[int, tuple[int, int]]] = {}  # ep rank -> edp rank -> file (tp, dp)
+        metas = {}
+        for t, shards in enumerate(self._shards):
+            for r, s in enumerate(shards):
+                info = s[LAYOUT_KEY]["moe"][key]
+                k, e = int(info["ep_rank"]), int(info["edp_rank"])
+                if e in files.setdefault(k, {}):
+                    raise ElasticError(f"{self.folder}: expert group {key!r} has two files for expert-parallel rank "
+                                       f"{k}, expert-DP rank {e}: {files[k][e]} and {(t, r)} (experts split over "
+                                       "TP are not supported).")
+                files[k][e] = (t, r)
+                metas[(t, r)] = info
+        info0 = metas[(0, 0)]
         ep_size, edp_size = int(info0["ep_size"]), int(info0["world_size"])
         if sorted(files) != list(range(ep_size)) or any(sorted(f) != list(range(edp_size)) for f in files.values()):
             raise ElasticError(f"{self.folder}: the files of expert group {key!r} do not cover its {ep_size} "
@@ -360,26 +373,27 @@ class SavedCheckpoint:
         self.moe[key] = {"ep_size": ep_size, "edp_size": edp_size}
         for k, by_edp in sorted(files.items()):
             order = [by_edp[e] for e in range(edp_size)]
-            glob = metas[order[0]]["moe"][key]["global_names"]
+            info = metas[order[0]]
+            glob = info["global_names"]
             if role == "matrix":
-                info = metas[order[0]]["moe"][key]
                 P = int(info["shard_numel"])
                 owners = [e for e, c in enumerate(info["rank_counts"]) for _ in range(c)]
                 for name, off, owner in zip(info["matrix_names"], info["offsets"], owners):
                     where[glob[name]] = (g, order[owner], off - owner * P, tuple(shapes[name]), (g, k))
-                for r in order:
-                    base = shards[r]["base_optimizer_state"]
+                for t, r in order:
+                    base = self._shards[t][r]["base_optimizer_state"]
                     self.matrix_step = int(base["param_groups"][g]["step"])
                     for name in base["canzona"]["matrix_state"]:
                         if name in glob and name in info["matrix_names"]:
                             self._state_at.setdefault(glob[name], (t, r))
                             self._state_key.setdefault(glob[name], name)
                 continue
-            lengths = [shards[r]["single_partition_of_fp32_groups"][g].numel() for r in order]
-            parts[(g, k)] = [(r, sum(lengths[:e]), n) for e, (r, n) in enumerate(zip(order, lengths))]
-            self.adam_step = float(shards[order[0]]["base_optimizer_state"]["state"][g]["step"])
+            lengths = [self._shards[t][r]["single_partition_of_fp32_groups"][g].numel() for t, r in order]
+            parts[(g, k)] = [(tr, sum(lengths[:e]), n) for e, (tr, n) in enumerate(zip(order, lengths))]
+            t0, r0 = order[0]
+            self.adam_step = float(self._shards[t0][r0]["base_optimizer_state"]["state"][g]["step"])
             off = 0
-            for (name, shape), pad in zip(shapes.items(), shards[order[0]]["param_alignment_paddings"][g]):
+            for (name, shape), pad in zip(shapes.items(), self._shards[t0][r0]["param_alignment_paddings"][g]):
                 where[glob[name]] = (g, None, off, tuple(shape), (g, k))
                 off += int(torch.Size(shape).numel()) + pad
 
@@ -396,7 +410,10 @@ class SavedCheckpoint:
             shape[dim] = sum(sizes)
         return tuple(shape)
 
-    def _partition(self, t: int, r: int, g: int, key: str) -> Tensor:
+    def _partition(self, t: int, r: int | tuple[int, int], g: int, key: str) -> Tensor:
+        """File ``r`` of TP rank ``t`` (or the file ``r`` = (tp, dp) itself: an expert group's)."""
+        if isinstance(r, tuple):
+            t, r = r
         shard = self._shards[t][r]
         if key == MASTER:
             return shard["single_partition_of_fp32_groups"][g]
@@ -601,9 +618,6 @@ def write(engine, src: Universal | SavedCheckpoint, gather: bool = True) -> dict
     # DeepSpeed MoE: the checkpoint names every expert by its whole-model (global) number; this
     # rank's local experts are the global ones of its expert-parallel rank (integration/moe.py)
     moe = opt.moe if opt.moe is not None and opt.moe.active else None
-    if moe is not None and opt.tp_size > 1:
-        raise ElasticError(f"Resuming a checkpoint at another size or plan into DeepSpeed MoE with tensor parallelism "
-                           f"(TP={opt.tp_size}) is not implemented; resume MoE x TP at the size it was saved at.")
     if moe is not None and any(lay.mixed for lay in zopt.canzona_layouts.values()):
         raise ElasticError(MOE_MIXED_REFUSAL.format(
             where="this run", groups=[zopt._canzona_partition(i) or "dense" for i, lay in zopt.canzona_layouts.items()
@@ -815,6 +829,16 @@ def stage0_moe_resize_needed(engine, ckpt_dir: str, tag: str | None) -> bool:
     if folder is None or not os.path.isdir(folder):
         return False  # DeepSpeed's own message
     saved = _expp_files(folder)
+    # (every model-parallel rank's DP rank 0 writes its model-states file; the expp_rank files come
+    # from expert-DP rank 0 only, which under TP with a small ep_size is not on every TP rank)
+    mp = {f for f in os.listdir(folder) if re.fullmatch(r"mp_rank_\d+_model_states\.pt", f)}
+    if saved and len(mp) != opt.groups.tp_size * opt.groups.pp_size:
+        raise ElasticError(f"{folder} was saved at ZeRO stage 0 under DeepSpeed MoE with {len(mp)} model-parallel "
+                           f"rank(s) (TP x PP); this run has TP={opt.groups.tp_size} x PP={opt.groups.pp_size}. "
+                           "A stage-0 MoE checkpoint resumes at its saved TP and PP size only (another DP size; "
+                           "another ep_size without TP). To change TP, train at ZeRO 1/2 (its MoE x TP checkpoints "
+                           "resume at another TP size, docs/moe.md), or load the module weights only "
+                           "(load_module_only=True) at the saved TP size.")
     if not saved or len(saved) == opt.groups.ep_size:  # (the largest expert group's, as DeepSpeed names files)
         return False
     if opt.groups.tp_size > 1 or any(int(m.group(2)) for f in os.listdir(folder) if (m := EXPP_FILE.search(f))):

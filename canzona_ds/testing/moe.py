@@ -39,6 +39,9 @@ AUX_COEF = 0.01
 MOE = "moe.deepspeed_moe."
 EXPERTS = MOE + "experts.deepspeed_experts."
 EXPERT_PARAMS = ("0.weight", "0.bias", "2.weight", "2.bias")
+#: the optional second MoE layer (``TinyMoE(ep2=...)``: its own ep_size, hence its own expert groups)
+MOE2 = "moe2.deepspeed_moe."
+EXPERTS2 = MOE2 + "experts.deepspeed_experts."
 
 
 def _init(name: str, shape: tuple, seed: int) -> torch.Tensor:
@@ -50,7 +53,12 @@ def _init(name: str, shape: tuple, seed: int) -> torch.Tensor:
 
 
 class TinyMoE(nn.Module):
-    def __init__(self, ep_size: int, ep_rank: int, num_experts: int = NUM_EXPERTS, seed: int = 0) -> None:
+    """``ep2``: a second MoE layer (``moe2``, after the first, the same shape) with its own
+    ``ep_size`` (DeepSpeed gives it its own expert groups; ``ep2_rank``: this rank's place in them);
+    the loss adds its load-balancing loss to the first one's."""
+
+    def __init__(self, ep_size: int, ep_rank: int, num_experts: int = NUM_EXPERTS, seed: int = 0,
+                 ep2: int | None = None, ep2_rank: int = 0) -> None:
         from deepspeed.moe.layer import MoE
 
         super().__init__()
@@ -61,33 +69,46 @@ class TinyMoE(nn.Module):
         self.moe = MoE(hidden_size=D, expert=expert, num_experts=num_experts, ep_size=ep_size, k=1,
                        capacity_factor=float(num_experts), eval_capacity_factor=float(num_experts), min_capacity=0,
                        drop_tokens=True, use_rts=False)
+        self.moe2 = None if ep2 is None else MoE(
+            hidden_size=D, expert=expert, num_experts=num_experts, ep_size=ep2, k=1,
+            capacity_factor=float(num_experts), eval_capacity_factor=float(num_experts), min_capacity=0,
+            drop_tokens=True, use_rts=False)
         self.lm_head = nn.Linear(D, VOCAB, bias=False)
         local = num_experts // ep_size
+        local2 = num_experts // ep2 if ep2 is not None else 1
         with torch.no_grad():
             for n, p in self.named_parameters():
-                p.copy_(_init(global_name(n, ep_rank, local), tuple(p.shape), seed))
+                p.copy_(_init(global_name(n, ep_rank, local, ep2_rank, local2), tuple(p.shape), seed))
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         h = self.embed(x)
         h = h + self.proj(self.norm(h))
         out, l_aux, _ = self.moe(h)
         h = h + out
+        if self.moe2 is not None:
+            out2, l_aux2, _ = self.moe2(h)
+            h = h + out2
+            l_aux = l_aux + l_aux2
         return F.cross_entropy(self.lm_head(h).flatten(0, 1).float(), y.flatten()) + AUX_COEF * l_aux
 
 
-def global_name(name: str, ep_rank: int, local: int) -> str:
+def global_name(name: str, ep_rank: int, local: int, ep2_rank: int = 0, local2: int = 1) -> str:
     """A rank's parameter name in the whole model (local expert j on expert-parallel rank k is
-    global expert k * local + j)."""
-    if not name.startswith(EXPERTS):
-        return name
-    j, rest = name[len(EXPERTS):].split(".", 1)
-    return f"{EXPERTS}{ep_rank * local + int(j)}.{rest}"
+    global expert k * local + j; ``ep2_rank``/``local2``: the same for the second MoE layer)."""
+    for prefix, k, n in ((EXPERTS, ep_rank, local), (EXPERTS2, ep2_rank, local2)):
+        if name.startswith(prefix):
+            j, rest = name[len(prefix):].split(".", 1)
+            return f"{prefix}{k * n + int(j)}.{rest}"
+    return name
 
 
-def whole_names(num_experts: int = NUM_EXPERTS) -> list[str]:
-    """The whole model's parameter names, in its order (every expert)."""
+def whole_names(num_experts: int = NUM_EXPERTS, two: bool = False) -> list[str]:
+    """The whole model's parameter names, in its order (every expert; ``two``: both MoE layers)."""
     dense_before = ["embed.weight", "proj.weight", "proj.bias", "norm.weight", "norm.bias", MOE + "gate.wg.weight"]
     experts = [f"{EXPERTS}{e}.{s}" for e in range(num_experts) for s in EXPERT_PARAMS]
+    if two:
+        experts += [MOE2 + "gate.wg.weight"] + [f"{EXPERTS2}{e}.{s}" for e in range(num_experts)
+                                                 for s in EXPERT_PARAMS]
     return dense_before + experts + ["lm_head.weight"]
 
 
@@ -105,8 +126,12 @@ def moe_ds_config(dp: int, optimizer: str = "CanzonaMuon", stage: int = 1, micro
 
 def reference_run(world: int, ep_size: int, steps: int, optimizer: str = "CanzonaMuon", micro: int = 2,
                   clip: float = 0.0, seed: int = 0, params: dict | None = None, num_experts: int = NUM_EXPERTS,
-                  data: list | None = None, start=None) -> dict:
+                  data: list | None = None, start=None, tp_mlp: bool = False, ep2: int | None = None) -> dict:
     """The whole model's parameters after ``steps`` (module docstring); call inside a worker.
+
+    ``tp_mlp``: the model of :class:`TinyMoETP` at TP=1 (its ``up``/``down`` MLP whole, before the
+    MoE layer; at TP=1 the ranks compute exactly this).  ``ep2``: :class:`TinyMoE`'s second MoE
+    layer with that ep_size (its own expert-parallel groups, the same arithmetic).
 
     ``start``: continue from a checkpoint's state instead of the initial weights (an
     ``integration.elastic.Universal``, every parameter and its state by whole-model name: the
@@ -118,58 +143,80 @@ def reference_run(world: int, ep_size: int, steps: int, optimizer: str = "Canzon
 
     torch.set_num_threads(1)
     cfg = CanzonaConfig.from_ds(optimizer, dict(HP[optimizer] if params is None else params))
-    names = whole_names(num_experts)
+    names = whole_names(num_experts, two=ep2 is not None) + (list(TP_SPLIT) if tp_mlp else [])
     shapes = _shapes(num_experts)
+    shapes.update({n: shape for n, (shape, _) in TP_SPLIT.items()})
+    shapes.update({n.replace(MOE, MOE2, 1): v for n, v in shapes.items() if n.startswith(MOE)})
     master = {n: nn.Parameter(_init(n, shapes[n], seed)) for n in names}
     opt = ReferenceOptimizer([(n, master[n]) for n in names], cfg)
     if start is not None:
         _start_from(opt, master, start)
-    local = num_experts // ep_size
-    ep_groups = ep_layout(world, ep_size)
+    #: each MoE layer: (its gate, its experts' name prefix, its ep_size, its expert-parallel groups)
+    layers = [(MOE, EXPERTS, ep_size, ep_layout(world, ep_size))]
+    if ep2 is not None:
+        layers.append((MOE2, EXPERTS2, ep2, ep_layout(world, ep2)))
     data = data if data is not None else batches(steps, micro * world)
-    dense_names = [n for n in names if not n.startswith(EXPERTS)]
-    expert_names = [n for n in names if n.startswith(EXPERTS)]
-    for x_all, y_all in data[:steps]:
-        dense = [{n: master[n].detach().clone().requires_grad_(True) for n in dense_names} for _ in range(world)]
-        experts = [{n: master[n].detach().clone().requires_grad_(True) for n in expert_names} for _ in ep_groups]
-        total = None
-        losses = {}
+    dense_names = [n for n in names if not n.startswith((EXPERTS, EXPERTS2))]
+
+    def moe_layer(hs: dict, dense: list, layer: tuple, experts: list) -> tuple[dict, dict]:
+        """Every rank's MoE output added to its input, and its load-balancing loss."""
+        gate, prefix, ep, ep_groups = layer
+        local = num_experts // ep
         routed = {}
         for s in range(world):
-            P = dense[s]
-            x, y = x_all[s * micro:(s + 1) * micro], y_all[s * micro:(s + 1) * micro]
-            h = F.embedding(x, P["embed.weight"])
-            h = h + F.linear(F.layer_norm(h, (D,), P["norm.weight"], P["norm.bias"]), P["proj.weight"], P["proj.bias"])
+            h = hs[s]
             flat = h.reshape(-1, D)
             # TopKGate.forward's arithmetic with this rank's gate weight
-            logits = F.linear(flat.float(), weight=P[MOE + "gate.wg.weight"].float(), bias=None)
+            logits = F.linear(flat.float(), weight=dense[s][gate + "gate.wg.weight"].float(), bias=None)
             l_aux, C, E, indices, locations, gates, _ = top1gating(
                 logits, float(num_experts), 0, None, None, True, False, None, sparse_routes=True, use_tutel=False)
             C = int(C)
             slots = _route_slots(indices, locations, E, C)
-            routed[s] = (h, y, l_aux, C, E, slots, gates, _sparse_encode(flat, slots, E, C))
-        back: dict[int, list] = {s: [None] * ep_size for s in range(world)}
+            routed[s] = (h, l_aux, C, E, slots, gates, _sparse_encode(flat, slots, E, C))
+        back: dict[int, list] = {s: [None] * ep for s in range(world)}
         for g, G in enumerate(ep_groups):
             X = experts[g]
             for k, holder in enumerate(G):  # expert-parallel rank k of group G
-                received = torch.cat([routed[s][7][k * local:(k + 1) * local] for s in G])  # all_to_all
-                received = received.reshape(ep_size, local, -1, D)
+                received = torch.cat([routed[s][6][k * local:(k + 1) * local] for s in G])  # all_to_all
+                received = received.reshape(ep, local, -1, D)
                 outs = []
                 for j, chunk in enumerate(received.chunk(local, dim=1)):
                     e = k * local + j
-                    w = [X[f"{EXPERTS}{e}.{p}"] for p in EXPERT_PARAMS]
+                    w = [X[f"{prefix}{e}.{p}"] for p in EXPERT_PARAMS]
                     outs.append(F.linear(F.gelu(F.linear(chunk, w[0], w[1])), w[2], w[3]))
-                out = torch.cat(outs, dim=1).reshape(ep_size * local, -1, D)
+                out = torch.cat(outs, dim=1).reshape(ep * local, -1, D)
                 for i, s in enumerate(G):  # the second all_to_all: back to the source ranks
                     back[s][k] = out[i * local:(i + 1) * local]
+        out_h, aux = {}, {}
         for s in range(world):
-            h, y, l_aux, C, E, slots, gates, _ = routed[s]
+            h, l_aux, C, E, slots, gates, _ = routed[s]
             expert_out = torch.cat(back[s])
             combined = _sparse_decode(expert_out.view(E * C, D), slots, gates, h.shape[0] * h.shape[1])
-            hs = h + combined.reshape(h.shape)
-            loss = F.cross_entropy(F.linear(hs, dense[s]["lm_head.weight"]).flatten(0, 1).float(), y.flatten()) \
-                + AUX_COEF * l_aux
-            losses[s] = loss
+            out_h[s], aux[s] = h + combined.reshape(h.shape), l_aux
+        return out_h, aux
+
+    for x_all, y_all in data[:steps]:
+        dense = [{n: master[n].detach().clone().requires_grad_(True) for n in dense_names} for _ in range(world)]
+        # each layer: one copy of its experts per expert-parallel group
+        copies = [[{n: master[n].detach().clone().requires_grad_(True) for n in names if n.startswith(prefix)}
+                   for _ in groups] for _, prefix, _, groups in layers]
+        total = None
+        hs, ys = {}, {}
+        for s in range(world):
+            P = dense[s]
+            x, ys[s] = x_all[s * micro:(s + 1) * micro], y_all[s * micro:(s + 1) * micro]
+            h = F.embedding(x, P["embed.weight"])
+            h = h + F.linear(F.layer_norm(h, (D,), P["norm.weight"], P["norm.bias"]), P["proj.weight"], P["proj.bias"])
+            if tp_mlp:
+                h = h + F.linear(F.gelu(F.linear(h, P["up.weight"])), P["down.weight"])
+            hs[s] = h
+        aux = None
+        for layer, experts in zip(layers, copies):
+            hs, layer_aux = moe_layer(hs, dense, layer, experts)
+            aux = layer_aux if aux is None else {s: aux[s] + layer_aux[s] for s in range(world)}
+        for s in range(world):
+            loss = F.cross_entropy(F.linear(hs[s], dense[s]["lm_head.weight"]).flatten(0, 1).float(),
+                                   ys[s].flatten()) + AUX_COEF * aux[s]
             total = loss if total is None else total + loss
         total.backward()
         grads = {}
@@ -179,12 +226,13 @@ def reference_run(world: int, ep_size: int, steps: int, optimizer: str = "Canzon
                 g = dense[s][n].grad
                 acc += (g if g is not None else torch.zeros_like(acc)) / world
             grads[n] = acc
-        for n in expert_names:  # over the expert-DP group: the copies of the expert, / dp
-            acc = torch.zeros_like(master[n])
-            for g in range(len(ep_groups)):
-                gr = experts[g][n].grad
-                acc += (gr if gr is not None else torch.zeros_like(acc)) / world
-            grads[n] = acc
+        for experts in copies:  # over the expert-DP group: the copies of the expert, / dp
+            for n in experts[0]:
+                acc = torch.zeros_like(master[n])
+                for copy in experts:
+                    gr = copy[n].grad
+                    acc += (gr if gr is not None else torch.zeros_like(acc)) / world
+                grads[n] = acc
         for n in names:
             master[n].grad = grads[n]
         if clip > 0:
@@ -220,7 +268,8 @@ def _shapes(num_experts: int) -> dict:
 
 def run_moe_engine(rank: int, world: int, ep_size: int, cfg: dict, steps: int, micro: int = 2, seed: int = 0,
                    groups: bool = False, after_init=None, data: list | None = None, after_step=None, mpu=None,
-                   client: bool = False, after_build=None, num_experts: int = NUM_EXPERTS):
+                   client: bool = False, after_build=None, num_experts: int = NUM_EXPERTS,
+                   ep2: int | None = None):
     """Train the tiny MoE model on a DeepSpeed engine; return (whole-model-named parameters of
     this rank, losses, engine).  ``groups``: pass DeepSpeed's own MoE param groups
     (split_params_into_different_moe_groups_for_optimizer) instead of the parameters (which
@@ -229,13 +278,13 @@ def run_moe_engine(rank: int, world: int, ep_size: int, cfg: dict, steps: int, m
     Megatron-DeepSpeed's stage-0 path, the optimizer built by ``build_tp_optimizer`` before
     ``deepspeed.initialize`` and passed to it as the client optimizer (``after_build(model,
     optimizer)`` runs in between); ``num_experts``: the MoE layer's experts (``reference_run`` takes
-    the same)."""
+    the same); ``ep2``: a second MoE layer with that ep_size (``TinyMoE``)."""
     import canzona_ds  # noqa: F401 - registers the Canzona types
     import deepspeed
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
     ep_rank = rank % ep_size
-    model = TinyMoE(ep_size, ep_rank, num_experts=num_experts, seed=seed)
+    model = TinyMoE(ep_size, ep_rank, num_experts=num_experts, seed=seed, ep2=ep2, ep2_rank=rank % ep2 if ep2 else 0)
     params = split_params_into_different_moe_groups_for_optimizer(
         {"params": list(model.parameters()), "name": "dense"}) if groups else list(model.parameters())
     if client:
@@ -251,9 +300,10 @@ def run_moe_engine(rank: int, world: int, ep_size: int, cfg: dict, steps: int, m
         after_init(engine)
     losses = []
     local = num_experts // ep_size
+    local2 = num_experts // ep2 if ep2 else 1
 
     def whole():
-        return {global_name(n, ep_rank, local): p.detach().float().numpy().copy()
+        return {global_name(n, ep_rank, local, rank % ep2 if ep2 else 0, local2): p.detach().float().numpy().copy()
                 for n, p in engine.module.named_parameters()}
 
     for step, (x, y) in enumerate((data if data is not None else batches(steps, micro * world))[:steps], start=1):
@@ -324,13 +374,13 @@ class TinyMoETP(TinyMoE):
 
 
 def run_moe_tp_engine(rank: int, tp: int, ep_size: int, cfg: dict, steps: int, data: list, micro: int = 2,
-                      after_init=None, seed: int = 0):
+                      after_init=None, seed: int = 0, after_step=None):
     """Train :class:`TinyMoETP` on a DeepSpeed engine with the Megatron stand-in's mpu (TP groups of
     consecutive ranks, DP strided); DeepSpeed's expert groups over the world (ep groups of
     consecutive ranks).  ``data``: global batches of ``micro * dp`` sequences, each DP rank its own
     slice (the TP ranks of one DP rank the same).  Returns (this rank's parameters by whole-model
     name, losses, engine).  The stand-in's model-parallel groups must exist
-    (``megatron_standin.initialize_model_parallel(tp)``)."""
+    (``megatron_standin.initialize_model_parallel(tp)``).  ``after_step(step, parameters)``."""
     import canzona_ds  # noqa: F401 - registers the Canzona types
     import deepspeed
 
@@ -346,16 +396,20 @@ def run_moe_tp_engine(rank: int, tp: int, ep_size: int, cfg: dict, steps: int, d
         after_init(engine)
     local = NUM_EXPERTS // ep_size
     losses = []
-    for x, y in data[:steps]:
+
+    def whole():  # whole-model names (a TP-split parameter keeps its name: its shards join along TP_SPLIT's dim)
+        return {global_name(n, ep_rank, local): p.detach().float().numpy().copy()
+                for n, p in engine.module.named_parameters()}
+
+    for step, (x, y) in enumerate(data[:steps], start=1):
         x, y = x[dp_rank * micro:(dp_rank + 1) * micro], y[dp_rank * micro:(dp_rank + 1) * micro]
         loss = engine(x, y)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    # whole-model names (a TP-split parameter keeps its name: its shards join along TP_SPLIT's dim)
-    params = {global_name(n, ep_rank, local): p.detach().float().numpy().copy()
-              for n, p in engine.module.named_parameters()}
-    return params, losses, engine
+        if after_step is not None:
+            after_step(step, whole())
+    return whole(), losses, engine
 
 
 def tp_reference_run(initial: dict, data: list, steps: int, optimizer: str = "CanzonaMuon", dp: int = 2,
