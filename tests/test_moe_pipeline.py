@@ -234,3 +234,26 @@ def _checkpoint_worker(rank, world, stage, folder):
 def test_moe_pipeline_checkpoint_round_trip(stage, tmp_path):
     for rank, r in enumerate(run_distributed(_checkpoint_worker, 4, stage, str(tmp_path), timeout=240)):
         assert r["after"] == r["again"] and not r["differ"], (rank, r)
+
+
+def test_resize_of_a_pipeline_moe_checkpoint_is_refused_by_name():
+    """Resuming MoE x PP at another size is not implemented (the expert index reads one stage's
+    files): refused by name, never half-loaded."""
+    from canzona_ds.integration.elastic import ElasticError, _check_moe_meta
+
+    info = {"global_names": {}, "ep_rank": 0, "ep_size": 2, "layout": "owned"}
+    with pytest.raises(ElasticError, match=r"pipeline parallelism \(PP=2\)"):
+        _check_moe_meta("ckpt/pp", [{"layout": "owned", "pp_size": 2, "moe": {"ep_size_2": info}}])
+    _check_moe_meta("ckpt/pp", [{"layout": "owned", "pp_size": 1, "moe": {"ep_size_2": info}}])
+
+
+def test_moe_with_pipeline_and_tensor_parallelism_is_refused_by_name():
+    from types import SimpleNamespace
+
+    from canzona_ds.integration.moe import check_moe
+    from canzona_ds.parallel import ParallelGroups
+
+    groups = ParallelGroups(dp_size=2, tp_size=2, tp_rank=1, pp_size=2, pp_rank=1, source="mpu")
+    settings = SimpleNamespace(optimizer_type="CanzonaMuon", zero_stage=1)
+    with pytest.raises(ValueError, match=r"pipeline AND tensor parallelism \(pp_size=2, tp_size=2\)"):
+        check_moe(settings, groups, {})

@@ -100,6 +100,8 @@ def _check_moe_meta(folder: str, metas: list[dict], tp: int = 1) -> None:
     at any TP size ``tp`` (whole experts: each file holds its expert-parallel rank's partition,
     wherever its TP rank lies; ``SavedCheckpoint._index_experts``)."""
     for m in metas:
+        if m.get("pp_size", 1) > 1:
+            raise ElasticError(MOE_PP_REFUSAL.format(where=folder, pp=m["pp_size"]))
         for info in m["moe"].values():
             if not {"global_names", "ep_rank", "ep_size"} <= set(info):
                 raise ElasticError(MOE_REFUSAL.format(where=folder))
@@ -107,6 +109,14 @@ def _check_moe_meta(folder: str, metas: list[dict], tp: int = 1) -> None:
         if mixed or m.get("layout") == "mixed":
             raise ElasticError(MOE_MIXED_REFUSAL.format(where=folder, groups=(["dense"] if m.get("layout") == "mixed"
                                                                              else []) + mixed))
+
+
+#: DeepSpeed MoE x pipeline parallelism: not resumable at another size (not implemented: the expert
+#: index reads one stage's files)
+MOE_PP_REFUSAL = ("{where}: a DeepSpeed MoE checkpoint saved under pipeline parallelism (PP={pp}) cannot be resumed at "
+                  "another DP size, ep_size or plan (not implemented for MoE x pipeline parallelism); resume it at the "
+                  "size it was saved at (engine.load_checkpoint does), or load the module weights only "
+                  "(load_module_only=True).")
 
 
 #: the mixed layout under DeepSpeed MoE (hosted matrices cut over each group's DP group)
@@ -841,6 +851,8 @@ def stage0_moe_resize_needed(engine, ckpt_dir: str, tag: str | None) -> bool:
                            "(load_module_only=True) at the saved TP size.")
     if not saved or len(saved) == opt.groups.ep_size:  # (the largest expert group's, as DeepSpeed names files)
         return False
+    if opt.groups.pp_size > 1:  # load_stage0_moe reads the first stage's files only
+        raise ElasticError(MOE_PP_REFUSAL.format(where=folder, pp=opt.groups.pp_size))
     if opt.groups.tp_size > 1 or any(int(m.group(2)) for f in os.listdir(folder) if (m := EXPP_FILE.search(f))):
         raise ElasticError(f"{folder} was saved at ZeRO stage 0 with expert-parallel size {len(saved)}; this run has "
                            f"ep_size={opt.groups.ep_size}. A change of ep_size under tensor parallelism is not "

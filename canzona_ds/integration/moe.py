@@ -181,6 +181,10 @@ def check_moe(settings, groups: ParallelGroups, zero: dict, named: list = (), mo
     if settings.zero_stage == 3:
         raise ValueError(f"{name}: DeepSpeed MoE layers (deepspeed.moe.layer.MoE) do not run under "
                          "zero_optimization.stage=3 (DeepSpeed refuses native MoE at stage 3). Use stage 0, 1 or 2.")
+    if groups.tp_size > 1 and groups.pp_size > 1:
+        raise ValueError(f"{name}: DeepSpeed MoE with pipeline AND tensor parallelism (pp_size={groups.pp_size}, "
+                         f"tp_size={groups.tp_size}) is not supported yet (MoE x PP and MoE x TP each are: "
+                         "docs/moe.md). Use one of them with MoE.")
     if groups.tp_size > 1:
         _check_moe_tp(name, settings, groups, named, modules)
     if settings.zero_stage in (1, 2):
