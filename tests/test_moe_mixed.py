@@ -22,8 +22,8 @@ an odd count of them does not divide over its expert-DP group: a matrix is hoste
 * MoE x TP (world 4 = DP 2 x TP 2, ep_size 2, Megatron stand-in mpu): the mixed layout's run
   (the TP-split dense ``down.weight`` hosted over the DP x TP grid) equals the owned layout's
   bit for bit, and the loss falls;
-* checkpoints (world 4): a same-size round trip continues bit for bit; a resize (the elastic
-  path) of a mixed MoE checkpoint is refused by name.
+* checkpoints (world 4): a same-size round trip continues bit for bit, and the elastic path
+  (a resize's; resizes in tests/test_moe_mixed_elastic.py) restores the same state.
 
 One ``run_distributed`` per world size; each scenario runs in its own ``try``.
 """
@@ -182,8 +182,13 @@ def _train(rank, world, stage, opt_type, options, ckpt=None):
         state = {n: {k: v.clone() for k, v in st.items()} for n, st in opt.matrix_state.items()}
         pieces = {n: {k: v.clone() for k, v in st.items()} for n, st in opt.piece_state.items()}
 
+        at_load = {}
+
         def load(engine):
             engine.load_checkpoint(ckpt, tag="two")
+            inner = engine.optimizer.optimizer
+            at_load.update(state={n: {k: v.clone() for k, v in st.items()} for n, st in inner.matrix_state.items()},
+                           pieces={n: {k: v.clone() for k, v in st.items()} for n, st in inner.piece_state.items()})
 
         resumed, _, engine2 = run_moe_engine(rank, world, ep, cfg, 1, after_init=load, data=data[2:],
                                              num_experts=experts)
@@ -195,9 +200,11 @@ def _train(rank, world, stage, opt_type, options, ckpt=None):
                    same_pieces=same(pieces, opt2.piece_state))
         from canzona_ds.integration.elastic import ElasticError, load as elastic_load
 
-        try:  # the elastic path (a resize, or another plan) refuses MoE x the mixed layout by name
-            elastic_load(engine2, ckpt, "two")
+        try:  # the elastic path (what a resize or another plan takes) at the same size: the state
+            elastic_load(engine2, ckpt, "two")  # DeepSpeed's own same-size load restored
             out["elastic"] = "loaded"
+            out.update(elastic_state=same(at_load["state"], opt2.matrix_state),
+                       elastic_pieces=same(at_load["pieces"], opt2.piece_state))
         except ElasticError as e:
             out["elastic"] = str(e)
     if rank == 0:
@@ -332,23 +339,25 @@ def test_world4_ep2_replays_exactly(name):
         _assert_equal({n: v for n, v in r["first"].items() if ".experts." in n}, res[0]["ref"], f"{name} step 1")
 
 
-def test_world4_checkpoint_round_trip_and_resize_refused():
+def test_world4_checkpoint_round_trip_and_elastic_load():
+    """A same-size round trip continues bit for bit; the elastic path (a resize's, tested at other
+    sizes in tests/test_moe_mixed_elastic.py) restores the same state, pieces included."""
     res = _results(4, "checkpoint")
     _check_plan_and_collectives(res, 4)
     for r in res:
         _assert_equal(r["resumed"], r["params"], "resumed")
         assert r["same_state"] and r["same_pieces"]
-        assert "mixed ZeRO layout" in r["elastic"] and "ep_size_2" in r["elastic"], r["elastic"]
+        assert r["elastic"] == "loaded", r["elastic"]
+        assert r["elastic_state"] and r["elastic_pieces"]
 
 
-def test_saved_mixed_moe_checkpoint_refused_by_name():
+def test_saved_mixed_moe_checkpoint_without_hosted_record_refused_by_name():
     from canzona_ds.integration.elastic import ElasticError, _check_moe_meta
 
     info = {"global_names": {}, "ep_rank": 0, "ep_size": 2, "layout": "mixed"}
-    with pytest.raises(ElasticError, match=r"mixed ZeRO layout.*\['ep_size_2'\]"):
+    with pytest.raises(ElasticError, match=r"whole-model names and expert-parallel ranks"):
         _check_moe_meta("ckpt/two", [{"layout": "owned", "moe": {"ep_size_2": info}}], 1)
-    with pytest.raises(ElasticError, match=r"mixed ZeRO layout.*\['dense'\]"):
-        _check_moe_meta("ckpt/two", [{"layout": "mixed", "moe": {"ep_size_2": dict(info, layout="owned")}}], 1)
+    _check_moe_meta("ckpt/two", [{"layout": "mixed", "moe": {"ep_size_2": dict(info, owner_at=[-1], hosted={})}}], 1)
     _check_moe_meta("ckpt/two", [{"layout": "owned", "moe": {"ep_size_2": dict(info, layout="owned")}}], 1)
 
 

@@ -91,13 +91,13 @@ MOE_REFUSAL = ("{where}: this checkpoint has DeepSpeed MoE expert groups but its
                "whole-model names and expert-parallel ranks (written by an older canzona-ds), so it cannot be "
                "resumed at another DP or expert-parallel size. Resume it at the size it was saved at "
                "(engine.load_checkpoint does), or load the module weights only (load_optimizer_states=False, "
-               "load_module_only=True); checkpoints written now resume at any DP and ep_size (docs/moe.md).")
+               "load_module_only=True); checkpoints written now resume at any DP and ep_size, either layout (docs/moe.md).")
 
 
 def _check_moe_meta(folder: str, metas: list[dict], tp: int = 1) -> None:
     """A DeepSpeed MoE checkpoint resumes at another size when every file records its experts'
-    whole-model names (``canzona_layout.moe[group].global_names``) and its layout is the owned one,
-    at any TP size ``tp`` (whole experts: each file holds its expert-parallel rank's partition,
+    whole-model names (``canzona_layout.moe[group].global_names``), with either layout (a mixed
+    group also records ``owner_at`` and ``hosted``), at any TP size ``tp`` (whole experts: each file holds its expert-parallel rank's partition,
     wherever its TP rank lies; ``SavedCheckpoint._index_experts``)."""
     for m in metas:
         if m.get("pp_size", 1) > 1:
@@ -105,10 +105,8 @@ def _check_moe_meta(folder: str, metas: list[dict], tp: int = 1) -> None:
         for info in m["moe"].values():
             if not {"global_names", "ep_rank", "ep_size"} <= set(info):
                 raise ElasticError(MOE_REFUSAL.format(where=folder))
-        mixed = [k for k, info in m["moe"].items() if info.get("layout") == "mixed"]
-        if mixed or m.get("layout") == "mixed":
-            raise ElasticError(MOE_MIXED_REFUSAL.format(where=folder, groups=(["dense"] if m.get("layout") == "mixed"
-                                                                             else []) + mixed))
+            if info.get("layout") == "mixed" and not {"owner_at", "hosted"} <= set(info):
+                raise ElasticError(MOE_REFUSAL.format(where=folder))
 
 
 #: DeepSpeed MoE x pipeline parallelism: not resumable at another size (not implemented: the expert
@@ -117,13 +115,6 @@ MOE_PP_REFUSAL = ("{where}: a DeepSpeed MoE checkpoint saved under pipeline para
                   "another DP size, ep_size or plan (not implemented for MoE x pipeline parallelism); resume it at the "
                   "size it was saved at (engine.load_checkpoint does), or load the module weights only "
                   "(load_module_only=True).")
-
-
-#: the mixed layout under DeepSpeed MoE (hosted matrices cut over each group's DP group)
-MOE_MIXED_REFUSAL = ("{where}: a DeepSpeed MoE checkpoint with the mixed ZeRO layout (layout='mixed'; hosted matrices "
-                     "in matrix groups {groups}) cannot be resumed at another size or plan (not implemented for MoE x "
-                     "the mixed layout); resume it at the size and layout it was saved at (engine.load_checkpoint "
-                     "does), or load the module weights only (load_module_only=True).")
 
 
 #: the owner recorded for a hosted matrix of the mixed layout (ZeRO's partitions hold its pieces)
@@ -272,6 +263,10 @@ class SavedCheckpoint:
         self._state_at: dict[str, tuple[int, int]] = {}  # matrix -> the (tp, dp) file holding its rule state
         self._state_key: dict[str, str] = {}  # matrix -> its name in that file (an expert's local name)
         self._pieces: dict[str, list[int]] = {}  # hosted matrix -> the DP files holding pieces of its state
+        #: a hosted expert (mixed layout under MoE) -> the (tp, dp) files holding pieces of its
+        #: element-wise state, in its expert-DP order, and its (local) name there
+        self._expert_pieces: dict[str, list[tuple[int, int]]] = {}
+        self._piece_key: dict[str, str] = {}
         hosted: set[str] = set()
         meta0, rule_description = None, None
         self.adam_step, self.matrix_step = 0.0, 0
@@ -318,7 +313,8 @@ class SavedCheckpoint:
                                 self._state_key.setdefault(name, name)
                         if t == 0:  # a hosted matrix's element-wise state, cut like its pieces (mixed layout)
                             for name in base["canzona"].get("piece_state", {}):
-                                self._pieces.setdefault(name, []).append(r)
+                                if name not in experts:
+                                    self._pieces.setdefault(name, []).append(r)
                         self.matrix_step = int(base["param_groups"][g]["step"])
                 else:
                     lengths = [s["single_partition_of_fp32_groups"][g].numel() for s in shards]
@@ -387,9 +383,13 @@ class SavedCheckpoint:
             glob = info["global_names"]
             if role == "matrix":
                 P = int(info["shard_numel"])
-                owners = [e for e, c in enumerate(info["rank_counts"]) for _ in range(c)]
+                owners = info.get("owner_at") or [e for e, c in enumerate(info["rank_counts"]) for _ in range(c)]
                 for name, off, owner in zip(info["matrix_names"], info["offsets"], owners):
-                    where[glob[name]] = (g, order[owner], off - owner * P, tuple(shapes[name]), (g, k))
+                    if owner < 0:  # hosted (mixed layout): its pieces lie in consecutive partitions of the buffer
+                        where[glob[name]] = (g, HOSTED, off, tuple(shapes[name]), (g, k))
+                        parts[(g, k)] = [(tr, e * P, P) for e, tr in enumerate(order)]
+                    else:
+                        where[glob[name]] = (g, order[owner], off - owner * P, tuple(shapes[name]), (g, k))
                 for t, r in order:
                     base = self._shards[t][r]["base_optimizer_state"]
                     self.matrix_step = int(base["param_groups"][g]["step"])
@@ -397,6 +397,11 @@ class SavedCheckpoint:
                         if name in glob and name in info["matrix_names"]:
                             self._state_at.setdefault(glob[name], (t, r))
                             self._state_key.setdefault(glob[name], name)
+                    # a hosted expert's element-wise state: a piece per expert-DP rank (mixed layout)
+                    for name in base["canzona"].get("piece_state", {}):
+                        if name in glob and name in info["matrix_names"]:
+                            self._expert_pieces.setdefault(glob[name], []).append((t, r))
+                            self._piece_key[glob[name]] = name
                 continue
             lengths = [self._shards[t][r]["single_partition_of_fp32_groups"][g].numel() for t, r in order]
             parts[(g, k)] = [(tr, sum(lengths[:e]), n) for e, (tr, n) in enumerate(zip(order, lengths))]
@@ -482,6 +487,11 @@ class SavedCheckpoint:
     def _saved_state(self, name: str) -> dict[str, Any]:
         t, r = self._state_at[name]
         state = self._shards[t][r]["base_optimizer_state"]["canzona"]["matrix_state"][self._state_key[name]]
+        if name in self._expert_pieces:  # a hosted expert: its pieces across its expert-DP files, in order
+            files = [self._shards[ft][fr]["base_optimizer_state"]["canzona"]["piece_state"][self._piece_key[name]]
+                     for ft, fr in self._expert_pieces[name]]
+            shape = self._where[0][name][3]
+            return {**state, **{key: torch.cat([f[key].reshape(-1) for f in files]).view(shape) for key in files[0]}}
         if name not in self._pieces:
             return state
         # the mixed layout: the host holds the other keys, every rank its piece of the element-wise
@@ -628,10 +638,6 @@ def write(engine, src: Universal | SavedCheckpoint, gather: bool = True) -> dict
     # DeepSpeed MoE: the checkpoint names every expert by its whole-model (global) number; this
     # rank's local experts are the global ones of its expert-parallel rank (integration/moe.py)
     moe = opt.moe if opt.moe is not None and opt.moe.active else None
-    if moe is not None and any(lay.mixed for lay in zopt.canzona_layouts.values()):
-        raise ElasticError(MOE_MIXED_REFUSAL.format(
-            where="this run", groups=[zopt._canzona_partition(i) or "dense" for i, lay in zopt.canzona_layouts.items()
-                                      if lay.mixed]))
     glob = (lambda n: moe.global_names.get(n, n)) if moe is not None else (lambda n: n)
     saved_names = set(src.names)
     here = {glob(n) for n in names}
@@ -716,11 +722,16 @@ def write(engine, src: Universal | SavedCheckpoint, gather: bool = True) -> dict
         split = opt.placement.hosted.split if opt.placement.hosted is not None else {}
         flat = [n for n in with_state if isinstance(split.get(n), (FlatSplit, GridSplit))] if elementwise else []
         if flat:
-            # this rank's index in the DP group the pieces are cut over (every matrix group of the
-            # mixed layout is the dense one: MoE x the mixed layout is refused above)
-            dp_rank = dist.get_rank(group=zopt.real_dp_process_group[roles.index(MATRIX)])
+            # this rank's index in the DP group each matrix's pieces are cut over: its matrix group's
+            # (the dense group's DP group; an expert group's expert-DP group under DeepSpeed MoE)
+            group_of = {}
+            for i, role in enumerate(roles):
+                h = opt.placement.hosted_of.get(id(zopt.single_partition_of_fp32_groups[i]))
+                if role == MATRIX and h is not None:
+                    group_of.update({n: i for n in h.split})
             for name in flat:
                 m, st = split[name], src.state_of(glob(name))
+                dp_rank = dist.get_rank(group=zopt.real_dp_process_group[group_of[name]])
                 lo, n = m.starts[dp_rank], m.lengths[dp_rank]
                 if isinstance(m, GridSplit):  # this TP rank's shard of the TP layout, then its DP piece
                     dim, sizes, blocks = layouts[name]
