@@ -369,3 +369,30 @@ def test_world4_tp2_mixed_equals_owned():
         assert r["hosted"]["None"] == ["down.weight"] and all(r["mixed"]) and not any(r["owned_mixed"]), r
         assert r["diff"] == 0.0
         assert r["losses"][-1] < r["losses"][0]
+
+
+def test_auto_picks_mixed_per_matrix_group_under_moe():
+    """``layout: "auto"`` under MoE: each matrix group (dense over DP 16, the expert group over its
+    expert-DP group of 8) by the dense rule on its own: wide matrices whose owned padding is large
+    and whose mixed step costs less get the mixed layout (a mixed MoE checkpoint resumes at
+    another size: tests/test_moe_mixed_elastic.py); "owned" keeps owned."""
+    import torch
+
+    from canzona_ds.optim.config import CanzonaConfig
+    from canzona_ds.optim.optimizer import CanzonaOptimizer
+    from canzona_ds.parallel import ExpertGroups, ParallelGroups
+
+    shapes = {"qkv": (3072, 128), "proj": (1024, 128), "fc1": (2560, 128), "fc2": (1024, 320)}
+    named = [(f"{where}.{n}", torch.nn.Parameter(torch.zeros(s))) for where in ("dense", "experts.0")
+             for n, s in shapes.items()]
+    groups = ParallelGroups(dp_size=16, ep_size=2, source="test",
+                            experts=(ExpertGroups("ep_size_2", 2, 0, None, 8, 0, None),))
+    partitions = {n: "ep_size_2" for n, _ in named if n.startswith("experts.")}
+    for layout, mixed in (("auto", True), ("owned", False)):
+        opt = CanzonaOptimizer(named, CanzonaConfig.from_ds("CanzonaMuon", {"layout": layout}), groups,
+                               placement="owned", partitions=partitions)
+        assert sorted(opt.plans, key=str) == [None, "ep_size_2"]
+        for key, plan in opt.plans.items():
+            assert plan.mixed == mixed, (layout, key, plan.extra.get("layout_choice"))
+            if mixed:
+                assert plan.hosted and plan.extra["layout_choice"].endswith(": mixed"), plan.extra["layout_choice"]

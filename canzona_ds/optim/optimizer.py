@@ -175,7 +175,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             rest = [(n, p) for n, p in aux if partitions.get(n) == key]
             if mats and placement == "owned":
                 self.plans[key] = _plan([spec_of[n] for n, _ in mats], groups.partition_size(key), config, self.rule,
-                                       moe=len(keys) > 1, grid=groups.grid_group is not None)
+                                       grid=groups.grid_group is not None)
                 mats = [mats[i] for i in self.plans[key].buffer_order()]
             moe = {} if key is None else {"moe": True, "name": key, "canzona_partition": key}
             if mats:
@@ -427,8 +427,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         return torch.device("cpu")
 
 
-def _plan(specs: list[ParamSpec], dp: int, config: CanzonaConfig, rule, moe: bool = False,
-          grid: bool = False) -> OwnershipPlan:
+def _plan(specs: list[ParamSpec], dp: int, config: CanzonaConfig, rule, grid: bool = False) -> OwnershipPlan:
     """The ownership plan of one partition's matrices; ``grid``: a DP x TP grid group exists, so
     the mixed layout may host TP-split matrices (tp/runtime.GridSplit)."""
     placement = config.placement
@@ -441,9 +440,8 @@ def _plan(specs: list[ParamSpec], dp: int, config: CanzonaConfig, rule, moe: boo
     plan, _, why = choose_layout(specs, dp, layout=placement.layout, max_padding=placement.max_padding,
                                  planner=placement.planner, alpha=placement.alpha, cost=placement.cost_model,
                                  model=rule, bucket_numel=placement.bucket_numel,
-                                 # under MoE "auto" keeps the owned layout (a checkpoint of the mixed one
-                                 # does not resize: integration/elastic.py); "mixed" is planned per group
-                                 allow_mixed=(grid or not tp_split) and not moe)
+                                 # (under MoE each matrix group by the same rule, over its own DP group)
+                                 allow_mixed=grid or not tp_split)
     plan.extra["layout_choice"] = why  # reported in checkpoints (canzona_layout.layout_choice)
     if "cannot host" in why:
         warnings.warn(f"CanzonaOptimizer: {why} (DP={dp}); the replicated ZeRO buffer carries that padding.",

@@ -971,9 +971,9 @@ def choose_layout(specs: Sequence[ParamSpec], world_size: int, layout: str = "au
     busiest rank (``step_bytes(...)["rank_cost"]``: its share of ZeRO's gradient reduction and
     all-gather of the buffer, padded or not, plus the hosted all-to-alls' bytes and latency,
     planning/mixed.py); then the mixed one.  ``allow_mixed=False``
-    (tensor-parallel matrices without a DP x TP grid group, which cannot be hosted; DeepSpeed MoE,
-    whose mixed checkpoints cannot resize, so only a forced "mixed" hosts there) keeps the atomic
-    plan under "auto".  Returns (chosen plan, the atomic plan or None, why)."""
+    (tensor-parallel matrices without a DP x TP grid group, which cannot be hosted) keeps the
+    atomic plan under "auto".  Under DeepSpeed MoE each matrix group (dense, each expert group)
+    is chosen by this rule on its own.  Returns (chosen plan, the atomic plan or None, why)."""
     if layout not in LAYOUTS:
         raise ValueError(f"Invalid layout={layout!r}. Allowed: {list(LAYOUTS)}.")
     if isinstance(max_padding, bool) or not isinstance(max_padding, (int, float)) or not max_padding >= 0:
@@ -998,6 +998,5 @@ def choose_layout(specs: Sequence[ParamSpec], world_size: int, layout: str = "au
           f"({mixed_cost:,} < {owned_cost:,} byte-equivalents per rank)"
     if not allow_mixed:
         return atomic, atomic, (f"{why}, but the mixed layout cannot host these matrices (tensor-parallel ones "
-                                "without a DP x TP grid group), or DeepSpeed MoE, where 'auto' keeps the owned layout "
-                                "(a mixed MoE checkpoint cannot resize; layout 'mixed' forces it): owned kept")
+                                "without a DP x TP grid group): owned kept")
     return mixed, atomic, f"{why}: mixed"
