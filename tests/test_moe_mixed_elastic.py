@@ -13,7 +13,7 @@ Saved at world 4, ep_size 2 (2 steps): a mixed Muon (ZeRO 2, momentum in pieces)
 
 and each (a) holds, right after the load, by whole-model name, the saved state bit for bit
 (fp32 master pieces joined, the rule state with Muon's momentum pieces joined, AdamW's pieces,
-the steps); (b) trains 2 more steps against ``testing.moe.reference_run(start=<saved state>)``:
+the steps), as does the offline converter's form (``elastic.read``) of the checkpoint; (b) trains 2 more steps against ``testing.moe.reference_run(start=<saved state>)``:
 bit for bit at world 2 (two-term sums), at world 4 as tests/test_moe_elastic.py bounds it (the
 experts bit for bit after one step, every parameter within 1e-5, Muon within 1e-6 after two).
 
@@ -250,6 +250,7 @@ def _world2() -> dict:
 
 
 def _eq(got, want, what: str) -> None:
+    got, want = (v.detach().numpy() if hasattr(v, "detach") else v for v in (got, want))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=what)
 
 
@@ -288,6 +289,20 @@ def test_mixed_moe_resume(name):
     for r in results:
         for n, w in r["loaded"]["module"].items():
             _eq(w, saved.params[n], f"{name}: module weight {n}")
+    # the offline converter's size-independent form (elastic.read): the same, by whole-model name
+    from canzona_ds.integration.elastic import read
+
+    uni = read(os.path.join(_root(), source), "saved")
+    assert sorted(uni.params) == sorted(saved.params) and sorted(uni.rule_state) == sorted(saved.rule_state)
+    for n, w in uni.params.items():
+        _eq(w, saved.params[n], f"{name}: converted {n}")
+    for n, moments in uni.adam.items():
+        for k, v in moments.items():
+            _eq(v, saved.adam[n][k], f"{name}: converted AdamW {k} of {n}")
+    for n, st in uni.rule_state.items():
+        assert set(st) == set(saved.rule_state[n]), n
+        for k, v in st.items():
+            _eq(v, saved.rule_state[n][k], f"{name}: converted {k} of {n}")
     # (b) two more steps against the reference continued from the saved state at the new size
     ref, ref_first = results[0]["ref"], results[0]["ref_first"]
     if world == 2:  # two-term sums: bit for bit
