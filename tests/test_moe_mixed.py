@@ -355,7 +355,7 @@ def test_saved_mixed_moe_checkpoint_without_hosted_record_refused_by_name():
     from canzona_ds.integration.elastic import ElasticError, _check_moe_meta
 
     info = {"global_names": {}, "ep_rank": 0, "ep_size": 2, "layout": "mixed"}
-    with pytest.raises(ElasticError, match=r"whole-model names and expert-parallel ranks"):
+    with pytest.raises(ElasticError, match=r"ckpt/two: .*mixed ZeRO layout.*lacks 'owner_at' and 'hosted'"):
         _check_moe_meta("ckpt/two", [{"layout": "owned", "moe": {"ep_size_2": info}}], 1)
     _check_moe_meta("ckpt/two", [{"layout": "mixed", "moe": {"ep_size_2": dict(info, owner_at=[-1], hosted={})}}], 1)
     _check_moe_meta("ckpt/two", [{"layout": "owned", "moe": {"ep_size_2": dict(info, layout="owned")}}], 1)

@@ -106,7 +106,11 @@ def _check_moe_meta(folder: str, metas: list[dict], tp: int = 1) -> None:
             if not {"global_names", "ep_rank", "ep_size"} <= set(info):
                 raise ElasticError(MOE_REFUSAL.format(where=folder))
             if info.get("layout") == "mixed" and not {"owner_at", "hosted"} <= set(info):
-                raise ElasticError(MOE_REFUSAL.format(where=folder))
+                raise ElasticError(f"{folder}: this DeepSpeed MoE checkpoint's expert groups have the mixed ZeRO "
+                                   "layout but their layout record lacks 'owner_at' and 'hosted' (which matrices "
+                                   "are cut over the expert-DP ranks), so it cannot be resumed at another size or "
+                                   "layout. Resume it at the size and layout it was saved at (engine.load_checkpoint "
+                                   "does), or load the module weights only (load_module_only=True).")
 
 
 #: DeepSpeed MoE x pipeline parallelism: not resumable at another size (not implemented: the expert
