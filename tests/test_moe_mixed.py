@@ -359,6 +359,10 @@ def test_saved_mixed_moe_checkpoint_without_hosted_record_refused_by_name():
         _check_moe_meta("ckpt/two", [{"layout": "owned", "moe": {"ep_size_2": info}}], 1)
     _check_moe_meta("ckpt/two", [{"layout": "mixed", "moe": {"ep_size_2": dict(info, owner_at=[-1], hosted={})}}], 1)
     _check_moe_meta("ckpt/two", [{"layout": "owned", "moe": {"ep_size_2": dict(info, layout="owned")}}], 1)
+    # MoE x TP x mixed: a resize is not implemented (untested), refused by name; owned under TP resizes
+    with pytest.raises(ElasticError, match=r"tensor parallelism \(TP=2\) and the mixed ZeRO layout"):
+        _check_moe_meta("ckpt/two", [{"layout": "mixed", "moe": {"ep_size_2": dict(info, owner_at=[-1], hosted={})}}], 2)
+    _check_moe_meta("ckpt/two", [{"layout": "owned", "moe": {"ep_size_2": dict(info, layout="owned")}}], 2)
 
 
 def test_world4_tp2_mixed_equals_owned():
@@ -396,3 +400,23 @@ def test_auto_picks_mixed_per_matrix_group_under_moe():
             assert plan.mixed == mixed, (layout, key, plan.extra.get("layout_choice"))
             if mixed:
                 assert plan.hosted and plan.extra["layout_choice"].endswith(": mixed"), plan.extra["layout_choice"]
+
+
+def test_auto_keeps_owned_under_moe_with_tensor_parallelism():
+    """MoE x TP: a mixed checkpoint does not resize (refused by name), so ``"auto"`` keeps the owned
+    layout there, saying why; ``"mixed"`` still forces it (world 4 TP x MoE x mixed above)."""
+    from canzona_ds.optim import cost_model
+    from canzona_ds.optim.config import CanzonaConfig
+    from canzona_ds.optim.optimizer import _plan
+    from canzona_ds.planning.params import ParamSpec
+
+    specs = [ParamSpec(n, s) for n, s in (("qkv", (3072, 128)), ("proj", (1024, 128)), ("fc1", (2560, 128)),
+                                          ("fc2", (1024, 320)))]
+    rule = cost_model("muon")
+    cfg = CanzonaConfig.from_ds("CanzonaMuon", {"layout": "auto"})
+    assert _plan(specs, 16, cfg, rule).mixed  # the same matrices without MoE x TP: mixed
+    with pytest.warns(UserWarning, match="DeepSpeed MoE with tensor parallelism"):
+        plan = _plan(specs, 16, cfg, rule, grid=True, moe_tp=True)
+    assert not plan.mixed and "owned kept" in plan.extra["layout_choice"]
+    forced = CanzonaConfig.from_ds("CanzonaMuon", {"layout": "mixed"})
+    assert _plan(specs, 16, forced, rule, grid=True, moe_tp=True).mixed

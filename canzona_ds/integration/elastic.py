@@ -102,6 +102,8 @@ def _check_moe_meta(folder: str, metas: list[dict], tp: int = 1) -> None:
     for m in metas:
         if m.get("pp_size", 1) > 1:
             raise ElasticError(MOE_PP_REFUSAL.format(where=folder, pp=m["pp_size"]))
+        if tp > 1 and (m.get("layout") == "mixed" or any(i.get("layout") == "mixed" for i in m["moe"].values())):
+            raise ElasticError(MOE_TP_MIXED_REFUSAL.format(where=folder, tp=tp))
         for info in m["moe"].values():
             if not {"global_names", "ep_rank", "ep_size"} <= set(info):
                 raise ElasticError(MOE_REFUSAL.format(where=folder))
@@ -111,6 +113,14 @@ def _check_moe_meta(folder: str, metas: list[dict], tp: int = 1) -> None:
                                    "are cut over the expert-DP ranks), so it cannot be resumed at another size or "
                                    "layout. Resume it at the size and layout it was saved at (engine.load_checkpoint "
                                    "does), or load the module weights only (load_module_only=True).")
+
+
+#: DeepSpeed MoE x tensor parallelism x the mixed layout: not resumable at another size (untested)
+MOE_TP_MIXED_REFUSAL = ("{where}: a DeepSpeed MoE checkpoint with tensor parallelism (TP={tp}) and the mixed ZeRO layout "
+                        "cannot be resumed at another size or layout (not implemented for MoE x TP x the mixed "
+                        "layout); resume it at the size and layout it was saved at (engine.load_checkpoint does), or "
+                        "load the module weights only (load_module_only=True). Set layout 'owned' for MoE x TP runs "
+                        "that must resize.")
 
 
 #: DeepSpeed MoE x pipeline parallelism: not resumable at another size (not implemented: the expert
@@ -654,6 +664,9 @@ def write(engine, src: Universal | SavedCheckpoint, gather: bool = True) -> dict
         raise ElasticError(f"The checkpoint's parameters differ from the model's: missing {missing[:5]}, "
                            f"unexpected {extra[:5]}.")
     tp_size = opt.tp_size
+    if moe is not None and tp_size > 1 and any(lay.mixed for lay in zopt.canzona_layouts.values()):
+        raise ElasticError(MOE_TP_MIXED_REFUSAL.format(where="this run", tp=tp_size).replace(
+            "a DeepSpeed MoE checkpoint", "a DeepSpeed MoE run").replace("cannot be resumed", "cannot load a checkpoint"))
     tp_rank = dist.get_rank(group=opt.tp_group) if tp_size > 1 else 0
     layouts = {}  # name -> (dim, shard sizes, blocks) of this run's TP-split parameters
     for name, p in names.items():

@@ -964,7 +964,8 @@ def owned_step_bytes(plan: OwnershipPlan) -> dict:
 def choose_layout(specs: Sequence[ParamSpec], world_size: int, layout: str = "auto",
                   max_padding: float = DEFAULT_MAX_PADDING, planner: str = DEFAULT_DP_PLANNER, alpha: float = 1.0,
                   cost: str = "numel", model=None, bucket_numel: int | None = DEFAULT_BUCKET_NUMEL,
-                  allow_mixed: bool = True) -> tuple[OwnershipPlan, OwnershipPlan | None, str]:
+                  allow_mixed: bool = True, blocked: str = "tensor-parallel ones without a DP x TP grid group"
+                  ) -> tuple[OwnershipPlan, OwnershipPlan | None, str]:
     """The documented rule: ``layout="owned"`` is the atomic plan of ``planner``; ``"mixed"``
     the mixed layout; ``"auto"`` the atomic plan unless BOTH its planned padding (DeepSpeed's
     default alignment) exceeds ``max_padding`` AND the mixed layout's step is cheaper for the
@@ -997,6 +998,5 @@ def choose_layout(specs: Sequence[ParamSpec], world_size: int, layout: str = "au
     why = f"owned padding {pad:.2%} > max_padding {max_padding:.2%} and the mixed step costs less " \
           f"({mixed_cost:,} < {owned_cost:,} byte-equivalents per rank)"
     if not allow_mixed:
-        return atomic, atomic, (f"{why}, but the mixed layout cannot host these matrices (tensor-parallel ones "
-                                "without a DP x TP grid group): owned kept")
+        return atomic, atomic, f"{why}, but the mixed layout cannot host these matrices ({blocked}): owned kept"
     return mixed, atomic, f"{why}: mixed"
