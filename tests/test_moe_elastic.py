@@ -37,10 +37,8 @@ scenario fails one test.
 """
 from __future__ import annotations
 
-import atexit
 import os
 import shutil
-import tempfile
 import traceback
 from functools import lru_cache
 from types import SimpleNamespace
@@ -48,7 +46,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from canzona_ds.testing.dist import run_distributed
+from canzona_ds.testing.dist import run_distributed, scratch_dir
 
 SAVE_STEPS, MORE = 2, 2
 
@@ -283,9 +281,7 @@ def _load_worker(rank, world, root, jobs, refused=None):
 
 @lru_cache(maxsize=None)
 def _root() -> str:
-    root = tempfile.mkdtemp(prefix="canzona_moe_elastic_")
-    atexit.register(shutil.rmtree, root, ignore_errors=True)
-    return root
+    return scratch_dir("canzona_moe_elastic_")
 
 
 @lru_cache(maxsize=None)

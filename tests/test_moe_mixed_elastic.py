@@ -22,8 +22,6 @@ One ``run_distributed`` per world; each scenario in its own ``try``.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import traceback
 from functools import lru_cache
 from types import SimpleNamespace
@@ -31,7 +29,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from canzona_ds.testing.dist import run_distributed
+from canzona_ds.testing.dist import run_distributed, scratch_dir
 from canzona_ds.testing.models import HP
 
 SAVE_STEPS, MORE, EXPERTS = 2, 2, 2
@@ -139,18 +137,6 @@ def _merge(snaps: list) -> SimpleNamespace:
                            matrix_step=snaps[0]["matrix_step"])
 
 
-def _as_torch(state: SimpleNamespace) -> SimpleNamespace:
-    import torch
-
-    def t(v):
-        return torch.from_numpy(np.array(v, copy=True, order="K")) if isinstance(v, np.ndarray) else v
-
-    return SimpleNamespace(params={n: t(v) for n, v in state.params.items()},
-                           adam={n: {k: t(v) for k, v in d.items()} for n, d in state.adam.items()},
-                           rule_state={n: {k: t(v) for k, v in d.items()} for n, d in state.rule_state.items()},
-                           adam_step=state.adam_step, matrix_step=state.matrix_step)
-
-
 def _resume(rank, world, root, name, start):
     """Load scenario ``name``'s checkpoint at this size, snapshot, train MORE steps; the reference."""
     from canzona_ds.testing.models import batches
@@ -174,6 +160,8 @@ def _resume(rank, world, root, name, start):
                                   num_experts=EXPERTS)
     res = dict(loaded=loaded, first=first, params=params)
     if rank == 0:
+        from test_moe_elastic import _as_torch
+
         start = _as_torch(start)
         kw = dict(data=data, start=start, params=_params(opt_type, layout), num_experts=EXPERTS)
         res["ref"] = reference_run(world, ep, MORE, opt_type, **kw)
@@ -227,11 +215,7 @@ def _load_worker(rank, world, root, jobs):
 
 @lru_cache(maxsize=None)
 def _root() -> str:
-    root = tempfile.mkdtemp(prefix="canzona_moe_mixed_elastic_")
-    import atexit
-
-    atexit.register(shutil.rmtree, root, ignore_errors=True)
-    return root
+    return scratch_dir("canzona_moe_mixed_elastic_")
 
 
 @lru_cache(maxsize=None)

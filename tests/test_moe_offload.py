@@ -34,16 +34,13 @@ Two ``run_distributed`` (world 4 saves, world 2 runs everything else); each scen
 """
 from __future__ import annotations
 
-import atexit
-import shutil
-import tempfile
 import traceback
 from functools import lru_cache
 
 import numpy as np
 import pytest
 
-from canzona_ds.testing.dist import run_distributed
+from canzona_ds.testing.dist import run_distributed, scratch_dir
 from canzona_ds.testing.models import TYPES
 
 STEPS = 3  # Shampoo/SOAP in HP refresh every 2 steps
@@ -256,8 +253,7 @@ def _worker(rank, world, root, saved_w4):
 
 @lru_cache(maxsize=None)
 def _run() -> list:
-    root = tempfile.mkdtemp(prefix="canzona_moe_offload_")
-    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    root = scratch_dir("canzona_moe_offload_")
     from test_moe_elastic import _merge
 
     snaps = run_distributed(_save_w4, 4, root, timeout=900)

@@ -42,17 +42,14 @@ scenario fails one test.
 """
 from __future__ import annotations
 
-import atexit
 import os
-import shutil
-import tempfile
 import traceback
 from functools import lru_cache
 
 import numpy as np
 import pytest
 
-from canzona_ds.testing.dist import run_distributed
+from canzona_ds.testing.dist import run_distributed, scratch_dir
 
 SAVE_STEPS, MORE, MICRO = 2, 2, 2
 
@@ -205,9 +202,7 @@ def _load_worker(rank, world, root, tp, jobs, refused=()):
 
 @lru_cache(maxsize=None)
 def _root() -> str:
-    root = tempfile.mkdtemp(prefix="canzona_moe_tp_elastic_")
-    atexit.register(shutil.rmtree, root, ignore_errors=True)
-    return root
+    return scratch_dir("canzona_moe_tp_elastic_")
 
 
 @lru_cache(maxsize=None)

@@ -22,17 +22,14 @@ test.
 """
 from __future__ import annotations
 
-import atexit
 import os
-import shutil
-import tempfile
 import traceback
 from functools import lru_cache
 
 import numpy as np
 import pytest
 
-from canzona_ds.testing.dist import run_distributed
+from canzona_ds.testing.dist import run_distributed, scratch_dir
 
 SAVE_STEPS, MORE, SAVED_WORLD, WORLD = 2, 2, 4, 2
 
@@ -93,9 +90,7 @@ def _load_worker(rank, world, root, jobs):
 
 @lru_cache(maxsize=None)
 def _root() -> str:
-    root = tempfile.mkdtemp(prefix="canzona_moe_two_groups_")
-    atexit.register(shutil.rmtree, root, ignore_errors=True)
-    return root
+    return scratch_dir("canzona_moe_two_groups_")
 
 
 @lru_cache(maxsize=None)

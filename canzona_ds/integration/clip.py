@@ -217,6 +217,18 @@ class TorchClip:
     def global_norm(self, zero, device) -> Tensor:
         """torch's total gradient norm (0-dim fp32 on ``device``; -1 if not finite, DeepSpeed's
         sentinel for an overflow)."""
+        norms = self._local_norms(zero, device)
+        # one rank holds each norm, zeros elsewhere: the sum is exact in any order (MoE: the DP
+        # group spans every expert-parallel rank, so every expert's owner)
+        tdist.all_reduce(norms, group=zero.dp_process_group)
+        counted = norms if len(self.counted) == self.num_params else \
+            norms[self._index("counted", self.counted, device)]
+        total = self.pipeline.total(counted)
+        return torch.where(torch.isfinite(total), total, torch.full_like(total, -1.0))
+
+    def _local_norms(self, zero, device) -> Tensor:
+        """One slot per parameter: the norm of every whole gradient this rank holds (its own, or
+        assembled from the pieces it received), zeros elsewhere."""
         norms = torch.zeros(self.num_params, dtype=torch.float32, device=device)
         for i in range(len(zero.bit16_groups)):
             pieces = self.partition_pieces(zero, i)
@@ -226,13 +238,7 @@ class TorchClip:
             values = per_tensor_norms([t if t.dtype == torch.float32 else t.float() for _, t in items])
             at = self._index(("group", i), [k for k, _ in items], device)
             norms.index_copy_(0, at, torch.stack([v.to(device) for v in values]))
-        # one rank holds each norm, zeros elsewhere: the sum is exact in any order (MoE: the DP
-        # group spans every expert-parallel rank, so every expert's owner)
-        tdist.all_reduce(norms, group=zero.dp_process_group)
-        counted = norms if len(self.counted) == self.num_params else \
-            norms[self._index("counted", self.counted, device)]
-        total = self.pipeline.total(counted)
-        return torch.where(torch.isfinite(total), total, torch.full_like(total, -1.0))
+        return norms
 
     def _index(self, key, positions: list[int], device) -> Tensor:
         """The (fixed) slot positions as a device tensor, made once: no host-to-device copy per step."""
@@ -298,15 +304,7 @@ class TorchClipMoETP(TorchClip):
         self.replicated = sorted(replicated)
 
     def global_norm(self, zero, device) -> Tensor:
-        norms = torch.zeros(self.num_params, dtype=torch.float32, device=device)
-        for i in range(len(zero.bit16_groups)):
-            pieces = self.partition_pieces(zero, i)
-            items = [(k, pieces[pid]) for pid, k in self.whole[i]] + self._assemble(zero, i, pieces, device)
-            if not items:
-                continue
-            values = per_tensor_norms([t if t.dtype == torch.float32 else t.float() for _, t in items])
-            at = self._index(("group", i), [k for k, _ in items], device)
-            norms.index_copy_(0, at, torch.stack([v.to(device) for v in values]))
+        norms = self._local_norms(zero, device)
         if self.tp_rank != 0 and self.replicated:
             norms.index_fill_(0, self._index("replicated", self.replicated, device), 0.0)
         squares = torch.zeros(self.num_params, dtype=torch.float32, device=device)

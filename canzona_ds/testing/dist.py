@@ -127,3 +127,15 @@ def rank_device(device: str, rank: int):
     import torch
 
     return torch.device(f"cuda:{rank}") if device == "cuda" else torch.device("cpu")
+
+
+def scratch_dir(prefix: str) -> str:
+    """A fresh temporary directory removed when the process exits (checkpoints shared between
+    the save and the load runs of a test module)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    return root
