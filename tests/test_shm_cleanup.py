@@ -116,7 +116,11 @@ def test_sigkilled_rank_leaves_no_buffer(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode != 0, out[-3000:]
-    assert "exits with return code = -9" in out, out[-3000:]
+    # the launcher reports the first dead rank it polls: the killed one (-9), or rank 0 when it
+    # has already failed on the lost peer within the same poll interval (seen once in CI)
+    killed = "exits with return code = -9" in out
+    peer_lost = "exits with return code = 1" in out and "Connection closed by peer" in out
+    assert killed or peer_lost, out[-3000:]
     assert buffers(port) == []
     assert job_processes(port) == {}
 
