@@ -116,10 +116,12 @@ def test_sigkilled_rank_leaves_no_buffer(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode != 0, out[-3000:]
-    # the launcher reports the first dead rank it polls: the killed one (-9), or rank 0 when it
-    # has already failed on the lost peer within the same poll interval (seen once in CI)
+    # DeepSpeed's launcher polls its ranks once a second and reports the first dead one it finds:
+    # the killed rank (-9), or rank 0 when it has already failed on the lost peer in the same
+    # interval (seen in CI, with gloo's "Connection closed by peer" and "... reset by peer").
+    # Either way the report is a failure, and the rank we killed is the cause.
     killed = "exits with return code = -9" in out
-    peer_lost = "exits with return code = 1" in out and "Connection closed by peer" in out
+    peer_lost = "exits with return code = 1" in out and "by peer" in out
     assert killed or peer_lost, out[-3000:]
     assert buffers(port) == []
     assert job_processes(port) == {}
