@@ -383,6 +383,16 @@ def _make_zero_class():
                     "Load it with canzona_ds.checkpoint.load() or engine.load_checkpoint() after `import "
                     "canzona_ds` (both resume at another DP/TP size: docs/checkpoints.md), or resume with the same "
                     "DP size and optimizer params.")
+            from .registry import expert_ranks_moved
+
+            moved = expert_ranks_moved(saved, current)
+            if moved:  # DeepSpeed's own load would read another rank's expert partition into this one
+                raise ValueError(
+                    "Canzona checkpoint's DeepSpeed MoE expert groups are laid out otherwise than this run's at the "
+                    f"same sizes ({'; '.join(moved)}): ds_config use_data_before_expert_parallelism (or the "
+                    "expert groups) changed since it was saved. Load it with engine.load_checkpoint() after `import "
+                    "canzona_ds` (the elastic path moves every expert to its new rank), or resume with the saved "
+                    "use_data_before_expert_parallelism.")
             return super()._load_legacy_checkpoint(state_dict_list, load_optimizer_states, load_from_fp32_weights)
 
         def _load_universal_checkpoint(self, checkpoint_folder, load_optimizer_states, load_from_fp32_weights):
