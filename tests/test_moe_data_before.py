@@ -279,10 +279,20 @@ def _resume(rank: int, world: int, root: str, name: str, stage: int, opt_type: s
 
     def load(engine):
         own = os_.path.join(ckpt, "saved", f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
-        if os_.path.exists(own):  # what this rank's own file (DeepSpeed's same-size pick) holds
+        if world == WORLD:  # what this rank's own file (DeepSpeed's same-size pick) holds
             saved = _load(own, mmap=True)["optimizer_state_dict"][LAYOUT_KEY]
             verdict["moved"] = expert_ranks_moved(saved, engine.optimizer.canzona_layout_meta())
         verdict["elastic"] = elastic_needed(engine, ckpt, "saved")
+        if verdict.get("moved") is not None:  # same size: DeepSpeed's own pick of a file whose experts moved
+            files = [_load(os_.path.join(ckpt, "saved", f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"),
+                           mmap=True)["optimizer_state_dict"] for r in range(world)]
+            current = engine.optimizer.canzona_layout_meta()
+            other = next(sd for sd in files if expert_ranks_moved(sd[LAYOUT_KEY], current))
+            try:  # (raises before any collective, on every rank)
+                engine.optimizer._load_legacy_checkpoint(files[:rank] + [other] + files[rank + 1:])
+                verdict["stock"] = None
+            except ValueError as e:
+                verdict["stock"] = str(e)
         engine.load_checkpoint(ckpt, tag="saved")
         loaded.update(_snapshot(engine))
 
@@ -359,6 +369,26 @@ def _client(rank: int, world: int) -> dict:
     return res
 
 
+def _pipe_refusal(rank: int, world: int) -> str | None:
+    """A PipelineModule (PP 2 x DP 2) with an MoE layer in stage 0 only, ZeRO 0, D + E: the error of
+    every rank (the stage without MoE layers too), or None."""
+    import deepspeed
+
+    from canzona_ds.testing.models import HP
+    from canzona_ds.testing.moe import build_moe_pipe
+
+    _fresh_expert_groups()
+    module = build_moe_pipe(1, ep_size=EP)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10 ** 6,
+           "zero_optimization": {"stage": 0}, "optimizer": {"type": "CanzonaMuon", "params": HP["CanzonaMuon"]},
+           **BEFORE}
+    try:
+        deepspeed.initialize(model=module, model_parameters=list(module.parameters()), config=cfg)
+        return None
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+
+
 def _world4_worker(rank: int, world: int, root: str) -> dict:
     import torch.distributed as dist
 
@@ -379,7 +409,8 @@ def _world4_worker(rank: int, world: int, root: str) -> dict:
             out[name] = traceback.format_exc()
     for name, fn in [("roundtrip", lambda: _roundtrip(rank, world, root))] + \
             [(n, (lambda n=n: _flip(rank, world, root, n))) for n in FLIP] + \
-            [("client_z0_CanzonaMuon", lambda: _client(rank, world))]:
+            [("client_z0_CanzonaMuon", lambda: _client(rank, world)),
+             ("refuse_pipeline", lambda: _pipe_refusal(rank, world))]:  # (last: it leaves a pipeline grid)
         try:
             out[name] = fn()
         except Exception:  # noqa: BLE001
@@ -564,6 +595,9 @@ def test_data_before_expert_layout_changed_at_same_size(name):
         # ranks 1 and 2 change expert-parallel and expert-DP rank (their own files hold the other's experts)
         assert bool(r["moved"]) == (rank in (1, 2)), (rank, r["moved"])
         assert r["elastic"] is True
+        # DeepSpeed's own load, handed a file whose experts moved, refuses by name
+        assert "laid out otherwise than this run's at the same sizes" in r["stock"] and \
+            "use_data_before_expert_parallelism" in r["stock"], r["stock"]
     _check_resumed(name, res, res[0]["snaps"], WORLD, new_before, exact=False)
 
 
@@ -589,3 +623,38 @@ def test_data_before_expert_client_optimizer_groups():
     dev = max(float(np.abs(r["params"][n] - ref[n]).max()) for r in res for n in r["params"])
     print(f"client ZeRO-0 Muon: max |param - reference_run| after {STEPS} steps = {dev:.3g}")
     assert dev <= 1e-6, dev
+
+
+def test_data_before_expert_with_pipeline_refused_on_every_rank():
+    """Untested with pipeline parallelism: refused by name on every rank, the stage without MoE
+    layers included (it would otherwise wait for the other)."""
+    for rank, msg in enumerate(_run(WORLD)["refuse_pipeline"]):  # (a traceback here fails the startswith)
+        assert msg is not None and msg.startswith("ValueError: CanzonaMuon: DeepSpeed MoE with "
+                                                  "use_data_before_expert_parallelism=true and pipeline parallelism "
+                                                  "(pp_size=2) is not supported yet"), (rank, msg)
+
+
+def test_data_before_expert_with_tensor_parallelism_refused():
+    """Untested with a Megatron mpu of TP > 1 (DeepSpeed's D + E groups would make the TP peers one
+    expert-DP group): refused by name; without TP the same settings pass."""
+    from types import SimpleNamespace
+
+    from canzona_ds.integration.moe import check_moe
+    from canzona_ds.parallel import ParallelGroups
+
+    settings = SimpleNamespace(optimizer_type="CanzonaSOAP", zero_stage=2, offload_optimizer=False,
+                               expert_data_before=True)
+    with pytest.raises(ValueError, match=r"CanzonaSOAP: DeepSpeed MoE with use_data_before_expert_parallelism=true "
+                                         r"and tensor parallelism \(tp_size=2\) is not supported yet"):
+        check_moe(settings, ParallelGroups(dp_size=2, tp_size=2, tp_rank=0, source="mpu"), {})
+    check_moe(settings, ParallelGroups(dp_size=4, source="dp"), {})
+
+
+def test_data_before_expert_setting_read():
+    """The builder reads DeepSpeed's key from a ds_config (the stage-0 client path; from an engine:
+    engine._config.use_data_before_expert_parallel_, checked through the refusals above)."""
+    from canzona_ds.integration.builder import RunSettings
+    from canzona_ds.testing.moe import moe_ds_config
+
+    assert RunSettings.from_ds_config(moe_ds_config(4, **BEFORE)).expert_data_before is True
+    assert RunSettings.from_ds_config(moe_ds_config(4)).expert_data_before is False
