@@ -34,7 +34,7 @@ its own ``try``; one failing scenario fails one test):
   taken), 2 more steps bit for bit with the uninterrupted run, the rule state equal;
 * the layout changed at the same size (saved with it, resumed without it, ZeRO 2 SOAP; and the
   reverse, ZeRO 1 Muon): DeepSpeed numbers ZeRO files by DP rank, so ranks 1 and 2 would read each
-  other's experts; the elastic path is taken (``registry.expert_ranks_moved`` names the moved
+  other's experts; the elastic path is taken (``zero.expert_ranks_moved`` names the moved
   ranks), and right after loading every fp32 master, rule state, AdamW piece and module weight
   equals the saved one bit for bit (by whole-model name) on the planned owner of its new
   expert-DP group; 2 more steps against ``reference_run(start=<saved state>)`` at the new layout
@@ -263,13 +263,11 @@ def _resume(rank: int, world: int, root: str, name: str, stage: int, opt_type: s
             start) -> dict:
     """A fresh engine (``before``: its layout) loads ``name``'s checkpoint and trains MORE steps;
     rank 0 adds ``reference_run(start=...)`` at this size and layout."""
-    import os as os_
-
     from test_moe_elastic import _as_torch, _snapshot
 
     from canzona_ds.integration.elastic import _load
-    from canzona_ds.integration.registry import elastic_needed, expert_ranks_moved
-    from canzona_ds.integration.zero import LAYOUT_KEY
+    from canzona_ds.integration.registry import elastic_needed
+    from canzona_ds.integration.zero import LAYOUT_KEY, expert_ranks_moved
     from canzona_ds.testing.models import batches
     from canzona_ds.testing.moe import reference_run, run_moe_engine
 
@@ -278,15 +276,12 @@ def _resume(rank: int, world: int, root: str, name: str, stage: int, opt_type: s
     loaded, first, verdict = {}, {}, {}
 
     def load(engine):
-        own = os_.path.join(ckpt, "saved", f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")
-        if world == WORLD:  # what this rank's own file (DeepSpeed's same-size pick) holds
-            saved = _load(own, mmap=True)["optimizer_state_dict"][LAYOUT_KEY]
-            verdict["moved"] = expert_ranks_moved(saved, engine.optimizer.canzona_layout_meta())
         verdict["elastic"] = elastic_needed(engine, ckpt, "saved")
-        if verdict.get("moved") is not None:  # same size: DeepSpeed's own pick of a file whose experts moved
-            files = [_load(os_.path.join(ckpt, "saved", f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"),
+        if world == WORLD:  # same size: what this rank's own file (DeepSpeed's pick) holds, and its own load
+            files = [_load(os.path.join(ckpt, "saved", f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"),
                            mmap=True)["optimizer_state_dict"] for r in range(world)]
             current = engine.optimizer.canzona_layout_meta()
+            verdict["moved"] = expert_ranks_moved(files[rank][LAYOUT_KEY], current)
             other = next(sd for sd in files if expert_ranks_moved(sd[LAYOUT_KEY], current))
             try:  # (raises before any collective, on every rank)
                 engine.optimizer._load_legacy_checkpoint(files[:rank] + [other] + files[rank + 1:])
@@ -421,7 +416,7 @@ def _world4_worker(rank: int, world: int, root: str) -> dict:
 def _world2_worker(rank: int, world: int, root: str, starts: dict) -> dict:
     out = {}
     for name, source in RESIZE.items():
-        stage, opt_type, before, _ = FLIP[source]
+        stage, opt_type, _, _ = FLIP[source]
         try:
             out[name] = _resume(rank, world, root, source, stage, opt_type, True, starts[name])
         except Exception:  # noqa: BLE001

@@ -80,7 +80,7 @@ def elastic_needed(engine, load_dir, tag) -> bool:
 
     from .elastic import OPTIM_FILE, ElasticError, _load, checkpoint_size, latest_tag
     from .runtime_info import canzona_optimizer
-    from .zero import LAYOUT_KEY
+    from .zero import LAYOUT_KEY, expert_ranks_moved
 
     opt = canzona_optimizer(engine)
     if opt is not None and engine.zero_optimization_stage() == 3:
@@ -128,24 +128,6 @@ def elastic_needed(engine, load_dir, tag) -> bool:
                            "parameters), so this run cannot resume it at a new size. Resume at the size it was "
                            "saved at.")
     return True
-
-
-def expert_ranks_moved(saved: dict, current: dict) -> list[str]:
-    """The DeepSpeed MoE expert groups whose place of this rank differs between ``saved`` (the
-    layout record of this rank's own checkpoint file) and ``current`` (this run's): its
-    expert-parallel size or rank, or its expert-DP rank.  At the same DP/TP size that happens when
-    the expert groups are laid out otherwise (ds_config ``use_data_before_expert_parallelism``
-    changed: DeepSpeed numbers the ZeRO files by DP rank, so this rank's file would hold another
-    rank's experts).  Records without these keys (an older canzona-ds) cannot tell: none listed."""
-    moved = []
-    for key, info in sorted((saved.get("moe") or {}).items()):
-        now = (current.get("moe") or {}).get(key)
-        if now is None:
-            continue  # another set of expert groups: the fingerprint differs
-        if any(k in info and int(info[k]) != int(now[k]) for k in ("ep_size", "ep_rank", "edp_rank")):
-            moved.append(f"{key}: saved ep_rank {info.get('ep_rank')}/edp_rank {info.get('edp_rank')}, "
-                         f"now {now['ep_rank']}/{now['edp_rank']}")
-    return moved
 
 
 def micro_group_section(ds: dict, zero_stage: int):
