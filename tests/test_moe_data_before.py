@@ -38,13 +38,16 @@ its own ``try``; one failing scenario fails one test):
   ranks), and right after loading every fp32 master, rule state, AdamW piece and module weight
   equals the saved one bit for bit (by whole-model name) on the planned owner of its new
   expert-DP group; 2 more steps against ``reference_run(start=<saved state>)`` at the new layout
-  (experts bit for bit after 1 step, Muon within 1e-6 after 2);
+  (experts bit for bit after 1 step, Muon within 1e-6 after 2); DeepSpeed's own load
+  (``_load_legacy_checkpoint``) handed a file whose experts moved refuses by name;
 * the saved D + E checkpoint resumed at world 2 (ZeRO 2 SOAP; elastic): the same checks, 2 more
   steps bit for bit;
 * Megatron-DeepSpeed's ZeRO-0 client optimizer (``build_tp_optimizer`` before
   ``deepspeed.initialize``, with the stand-in mpu): ``create_expert_groups`` builds the D + E
   groups, and the engine, its MoE layer and the optimizer's plan use the same group objects;
-  experts bit for bit after the first step, Muon within 1e-6 after 3.
+  experts bit for bit after the first step, Muon within 1e-6 after 3;
+* refused by name (untested): the setting with pipeline parallelism (every rank, the stage without
+  MoE layers too) and with tensor parallelism.
 """
 from __future__ import annotations
 
