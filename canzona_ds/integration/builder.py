@@ -8,6 +8,7 @@ Every path runs the same steps, in this order::
 
     settings  = RunSettings (from the engine, or from a ds_config dict before there is one)
     pipeline_refusal(...)  if pp > 1, ZeRO 1, stages differ in expert groups  # every rank (one store exchange)
+    data_before_refusal    if pp > 1, MoE in a stage, use_data_before_expert_parallelism  # the same exchange
     check_agreement(what every rank must share)        # before anything a rank could wait in
     check_settings(settings)                           # refuse what cannot work, by name
     require_tp_group(...)                              # TP-tagged params need a TP group
@@ -61,6 +62,8 @@ class RunSettings:
     super_offload: bool = False
     zero_hpz_partition_size: int = 1
     elastic_checkpoint: bool = False
+    #: ds_config ``use_data_before_expert_parallelism``: DeepSpeed MoE's expert groups laid out D + E
+    expert_data_before: bool = False
 
     @classmethod
     def from_engine(cls, engine) -> "RunSettings":
@@ -81,7 +84,8 @@ class RunSettings:
                    partial_offload=float(engine.zero_partial_offload() or 1.0),
                    super_offload=bool(engine.super_offload()),
                    zero_hpz_partition_size=int(engine.zero_hpz_partition_size() or 1),
-                   elastic_checkpoint=bool(engine.zero_elastic_checkpoint()))
+                   elastic_checkpoint=bool(engine.zero_elastic_checkpoint()),
+                   expert_data_before=bool(getattr(engine._config, "use_data_before_expert_parallel_", False)))
 
     @classmethod
     def from_ds_config(cls, ds: Mapping[str, Any]) -> "RunSettings":
@@ -103,7 +107,8 @@ class RunSettings:
                    offload_param_device=param_device, partial_offload=float(offload.get("ratio", 1.0)),
                    super_offload=bool(offload.get("super_offload", False)),
                    zero_hpz_partition_size=int(zero.get("zero_hpz_partition_size", 1) or 1),
-                   elastic_checkpoint=bool(zero.get("elastic_checkpoint", False)))
+                   elastic_checkpoint=bool(zero.get("elastic_checkpoint", False)),
+                   expert_data_before=bool(ds.get("use_data_before_expert_parallelism", False)))
 
 
 def check_settings(s: RunSettings, cfg: CanzonaConfig) -> None:
@@ -201,7 +206,7 @@ def build_optimizer(named: list, cfg: CanzonaConfig, groups: ParallelGroups, set
         # layout its ZeRO-1 optimizer deadlocks on is refused on every rank, the stages without MoE
         # layers included (one store exchange, the same decision everywhere)
         from .agreement import gather
-        from .moe import pipeline_refusal
+        from .moe import data_before_refusal, pipeline_refusal
 
         stages = gather({"stage": groups.pp_rank, "moe": bool(partitions or settings.moe),
                          "groups": sorted(set(partitions.values()))})
@@ -209,6 +214,8 @@ def build_optimizer(named: list, cfg: CanzonaConfig, groups: ParallelGroups, set
         for r, v in enumerate(stages):
             if v["moe"]:
                 moe_ranks.setdefault(v["stage"], []).append(r)
+        if moe_ranks and settings.expert_data_before:  # (every rank, the stages without MoE layers too)
+            raise data_before_refusal(settings.optimizer_type, "pipeline parallelism (pp_size", groups.pp_size)
         if moe_ranks and settings.zero_stage != 0:
             per_stage = {v["stage"]: tuple(v["groups"]) for v in stages}
             uniform = len(moe_ranks) == groups.pp_size and len(set(per_stage.values())) == 1

@@ -181,6 +181,8 @@ def check_moe(settings, groups: ParallelGroups, zero: dict, named: list = (), mo
     if settings.zero_stage == 3:
         raise ValueError(f"{name}: DeepSpeed MoE layers (deepspeed.moe.layer.MoE) do not run under "
                          "zero_optimization.stage=3 (DeepSpeed refuses native MoE at stage 3). Use stage 0, 1 or 2.")
+    if getattr(settings, "expert_data_before", False) and groups.tp_size > 1:
+        raise data_before_refusal(name, "tensor parallelism (tp_size", groups.tp_size)
     if groups.tp_size > 1 and groups.pp_size > 1:
         raise ValueError(f"{name}: DeepSpeed MoE with pipeline AND tensor parallelism (pp_size={groups.pp_size}, "
                          f"tp_size={groups.tp_size}) is not supported yet (MoE x PP and MoE x TP each are: "
@@ -195,6 +197,16 @@ def check_moe(settings, groups: ParallelGroups, zero: dict, named: list = (), mo
         if settings.zero_stage == 2 and not zero.get("contiguous_gradients", True):
             raise ValueError(f"{name}: DeepSpeed MoE at ZeRO stage 2 needs zero_optimization.contiguous_gradients="
                              "true (got false).")
+
+
+def data_before_refusal(name: str, kind: str, size: int) -> ValueError:
+    """ds_config ``use_data_before_expert_parallelism: true`` (DeepSpeed's D + E layout of the expert
+    groups) runs with data parallelism at ZeRO 0, 1 and 2 (tests/test_moe_data_before.py); with
+    tensor or pipeline parallelism it is not tested, so refused (``kind``: what, ``size``: its degree)."""
+    return ValueError(f"{name}: DeepSpeed MoE with use_data_before_expert_parallelism=true and {kind}={size}) is "
+                      "not supported yet (not tested; it runs with data and expert parallelism at ZeRO stage 0, 1 "
+                      "and 2: docs/moe.md). Set use_data_before_expert_parallelism to false, or run without "
+                      "tensor and pipeline parallelism.")
 
 
 def pipeline_refusal(name: str, pp_size: int, moe_ranks: dict, zero_stage: int, per_stage: dict) -> ValueError:

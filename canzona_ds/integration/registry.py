@@ -80,7 +80,7 @@ def elastic_needed(engine, load_dir, tag) -> bool:
 
     from .elastic import OPTIM_FILE, ElasticError, _load, checkpoint_size, latest_tag
     from .runtime_info import canzona_optimizer
-    from .zero import LAYOUT_KEY
+    from .zero import LAYOUT_KEY, expert_ranks_moved
 
     opt = canzona_optimizer(engine)
     if opt is not None and engine.zero_optimization_stage() == 3:
@@ -110,7 +110,10 @@ def elastic_needed(engine, load_dir, tag) -> bool:
         if own:
             saved = _load(os.path.join(load_dir, tag, own[0]), mmap=True)  # the layout record only, no tensor data
             meta = saved["optimizer_state_dict"].get(LAYOUT_KEY) or {}
-            differs = meta.get("fingerprint") != engine.optimizer.canzona_layout_meta()["fingerprint"]
+            current = engine.optimizer.canzona_layout_meta()
+            # (an expert group laid out otherwise at the same sizes, e.g. use_data_before_expert_parallelism
+            # changed: this rank's own file holds another expert-parallel or expert-DP rank's partition)
+            differs = meta.get("fingerprint") != current["fingerprint"] or bool(expert_ranks_moved(meta, current))
     if not tdist.is_initialized():
         return differs
     # a load-time decision every rank must share (host objects, not the step)

@@ -383,6 +383,14 @@ def _make_zero_class():
                     "Load it with canzona_ds.checkpoint.load() or engine.load_checkpoint() after `import "
                     "canzona_ds` (both resume at another DP/TP size: docs/checkpoints.md), or resume with the same "
                     "DP size and optimizer params.")
+            moved = expert_ranks_moved(saved, current)
+            if moved:  # DeepSpeed's own load would read another rank's expert partition into this one
+                raise ValueError(
+                    "Canzona checkpoint's DeepSpeed MoE expert groups are laid out otherwise than this run's at the "
+                    f"same sizes ({'; '.join(moved)}): ds_config use_data_before_expert_parallelism (or the "
+                    "expert groups) changed since it was saved. Load it with engine.load_checkpoint() after `import "
+                    "canzona_ds` (the elastic path moves every expert to its new rank), or resume with the saved "
+                    "use_data_before_expert_parallelism.")
             return super()._load_legacy_checkpoint(state_dict_list, load_optimizer_states, load_from_fp32_weights)
 
         def _load_universal_checkpoint(self, checkpoint_folder, load_optimizer_states, load_from_fp32_weights):
@@ -392,6 +400,24 @@ def _make_zero_class():
                              "a size-independent copy (docs/checkpoints.md).")
 
     return CanzonaZeroOptimizer
+
+
+def expert_ranks_moved(saved: dict, current: dict) -> list[str]:
+    """The DeepSpeed MoE expert groups whose place of this rank differs between ``saved`` (the
+    layout record of this rank's own checkpoint file) and ``current`` (this run's): its
+    expert-parallel size or rank, or its expert-DP rank.  At the same DP/TP size that happens when
+    the expert groups are laid out otherwise (ds_config ``use_data_before_expert_parallelism``
+    changed: DeepSpeed numbers the ZeRO files by DP rank, so this rank's file would hold another
+    rank's experts).  Records without these keys (an older canzona-ds) cannot tell: none listed."""
+    moved = []
+    for key, info in sorted((saved.get("moe") or {}).items()):
+        now = (current.get("moe") or {}).get(key)
+        if now is None:
+            continue  # another set of expert groups: the fingerprint differs
+        if any(k in info and int(info[k]) != int(now[k]) for k in ("ep_size", "ep_rank", "edp_rank")):
+            moved.append(f"{key}: saved ep_rank {info.get('ep_rank')}/edp_rank {info.get('edp_rank')}, "
+                         f"now {now['ep_rank']}/{now['edp_rank']}")
+    return moved
 
 
 _ZERO_CLASS = None

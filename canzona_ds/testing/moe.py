@@ -112,10 +112,27 @@ def whole_names(num_experts: int = NUM_EXPERTS, two: bool = False) -> list[str]:
     return dense_before + experts + ["lm_head.weight"]
 
 
-def ep_layout(world: int, ep_size: int) -> list[list[int]]:
-    """DeepSpeed's expert-parallel groups (use_data_before_expert_parallel_=False): consecutive
-    ranks; the expert-DP groups are the same position across them."""
+def ep_layout(world: int, ep_size: int, before: bool = False) -> list[list[int]]:
+    """DeepSpeed's expert-parallel groups (DeepSpeed 0.19.8 ``_create_expert_and_data_parallel``,
+    no pipeline, no TP), each in its group-rank order; the expert-DP groups are the same position
+    across them.  Default (E + D): consecutive ranks, ``{0,1} {2,3}`` at world 4, ep_size 2 (expert-DP
+    ``{0,2} {1,3}``).  ``before`` (ds_config ``use_data_before_expert_parallelism: true``, D + E):
+    strided by ``world // ep_size``, ``{0,2} {1,3}`` (expert-DP ``{0,1} {2,3}``: consecutive ranks
+    hold the same experts)."""
+    if before:
+        stride = world // ep_size
+        return [list(range(i, world, stride)) for i in range(stride)]
     return [list(range(g, g + ep_size)) for g in range(0, world, ep_size)]
+
+
+def ep_rank_of(rank: int, world: int, ep_size: int, before: bool = False) -> int:
+    """This rank's expert-parallel rank in :func:`ep_layout` (which experts it holds)."""
+    return rank // (world // ep_size) if before else rank % ep_size
+
+
+def data_before(cfg: dict) -> bool:
+    """The ds_config's ``use_data_before_expert_parallelism`` (DeepSpeed's key, default false)."""
+    return bool(cfg.get("use_data_before_expert_parallelism", False))
 
 
 def moe_ds_config(dp: int, optimizer: str = "CanzonaMuon", stage: int = 1, micro: int = 2, **extra) -> dict:
@@ -126,12 +143,14 @@ def moe_ds_config(dp: int, optimizer: str = "CanzonaMuon", stage: int = 1, micro
 
 def reference_run(world: int, ep_size: int, steps: int, optimizer: str = "CanzonaMuon", micro: int = 2,
                   clip: float = 0.0, seed: int = 0, params: dict | None = None, num_experts: int = NUM_EXPERTS,
-                  data: list | None = None, start=None, tp_mlp: bool = False, ep2: int | None = None) -> dict:
+                  data: list | None = None, start=None, tp_mlp: bool = False, ep2: int | None = None,
+                  before: bool = False) -> dict:
     """The whole model's parameters after ``steps`` (module docstring); call inside a worker.
 
     ``tp_mlp``: the model of :class:`TinyMoETP` at TP=1 (its ``up``/``down`` MLP whole, before the
     MoE layer; at TP=1 the ranks compute exactly this).  ``ep2``: :class:`TinyMoE`'s second MoE
-    layer with that ep_size (its own expert-parallel groups, the same arithmetic).
+    layer with that ep_size (its own expert-parallel groups, the same arithmetic).  ``before``:
+    DeepSpeed's ``use_data_before_expert_parallelism`` layout of the expert groups (:func:`ep_layout`).
 
     ``start``: continue from a checkpoint's state instead of the initial weights (an
     ``integration.elastic.Universal``, every parameter and its state by whole-model name: the
@@ -152,9 +171,9 @@ def reference_run(world: int, ep_size: int, steps: int, optimizer: str = "Canzon
     if start is not None:
         _start_from(opt, master, start)
     #: each MoE layer: (its gate, its experts' name prefix, its ep_size, its expert-parallel groups)
-    layers = [(MOE, EXPERTS, ep_size, ep_layout(world, ep_size))]
+    layers = [(MOE, EXPERTS, ep_size, ep_layout(world, ep_size, before))]
     if ep2 is not None:
-        layers.append((MOE2, EXPERTS2, ep2, ep_layout(world, ep2)))
+        layers.append((MOE2, EXPERTS2, ep2, ep_layout(world, ep2, before)))
     data = data if data is not None else batches(steps, micro * world)
     dense_names = [n for n in names if not n.startswith((EXPERTS, EXPERTS2))]
 
@@ -278,13 +297,16 @@ def run_moe_engine(rank: int, world: int, ep_size: int, cfg: dict, steps: int, m
     Megatron-DeepSpeed's stage-0 path, the optimizer built by ``build_tp_optimizer`` before
     ``deepspeed.initialize`` and passed to it as the client optimizer (``after_build(model,
     optimizer)`` runs in between); ``num_experts``: the MoE layer's experts (``reference_run`` takes
-    the same); ``ep2``: a second MoE layer with that ep_size (``TinyMoE``)."""
+    the same); ``ep2``: a second MoE layer with that ep_size (``TinyMoE``).  The expert groups'
+    layout follows ``cfg``'s ``use_data_before_expert_parallelism`` (:func:`ep_rank_of`)."""
     import canzona_ds  # noqa: F401 - registers the Canzona types
     import deepspeed
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
-    ep_rank = rank % ep_size
-    model = TinyMoE(ep_size, ep_rank, num_experts=num_experts, seed=seed, ep2=ep2, ep2_rank=rank % ep2 if ep2 else 0)
+    before = data_before(cfg)
+    ep_rank = ep_rank_of(rank, world, ep_size, before)
+    ep2_rank = ep_rank_of(rank, world, ep2, before) if ep2 else 0
+    model = TinyMoE(ep_size, ep_rank, num_experts=num_experts, seed=seed, ep2=ep2, ep2_rank=ep2_rank)
     params = split_params_into_different_moe_groups_for_optimizer(
         {"params": list(model.parameters()), "name": "dense"}) if groups else list(model.parameters())
     if client:
@@ -303,7 +325,7 @@ def run_moe_engine(rank: int, world: int, ep_size: int, cfg: dict, steps: int, m
     local2 = num_experts // ep2 if ep2 else 1
 
     def whole():
-        return {global_name(n, ep_rank, local, rank % ep2 if ep2 else 0, local2): p.detach().float().numpy().copy()
+        return {global_name(n, ep_rank, local, ep2_rank, local2): p.detach().float().numpy().copy()
                 for n, p in engine.module.named_parameters()}
 
     for step, (x, y) in enumerate((data if data is not None else batches(steps, micro * world))[:steps], start=1):
