@@ -19,7 +19,7 @@ so every rank holds 2 of a layer's 4 experts and each expert-DP group is one ran
 
 At ZeRO 1 (one MoE layer per stage), the same checks with (each run against the plain fp32 run):
 
-- bf16 (Muon, Shampoo): the replay, the one-updater and the clip-norm checks (torch's norm over the
+- bf16 (Muon, Shampoo; and Muon with ``grad_accum_dtype`` fp32): the replay, the one-updater and the clip-norm checks (torch's norm over the
   gathered gradients upcast to fp32) bit for bit, the losses within 0.02 of the fp32 run's;
 - ZeRO-Offload (``offload_optimizer`` cpu, Muon): every parameter of every rank equal to the run
   without offload, bit for bit;
@@ -50,6 +50,7 @@ LAYOUTS = {0: 1, 1: 2}  # ZeRO stage -> MoE layers (1: stage 0 only; 2: one per 
 #: mode -> what it adds to the ds_config (""; the plain fp32 run of the owned layout)
 MODES = {"": {},
          "bf16": {"config": {"bf16": {"enabled": True}}},
+         "bf16_fp32acc": {"config": {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}},
          "offload": {"zero": {"offload_optimizer": {"device": "cpu"}}},
          "mixed": {"params": {"layout": "mixed"}}}
 
@@ -79,6 +80,7 @@ def _run(rank, stage, opt_type, mode=""):
     shapes = {whole(n): tuple(p.shape) for n, p in module.named_parameters()}
     recorder = MatrixStepRecorder(opt)
     seen, norms = [], []  # per step: this rank's gradients before the clip; the norm it clipped with
+    grad_dtypes = set()  # ZeRO 1: the dtype of the partitions' gradients (bf16, or fp32 with fp32 accumulation)
 
     if stage == 0:
         stock = engine.clip_fp32_gradients
@@ -101,6 +103,7 @@ def _run(rank, stage, opt_type, mode=""):
                     p = next(q for grp in zero.bit16_groups for q in grp if zero.get_param_id(q) == pid)
                     start = int(zero.grad_start_offset[i][r][pid])
                     pieces.setdefault(whole(zero.param_names[p]), []).append((start, g.detach().clone()))
+                    grad_dtypes.add(str(g.dtype))
             seen.append(pieces)
             norm = stock(norm_type)
             norms.append(norm.detach().clone())
@@ -146,7 +149,7 @@ def _run(rank, stage, opt_type, mode=""):
     if stage:
         zero = engine.optimizer
         facts = dict(cpu_offload=bool(zero.cpu_offload), zero_class=type(zero).__name__,
-                     dtypes=sorted({str(p.dtype) for p in module.parameters()}),
+                     dtypes=sorted({str(p.dtype) for p in module.parameters()}), grad_dtypes=sorted(grad_dtypes),
                      mixed=sorted(bool(lay.mixed) for lay in zero.canzona_layouts.values()),
                      hosted=sorted(whole(n) for n in hosted))
     params = {whole(n): p.detach().float().numpy().copy() for n, p in module.named_parameters()}
@@ -252,20 +255,26 @@ def _same_params(got: list, want: list, what: str) -> None:
             np.testing.assert_array_equal(g["params"][n], w["params"][n], err_msg=f"{what} rank {rank}: {n}")
 
 
-@pytest.mark.parametrize("opt_type", OPTIMIZERS)
-def test_moe_pipeline_bf16(opt_type):
-    """bf16 (ZeRO 1, DeepSpeed's bf16 routed to ZeRO-1 with fp32 gradient accumulation): the
-    checks of the fp32 run (every owner's updates replayed bit for bit from its fp32 master
+BF16 = {"bf16": "torch.bfloat16", "bf16_fp32acc": "torch.float32"}  # mode -> the gradients' dtype at ZeRO 1
+
+
+@pytest.mark.parametrize("opt_type,mode", [("CanzonaMuon", "bf16"), ("CanzonaShampoo", "bf16"),
+                                           ("CanzonaMuon", "bf16_fp32acc")])
+def test_moe_pipeline_bf16(opt_type, mode):
+    """bf16 at ZeRO 1 (bf16 gradients; and with ``data_types.grad_accum_dtype: fp32``, which
+    DeepSpeed sends to its BF16_Optimizer and canzona-ds to its ZeRO-1 path with fp32 gradients):
+    the checks of the fp32 run (every owner's updates replayed bit for bit from its fp32 master
     weights and gradients, one updater per matrix, the clip norm equal to torch's over the
     whole model's gradients, upcast to fp32, bit for bit; the loss falls), and the losses near
     the fp32 run's."""
-    res = _results(1, opt_type, "bf16")
+    res = _results(1, opt_type, mode)
     for r in res:  # bf16 is active: bf16 weights in the module, the ZeRO-1 Canzona optimizer
         assert r["facts"]["dtypes"] == ["torch.bfloat16"] and r["facts"]["zero_class"] == "CanzonaZeroOptimizer"
+        assert r["facts"]["grad_dtypes"] == [BF16[mode]], r["facts"]
     _check(res, 1)
     fp32 = _results(1, opt_type)
     dev = max(abs(a - b) for r, f in zip(res, fp32) for a, b in zip(r["losses"], f["losses"]))
-    print(f"MoE x PP bf16 {opt_type}: max |loss - fp32 loss| = {dev:.3g}")
+    print(f"MoE x PP {mode} {opt_type}: max |loss - fp32 loss| = {dev:.3g}")
     assert 0 < dev < 0.02, dev  # bf16 rounding shows, and stays small
 
 
