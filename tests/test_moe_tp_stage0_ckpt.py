@@ -26,7 +26,8 @@ at the same size and take a 3rd step; against 3 uninterrupted steps:
 * a checkpoint lacking TP rank 1's files (as DeepSpeed's own rule wrote them) is refused by name on
   every rank;
 * DeepSpeed's own ``"AdamW"`` at ZeRO 0, ep_size 1 (no Canzona optimizer: DeepSpeed's own save)
-  writes TP rank 0's files only and its own load fails (DeepSpeed's assertion): what the fix is for.
+  writes TP rank 0's files only and its own load fails (DeepSpeed's assertion): what the fix is for;
+  at ep_size 2 its round trip is bit for bit.
 """
 from __future__ import annotations
 
@@ -165,6 +166,10 @@ def _worker(rank: int, world: int, root: str) -> dict:
             out[name] = _scenario(rank, world, root, name, stage, opt_type, ep)
         except Exception:  # noqa: BLE001 - reported per scenario
             out[name] = traceback.format_exc()
+    try:  # ep_size 2 (a multiple of the TP size): DeepSpeed's own rule writes both TP ranks' files
+        out["deepspeed_adamw_ep2"] = _scenario(rank, world, root, "z0_AdamW_ep2", 0, ADAMW, 2)
+    except Exception:  # noqa: BLE001
+        out["deepspeed_adamw_ep2"] = traceback.format_exc()
     return out
 
 
@@ -222,3 +227,13 @@ def test_deepspeed_adamw_stage0_moe_tp_checkpoint_lacks_tp_rank_files():
                                      + ["expp_rank_0_mp_rank_00_optim_states.pt", "mp_rank_00_model_states.pt"])
     for r in res:
         assert "checkpoint count 1 is different from saved mp_world_size 2" in r.get("load_error", ""), r
+
+
+def test_deepspeed_adamw_stage0_moe_tp_checkpoint_ep_size_2_resumes():
+    """At ep_size 2 (the expert-parallel groups are the TP groups) DeepSpeed's own rule writes both
+    TP ranks' files and its own round trip is bit for bit."""
+    res = _results("deepspeed_adamw_ep2")
+    assert res[0]["files"] == _expected_files(0, 2), res[0]["files"]
+    for rank, r in enumerate(res):
+        assert "load_error" not in r, r["load_error"]
+        assert r["loaded"] == [] and r["state"] == [] and r["params"] == [], (rank, r)
