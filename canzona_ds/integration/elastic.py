@@ -918,9 +918,10 @@ def _incomplete_stage0_moe(folder: str, missing: list) -> str:
     return (f"{folder} lacks {missing}: it was saved at ZeRO stage 0 under DeepSpeed MoE with tensor parallelism "
             "by DeepSpeed's own writer rule (canzona-ds before its per-model-parallel-rank writers, or "
             "DeepSpeed's own optimizer), where only expert-DP rank 0 writes and, when the expert-DP group spans "
-            "TP ranks (ep_size below the TP size), the other TP ranks' module shards, experts and optimizer "
-            "state were never written, so it cannot be resumed with its state. Checkpoints saved by this "
-            "canzona-ds write every model-parallel rank's files (docs/moe.md, Checkpoints).")
+            "TP ranks (an ep_size that is not a multiple of the TP size), the other TP ranks' module shards, "
+            "experts and optimizer state were never written, so it cannot be resumed with its state. "
+            "Checkpoints saved by this canzona-ds write every model-parallel rank's files (docs/moe.md, "
+            "Checkpoints).")
 
 
 def _expp_files(folder: str) -> list[str]:
