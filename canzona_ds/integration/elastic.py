@@ -853,10 +853,13 @@ EXPP_FILE = re.compile(r"expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 def stage0_moe_resize_needed(engine, ckpt_dir: str, tag: str | None) -> bool:
     """ZeRO stage 0 under DeepSpeed MoE: DeepSpeed saves each expert-parallel rank's whole
     optimizer state (``expp_rank_<k>_mp_rank_<m>_optim_states.pt``: every rank keeps the state of
-    all its matrices, placement "local") and each rank loads the file of its expert-parallel
-    rank.  That resumes at any DP size with the same ``ep_size`` (the same experts per file);
-    another ``ep_size`` needs :func:`load_stage0_moe` (True here), which the files of an older
-    canzona-ds (no parameter names) cannot give: refused by name."""
+    all its matrices, placement "local"; one file per expert-parallel rank ``k`` and
+    model-parallel rank ``m`` that holds it, moe.checkpoint_writers) and each rank loads the file
+    of its own ``k`` and ``m``.  That resumes at any DP size with the same ``ep_size`` (the same
+    experts per file; False here); another ``ep_size`` needs :func:`load_stage0_moe` (True here),
+    which the files of an older canzona-ds (no parameter names) cannot give: refused by name, as
+    is a checkpoint that lacks this rank's files (one written by DeepSpeed's own writer rule under
+    tensor parallelism, which skipped every TP rank but expert-DP rank 0's)."""
     from .runtime_info import canzona_optimizer
 
     opt = canzona_optimizer(engine)
@@ -866,33 +869,59 @@ def stage0_moe_resize_needed(engine, ckpt_dir: str, tag: str | None) -> bool:
     folder = os.path.join(ckpt_dir, str(tag)) if tag is not None else None
     if folder is None or not os.path.isdir(folder):
         return False  # DeepSpeed's own message
-    saved = _expp_files(folder)
-    # (every model-parallel rank's DP rank 0 writes its model-states file; the expp_rank files come
-    # from expert-DP rank 0 only, which under TP with a small ep_size is not on every TP rank)
-    mp = {f for f in os.listdir(folder) if re.fullmatch(r"mp_rank_\d+_model_states\.pt", f)}
-    if saved and len(mp) != opt.groups.tp_size * opt.groups.pp_size:
+    listing = os.listdir(folder)
+    pairs = {(int(m.group(1)), int(m.group(2))) for f in listing if (m := EXPP_FILE.search(f))}
+    if not pairs:
+        return False
+    # every model-parallel rank writes its model-states file (its DP rank 0, moe.checkpoint_writers)
+    mp = sorted(f for f in listing if re.fullmatch(r"mp_rank_\d+_model_states\.pt", f))
+    if len(mp) != opt.groups.tp_size * opt.groups.pp_size:
+        saved_mp = _load(os.path.join(folder, mp[0]), mmap=True).get("mp_world_size") if mp else None
+        if saved_mp == opt.groups.tp_size * opt.groups.pp_size:
+            raise ElasticError(_incomplete_stage0_moe(folder, [f"mp_rank_{m:02d}_model_states.pt" for m in
+                                                              range(saved_mp) if MODEL_FILE.format(m) not in mp]))
         raise ElasticError(f"{folder} was saved at ZeRO stage 0 under DeepSpeed MoE with {len(mp)} model-parallel "
                            f"rank(s) (TP x PP); this run has TP={opt.groups.tp_size} x PP={opt.groups.pp_size}. "
                            "A stage-0 MoE checkpoint resumes at its saved TP and PP size only (another DP size; "
                            "another ep_size without TP). To change TP, train at ZeRO 1/2 (its MoE x TP checkpoints "
                            "resume at another TP size, docs/moe.md), or load the module weights only "
                            "(load_module_only=True) at the saved TP size.")
-    if not saved or len(saved) == opt.groups.ep_size:  # (the largest expert group's, as DeepSpeed names files)
+    saved_ep = sorted({k for k, _ in pairs})  # the largest expert group's ranks, as DeepSpeed names files
+    if saved_ep != list(range(len(saved_ep))):
+        raise ElasticError(f"{folder}: expp_rank optimizer files of expert-parallel ranks {saved_ep} are not "
+                           f"0..{len(saved_ep) - 1}.")
+    if len(saved_ep) == opt.groups.ep_size:  # DeepSpeed's own load: this rank's (k, m) file
+        from deepspeed.utils import groups as ds_groups
+
+        k = ds_groups._get_expert_parallel_rank(ds_groups._get_max_expert_size_name())
+        if (k, int(engine.checkpoint_mp_rank)) not in pairs:
+            raise ElasticError(_incomplete_stage0_moe(
+                folder, [os.path.basename(engine._get_optimizer_ckpt_name(ckpt_dir, tag, k))]))
         return False
     if opt.groups.pp_size > 1:  # load_stage0_moe reads the first stage's files only
         raise ElasticError(MOE_PP_REFUSAL.format(where=folder, pp=opt.groups.pp_size))
-    if opt.groups.tp_size > 1 or any(int(m.group(2)) for f in os.listdir(folder) if (m := EXPP_FILE.search(f))):
-        raise ElasticError(f"{folder} was saved at ZeRO stage 0 with expert-parallel size {len(saved)}; this run has "
-                           f"ep_size={opt.groups.ep_size}. A change of ep_size under tensor parallelism is not "
+    if opt.groups.tp_size > 1 or any(m for _, m in pairs):
+        raise ElasticError(f"{folder} was saved at ZeRO stage 0 with expert-parallel size {len(saved_ep)}; this run "
+                           f"has ep_size={opt.groups.ep_size}. A change of ep_size under tensor parallelism is not "
                            "implemented; resume MoE x TP with the saved ep_size.")
-    first = _load(saved[0], mmap=True)["optimizer"]
+    first = _load(_expp_files(folder)[0], mmap=True)["optimizer"]
     if "global_names" not in first.get("canzona", {}):
         raise ElasticError(
-            f"{folder} was saved at ZeRO stage 0 with expert-parallel size {len(saved)}; this run has "
+            f"{folder} was saved at ZeRO stage 0 with expert-parallel size {len(saved_ep)}; this run has "
             f"ep_size={opt.groups.ep_size}, and its optimizer files do not name their parameters (written by an "
             "older canzona-ds). Resume it with the saved ep_size (any DP size), or load the module weights only "
             "(load_optimizer_states=False).")
     return True
+
+
+def _incomplete_stage0_moe(folder: str, missing: list) -> str:
+    return (f"{folder} lacks {missing}: it was saved at ZeRO stage 0 under DeepSpeed MoE with tensor parallelism "
+            "by DeepSpeed's own writer rule (canzona-ds before its per-model-parallel-rank writers, or "
+            "DeepSpeed's own optimizer), where only expert-DP rank 0 writes and, when the expert-DP group spans "
+            "TP ranks (an ep_size that is not a multiple of the TP size), the other TP ranks' module shards, "
+            "experts and optimizer state were never written, so it cannot be resumed with its state. "
+            "Checkpoints saved by this canzona-ds write every model-parallel rank's files (docs/moe.md, "
+            "Checkpoints).")
 
 
 def _expp_files(folder: str) -> list[str]:

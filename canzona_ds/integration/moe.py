@@ -21,6 +21,7 @@ single-process model holding every expert).
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from ..parallel import ParallelGroups
@@ -120,6 +121,70 @@ def create_expert_groups(modules: list, ds_config, mpu=None) -> dict[str, tuple[
                                                                  use_data_before_expert_parallel_=before)
     return {name: (list(ds_groups._get_expert_parallel_group_ranks(name)),
                    list(ds_groups._get_expert_data_parallel_group_ranks(name))) for name in sorted(names)}
+
+
+def checkpoint_writers(engine) -> dict[str, bool]:
+    """Expert group name -> whether this rank writes that group's files in
+    ``engine._save_moe_checkpoint`` (every expert group of the engine's MoE layers and the largest,
+    whose expert-DP rank decides the ``expp_rank`` optimizer file and the model-states file).
+
+    DeepSpeed 0.19.8 lets expert-DP rank 0 write: the experts' files
+    (``layer_<l>_expert_<e>_mp_rank_<m>_model_states.pt``) and, of the largest group, the stage-0
+    optimizer file (``expp_rank_<k>_mp_rank_<m>_optim_states.pt``) and the model-states file
+    (``mp_rank_<m>_model_states.pt``, DP rank 0 of those).  Every file name carries the writer's
+    model-parallel rank ``m``, and each rank loads the files of its own ``m``.  Under tensor
+    parallelism with whole experts the expert-DP group spans TP ranks (TP 2 x DP 2 at ep_size 1:
+    one expert-DP group of all four ranks), so expert-DP rank 0 has one ``m`` and the other TP
+    ranks' files were never written: their dense TP shards, experts and optimizer state (rule
+    state of the matrices they host) lost, their resume failing.  Here one rank per (expert-DP
+    group, model-parallel rank) writes: expert-DP rank 0 for its own ``m`` (DeepSpeed's writer),
+    for every other ``m`` the group's DP-rank-0 member of that ``m`` if any (so that the
+    model-states file is written), else its lowest member.  The ranks of one expert-DP group with
+    one ``m`` hold the same experts, TP shards and (at stage 0, every DP rank stepping everything)
+    optimizer state, so each file is what every reader of it holds.  One ``all_gather_object``
+    over each expert-DP group."""
+    import torch.distributed as tdist
+    from deepspeed.moe.layer import MoE
+    from deepspeed.utils import groups as ds_groups
+
+    names = {m.expert_group_name for _, m in engine.module.named_modules() if isinstance(m, MoE)}
+    names.add(ds_groups._get_max_expert_size_name())
+    me = (int(engine.checkpoint_mp_rank), int(ds_groups._get_data_parallel_rank()))
+    out = {}
+    for name in sorted(names):
+        group = ds_groups._get_expert_data_parallel_group(name)
+        ranks = list(ds_groups._get_expert_data_parallel_group_ranks(name))
+        held: list = [None] * len(ranks)
+        tdist.all_gather_object(held, me, group=group)
+        mine = ranks.index(tdist.get_rank())
+        mp = held[mine][0]
+        if held[0][0] == mp:
+            writer = 0
+        else:
+            writer = min((i for i, (m, _) in enumerate(held) if m == mp), key=lambda i: (held[i][1] != 0, i))
+        out[name] = writer == mine
+    return out
+
+
+@contextmanager
+def every_model_parallel_rank_writes(engine):
+    """Around DeepSpeed's ``_save_moe_checkpoint``: each rank's expert-DP rank reads as 0 where
+    :func:`checkpoint_writers` makes it a writer, 1 elsewhere (DeepSpeed asks
+    ``checkpoint_engine.is_data_parallel_writer(exp_dp_rank)``, which is ``exp_dp_rank == 0``;
+    nothing else in that call reads it for native MoE layers)."""
+    from deepspeed.utils import groups as ds_groups
+
+    writes = checkpoint_writers(engine)
+    stock = ds_groups._get_expert_data_parallel_rank
+
+    def expert_dp_rank(group_name):
+        return 0 if writes[group_name] else max(1, stock(group_name))
+
+    ds_groups._get_expert_data_parallel_rank = expert_dp_rank
+    try:
+        yield writes
+    finally:
+        ds_groups._get_expert_data_parallel_rank = stock
 
 
 def moe_info(named: list, modules: list, groups: ParallelGroups) -> MoEInfo:

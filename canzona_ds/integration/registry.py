@@ -391,6 +391,21 @@ def install() -> None:
                                                     exclude_frozen_parameters)
         return stock_save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
+    stock_save_moe = Engine._save_moe_checkpoint
+
+    def _save_moe_checkpoint(self, save_dir, tag, client_state={}, exclude_frozen_parameters=False):  # noqa: B006
+        # DeepSpeed lets expert-DP rank 0 write the MoE files; under tensor parallelism that misses
+        # the other TP ranks' files (moe.checkpoint_writers): one writer per model-parallel rank
+        if canzona_optimizer(self) is None:
+            return stock_save_moe(self, save_dir, tag, client_state=client_state,
+                                  exclude_frozen_parameters=exclude_frozen_parameters)
+        from .moe import every_model_parallel_rank_writes
+
+        with every_model_parallel_rank_writes(self):
+            return stock_save_moe(self, save_dir, tag, client_state=client_state,
+                                  exclude_frozen_parameters=exclude_frozen_parameters)
+
+    Engine._save_moe_checkpoint = _save_moe_checkpoint
     Engine.load_checkpoint = load_checkpoint
     Engine.clip_fp32_gradients = clip_fp32_gradients
     Engine.save_checkpoint = save_checkpoint
