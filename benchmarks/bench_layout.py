@@ -36,8 +36,9 @@ grid      The mixed layout under DP x TP, per (dp, tp) cell: the rule's FLOPs (M
           picks, replicated owned and DP-hosted ones on every TP rank of their DP index).  The
           baseline ("before") picks the grid hosts' TP ranks without the owned TP runtime's
           load, as versions before the seed did; "after" seeds each TP rank with it.  Qwen3
-          1.7B / 8B / 32B at TP=8 (layout "mixed", DP 4 ... 64) and the measured suite's
-          Megatron stand-in (TP_CFG at TP=2).  Pure planning, no processes; ratios, both
+          1.7B / 8B / 32B at TP=8 (layout "mixed", DP 4 ... 64), sizes where "auto" itself
+          picks the mixed layout (GRID_AUTO) and the measured suite's Megatron stand-in
+          (TP_CFG at TP=2).  Pure planning, no processes; ratios, both
           choices of one plan side by side.
 """
 from __future__ import annotations
@@ -91,6 +92,9 @@ def planned() -> dict:
 
 # ------------------------------------------------------------------------------ grid
 GRID_DPS = (4, 8, 16, 32, 64)
+#: (model, TP, DP) where ``layout: "auto"`` itself picks the mixed layout and the seed matters
+GRID_AUTO = (("qwen3-1.7b", 2, 32), ("qwen3-1.7b", 4, 32), ("llama-3-70b", 2, 128), ("llama-3-70b", 4, 128),
+             ("llama-3-70b", 8, 128))
 #: the measured suite's DP x TP stand-in at these (DP, TP) sizes
 GRID_STANDIN = ((2, 2), (4, 2))
 
@@ -136,6 +140,7 @@ def grid() -> dict:
 
     rule = cost_model("muon")
     rows = [_grid_row(model, matrix_specs(model_specs(model, TP)), dp, TP, rule) for model in MODELS for dp in GRID_DPS]
+    rows += [_grid_row(model, matrix_specs(model_specs(model, tp)), dp, tp, rule) for model, tp, dp in GRID_AUTO]
     rows += [_grid_row("Megatron stand-in", standin_specs(tp), dp, tp, rule) for dp, tp in GRID_STANDIN]
     return {"optimizer": "muon", "layout": "mixed", "standin": TP_CFG, "rows": rows}
 

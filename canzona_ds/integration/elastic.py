@@ -23,7 +23,9 @@ TP change re-orders rows (or columns) by the permutation between the TP layouts 
 sizes (``canzona_ds/tp/layout.py``), which each rule maps onto its state through
 ``MatrixRule.state_axes`` (e.g. SOAP's L is row x row, its eigenbasis row x eigen).  A
 state that cannot follow such a permutation (Shampoo blocks cut along the split dimension
-of a fused layout) is refused by name.
+of a fused layout) is refused by name; where a matrix keeps its saved TP layout (another DP
+size or plan, a grid host at another TP rank) its state is taken as saved, nothing permuted
+(``SavedCheckpoint.state_in``).
 
 Under DeepSpeed MoE (ZeRO 1/2) every expert parameter is indexed by its whole-model name (local
 expert j on expert-parallel rank k is global expert k*E/ep + j, recorded per file in
