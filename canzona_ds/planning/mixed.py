@@ -24,8 +24,14 @@ result, so the host keeps only the rest, and the planner counts that state per p
 Under tensor parallelism the plan is made over the TP-local shapes and every TP rank's buffer
 follows it, so a hosted TP-split matrix is cut twice: into TP shards, and each shard into these
 DP pieces (:class:`~canzona_ds.tp.runtime.GridSplit` over the DP x TP grid).  Its host is the
-grid cell (the plan's DP host, the TP rank :func:`grid_tp_hosts` picks); the bytes here are one
-TP rank's (its TP-local pieces).
+grid cell (the plan's DP host, the TP rank :func:`grid_tp_hosts` picks, each TP rank starting
+from what the owned TP runtime already updates there: :func:`tp_cells`); the bytes here are one
+TP rank's (its TP-local pieces)::
+
+    DP=2 x TP=2; d=0 owns the TP-split A and hosts the TP-split B, C; d=1 owns the replicated D
+                  tp=0     tp=1
+      dp=0        A        B C      A where the owned TP runtime put it; B and C start from it
+      dp=1        D        D        a replicated matrix: every TP rank updates its replica
 
 The planner (:func:`plan_mixed`) walks the buffer rank by rank:
 
