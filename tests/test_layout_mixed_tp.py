@@ -6,8 +6,11 @@ TP shard cut into the plan's DP pieces; one all-to-all gathers and one scatters 
 a replicated one over each TP rank's DP group (``FlatSplit``), and the owned TP-split matrices
 keep the TP runtime: three runtimes, stepped in that order on every rank.
 
-* pure: GridSplit's pieces and assembly equal TPMatrix's layout; the TP host choice; the plan
-  refuses a mixed layout of TP-split matrices only where no grid group exists;
+* pure: GridSplit's pieces and assembly equal TPMatrix's layout; the TP host choice, seeded with
+  the owned TP runtime's load on each (dp, tp) cell (planning/mixed.tp_cells: a constructed plan
+  where ignoring it gives a worse cell, and Qwen3-8B at TP=8); a layout record whose grid hosts
+  sit at other TP ranks is another layout (integration/zero.same_layout); the plan refuses a
+  mixed layout of TP-split matrices only where no grid group exists;
 * real processes (gloo, the Megatron stand-in of tests/test_zero_tp.py, DP2 x TP2 = 4 ranks,
   ``layout: "mixed"``): Muon, Shampoo and SOAP at ZeRO-1 (Muon and SOAP at ZeRO-2 too) are
   bit-identical (rtol=atol=0) to the owned layout's run of the same world and to the
@@ -16,7 +19,9 @@ keep the TP runtime: three runtimes, stepped in that order on every rank.
   plan: then all three runtimes run in one step); the optimizer step's
   collectives, counted by testing/comm.CommCounter per group, are the plans' all-to-alls; a
   checkpoint resumes bit for bit (the grid host's rule state, Muon's momentum pieces); a change
-  of layout at the same size (owned <-> mixed, the elastic path) resumes exactly; and the
+  of layout at the same size (owned <-> mixed, the elastic path) resumes exactly; the grid hosts'
+  TP ranks are the planner's, and a Shampoo or SOAP checkpoint written with the unseeded choice
+  (other TP ranks) resumes bit for bit through the elastic path; and the
   checkpoint resumes at DP4 x TP1 losslessly (weights and rule state, read back whole);
 * PP=2 x TP=2 x DP=2 (a PipelineModule, a grid group per stage): mixed equals owned bit for bit.
 
