@@ -2,6 +2,7 @@
 
     python benchmarks/bench_layout.py --suite planned    # -> results/layout_planned.{md,json}
     python benchmarks/bench_layout.py --suite measured   # -> results/layout_measured.{md,json}
+    python benchmarks/bench_layout.py --suite grid       # -> results/layout_grid.{md,json}
 
 planned   Qwen3 1.7B / 8B / 32B at TP=8 (the matrices of one TP rank), DP 32 ... 1024, Muon's
           cost model: for the atomic plan of the default planner (multi_lpt, the owned layout)
@@ -28,6 +29,17 @@ measured  A one-layer Qwen3-shaped model (models/qwen3.py preset "tiny" with num
           bit16 buffer of one rank over its TP-local parameters, the bytes per step as above, and
           the mixed layout's final weights against the owned layout's (bit for bit at DP2 x TP2
           in tests/test_layout_mixed_tp.py; gloo's 4-rank DP sums can differ by ulps here).
+grid      The mixed layout under DP x TP, per (dp, tp) cell: the rule's FLOPs (Muon's cost model,
+          amortised, whole matrices) of everything a cell updates, as the runtime places it
+          (planning/mixed.tp_cells: owned TP-split matrices where the owned TP runtime hosts
+          them, grid-hosted TP-split ones at the plan's DP host and the TP rank grid_tp_hosts
+          picks, replicated owned and DP-hosted ones on every TP rank of their DP index).  The
+          baseline ("before") picks the grid hosts' TP ranks without the owned TP runtime's
+          load, as versions before the seed did; "after" seeds each TP rank with it.  Qwen3
+          1.7B / 8B / 32B at TP=8 (layout "mixed", DP 4 ... 64), sizes where "auto" itself
+          picks the mixed layout (GRID_AUTO) and the measured suite's Megatron stand-in
+          (TP_CFG at TP=2).  Pure planning, no processes; ratios, both
+          choices of one plan side by side.
 """
 from __future__ import annotations
 
@@ -76,6 +88,61 @@ def planned() -> dict:
             rows.append(row)
     return {"optimizer": "muon", "tp": TP, "default_dp_planner": DEFAULT_DP_PLANNER,
             "max_padding": DEFAULT_MAX_PADDING, "latency_bytes": LATENCY_BYTES, "rows": rows}
+
+
+# ------------------------------------------------------------------------------ grid
+GRID_DPS = (4, 8, 16, 32, 64)
+#: (model, TP, DP) where ``layout: "auto"`` itself picks the mixed layout and the seed matters
+GRID_AUTO = (("qwen3-1.7b", 2, 32), ("qwen3-1.7b", 4, 32), ("llama-3-70b", 2, 128), ("llama-3-70b", 4, 128),
+             ("llama-3-70b", 8, 128))
+#: the measured suite's DP x TP stand-in at these (DP, TP) sizes
+GRID_STANDIN = ((2, 2), (4, 2))
+
+
+def standin_specs(tp: int) -> list:
+    """The matrices of testing/megatron_standin.TinyGPTBlock at TP_CFG, as one TP rank holds them
+    (model order: fused qkv and fc1 column-parallel, proj and fc2 row-parallel, mix replicated)."""
+    from canzona_ds.planning.params import ParamSpec
+
+    c = TP_CFG
+    col, row = dict(tp_partition_dim=0, tp_size=tp), dict(tp_partition_dim=1, tp_size=tp)
+    return [ParamSpec("qkv.weight", ((c["heads"] + 2 * c["kv_heads"]) * c["head_dim"] // tp, c["hidden"]), **col),
+            ParamSpec("proj.weight", (c["hidden"], c["heads"] * c["head_dim"] // tp), **row),
+            ParamSpec("fc1.weight", (2 * c["ffn"] // tp, c["hidden"]), **col),
+            ParamSpec("fc2.weight", (c["hidden"], c["ffn"] // tp), **row),
+            ParamSpec("mix.weight", (c["hidden"], c["hidden"]))]
+
+
+def _grid_row(model: str, specs: list, dp: int, tp: int, rule) -> dict:
+    from canzona_ds.planning.cost import cost_vector
+    from canzona_ds.planning.dp import choose_layout, plan_mixed_dp
+    from canzona_ds.planning.mixed import full_matrix_flops, tp_cells
+
+    plan = plan_mixed_dp(specs, dp, cost_vector(specs, "flops", rule), "flops", rule)
+    before, after = tp_cells(plan, tp, rule, seed_owned=False), tp_cells(plan, tp, rule)
+    cells = [f for row in after["cell_flops"] for f in row]
+    mean = sum(cells) / len(cells)
+    largest = max(full_matrix_flops(s, rule) for s in specs)
+    worst = {k: max(map(max, got["cell_flops"])) for k, got in (("before", before), ("after", after))}
+    auto = "mixed" if choose_layout(specs, dp, cost="flops", model=rule)[0].mixed else "owned"
+    return {"model": model, "dp": dp, "tp": tp, "matrices": len(specs), "auto": auto,
+            "owned_tp": len(after["owned_tp"]), "grid_hosted": len(after["grid_tp"]),
+            "dp_hosted": sum(1 for i in plan.hosted if not specs[i].is_tp_split),
+            "grid_moved": sum(1 for i, t in after["grid_tp"].items() if before["grid_tp"][i] != t),
+            "dp_plan_ratio": max(plan.rank_load) / (sum(plan.rank_load) / dp),
+            "before": worst["before"] / mean, "after": worst["after"] / mean,
+            "after_vs_before": worst["after"] / worst["before"], "bound": max(largest, mean) / mean}
+
+
+def grid() -> dict:
+    from canzona_ds.optim import cost_model
+    from canzona_ds.planning.models import matrix_specs, model_specs
+
+    rule = cost_model("muon")
+    rows = [_grid_row(model, matrix_specs(model_specs(model, TP)), dp, TP, rule) for model in MODELS for dp in GRID_DPS]
+    rows += [_grid_row(model, matrix_specs(model_specs(model, tp)), dp, tp, rule) for model, tp, dp in GRID_AUTO]
+    rows += [_grid_row("Megatron stand-in", standin_specs(tp), dp, tp, rule) for dp, tp in GRID_STANDIN]
+    return {"optimizer": "muon", "layout": "mixed", "standin": TP_CFG, "rows": rows}
 
 
 # ------------------------------------------------------------------------------ measured
@@ -294,10 +361,10 @@ def measured() -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--suite", choices=("planned", "measured"), required=True)
+    ap.add_argument("--suite", choices=("planned", "measured", "grid"), required=True)
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
-    data = planned() if args.suite == "planned" else measured()
+    data = {"planned": planned, "measured": measured, "grid": grid}[args.suite]()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"layout_{args.suite}"

@@ -704,6 +704,20 @@ def layout_measured_tp(d: Data) -> str:
                    "MiB by collective, all ranks", "max abs(weight - owned layout's)"], rows)
 
 
+def layout_grid(d: Data) -> str:
+    """bench_layout --suite grid: per (dp, tp) cell FLOPs max/mean of the mixed layout under TP, the
+    grid hosts' TP ranks picked without (before) and with (after) the owned TP runtime's load."""
+    rows = []
+    for r in d["rows"]:
+        hosted = f"{r['owned_tp']} / {r['grid_hosted']} ({r['grid_moved']} at another TP rank) / {r['dp_hosted']}"
+        rows.append([r["model"], f"{r['dp']} x {r['tp']}", hosted, f"{r['dp_plan_ratio']:.3f}",
+                     f"{r['before']:.3f}", f"{r['after']:.3f}", f"{r['after_vs_before']:.3f}", f"{r['bound']:.3f}",
+                     r["auto"]])
+    return _table(["model (layout \"mixed\", Muon)", "DP x TP", "owned TP-split / grid-hosted / DP-hosted",
+                   "DP plan FLOPs max/mean", "cell FLOPs max/mean, before (unseeded)", "cell FLOPs max/mean, after",
+                   "worst cell after / before", "bound (largest update / mean)", "auto picks"], rows)
+
+
 # ============================================================================ moe.json
 def moe_planned(d: Data) -> str:
     """bench_moe planned: FLOPs / memory max/mean with stacks whole vs per expert, at each EP size
@@ -781,6 +795,7 @@ TABLES: dict[str, tuple[str, Callable[[Data], str]]] = {
     "layout_planned": ("layout_planned", layout_planned),
     "layout_measured": ("layout_measured", layout_measured),
     "layout_measured_tp": ("layout_measured", layout_measured_tp),
+    "layout_grid": ("layout_grid", layout_grid),
     "moe_planned": ("moe", moe_planned),
     "moe_measured": ("moe", moe_measured),
 }

@@ -6,8 +6,11 @@ TP shard cut into the plan's DP pieces; one all-to-all gathers and one scatters 
 a replicated one over each TP rank's DP group (``FlatSplit``), and the owned TP-split matrices
 keep the TP runtime: three runtimes, stepped in that order on every rank.
 
-* pure: GridSplit's pieces and assembly equal TPMatrix's layout; the TP host choice; the plan
-  refuses a mixed layout of TP-split matrices only where no grid group exists;
+* pure: GridSplit's pieces and assembly equal TPMatrix's layout; the TP host choice, seeded with
+  the owned TP runtime's load on each (dp, tp) cell (planning/mixed.tp_cells: a constructed plan
+  where ignoring it gives a worse cell, and Qwen3-8B at TP=8); a layout record whose grid hosts
+  sit at other TP ranks is another layout (integration/zero.same_layout); the plan refuses a
+  mixed layout of TP-split matrices only where no grid group exists;
 * real processes (gloo, the Megatron stand-in of tests/test_zero_tp.py, DP2 x TP2 = 4 ranks,
   ``layout: "mixed"``): Muon, Shampoo and SOAP at ZeRO-1 (Muon and SOAP at ZeRO-2 too) are
   bit-identical (rtol=atol=0) to the owned layout's run of the same world and to the
@@ -16,7 +19,9 @@ keep the TP runtime: three runtimes, stepped in that order on every rank.
   plan: then all three runtimes run in one step); the optimizer step's
   collectives, counted by testing/comm.CommCounter per group, are the plans' all-to-alls; a
   checkpoint resumes bit for bit (the grid host's rule state, Muon's momentum pieces); a change
-  of layout at the same size (owned <-> mixed, the elastic path) resumes exactly; and the
+  of layout at the same size (owned <-> mixed, the elastic path) resumes exactly; the grid hosts'
+  TP ranks are the planner's, and a Shampoo or SOAP checkpoint written with the unseeded choice
+  (other TP ranks) resumes bit for bit through the elastic path; and the
   checkpoint resumes at DP4 x TP1 losslessly (weights and rule state, read back whole);
 * PP=2 x TP=2 x DP=2 (a PipelineModule, a grid group per stage): mixed equals owned bit for bit.
 
@@ -79,6 +84,76 @@ def test_grid_tp_hosts_balance_each_dp_host():
     assert grid_tp_hosts([], [], 4) == []
     with pytest.raises(ValueError, match="tp_size"):
         grid_tp_hosts([0], [1.0], 0)
+
+
+def test_grid_tp_hosts_start_from_the_seed():
+    from canzona_ds.planning.mixed import grid_tp_hosts
+
+    # cell (0, 0) already carries 6: the heaviest grid matrix (5) goes to TP rank 1, then 4 too
+    # (5 < 6), then 3 to TP rank 0 (6 < 9); DP host 1 is unseeded
+    assert grid_tp_hosts([0, 0, 0, 1], [3.0, 5.0, 4.0, 2.0], 2, seed={(0, 0): 6.0}) == [0, 1, 1, 0]
+    assert grid_tp_hosts([0, 0, 0, 1], [3.0, 5.0, 4.0, 2.0], 2) == [1, 0, 1, 0]
+    for bad in ({(0, 2): 1.0}, {(0, 0): -1.0}, {0: 1.0}, {(0, 0): float("nan")}):
+        with pytest.raises(ValueError, match="seed entry"):
+            grid_tp_hosts([0], [1.0], 2, seed=bad)
+
+
+def _constructed_plan():
+    """DP=2 x TP=2: DP rank 0 owns the TP-split A (full 512 x 256) and hosts the TP-split B and C
+    (full 256 x 256 each) over the grid; DP rank 1 owns the replicated D."""
+    from canzona_ds.planning.dp import MIXED, OwnershipPlan
+    from canzona_ds.planning.params import ParamSpec
+
+    specs = (ParamSpec("a", (256, 256), tp_partition_dim=0, tp_size=2),
+             ParamSpec("b", (128, 256), tp_partition_dim=0, tp_size=2),
+             ParamSpec("c", (256, 128), tp_partition_dim=1, tp_size=2), ParamSpec("d", (256, 128)))
+    return OwnershipPlan(planner=MIXED, world_size=2, specs=specs, owner=(0, -1, -1, 1), rank_params=((0,), (3,)),
+                         rank_load=(0.0, 0.0), rank_numel=(0, 0), order=(0, 1, 2, 3), host=(0, 0, 0, 1))
+
+
+def test_tp_cells_balance_grid_hosts_against_the_owned_tp_runtime():
+    """Ignoring the owned TP runtime's load (A on TP rank 0) puts B on that rank too: its cell
+    carries A + B.  Seeded with it, B and C both go to TP rank 1, and the worst cell is lower."""
+    from canzona_ds.optim import cost_model
+    from canzona_ds.planning.mixed import full_matrix_flops, tp_cells
+
+    rule = cost_model("muon")
+    plan = _constructed_plan()
+    a, b, c, d = (full_matrix_flops(s, rule) for s in plan.specs)
+    assert a > b == c > 0 and a < b + c  # A alone is heavier than B, lighter than B and C together
+    before, after = tp_cells(plan, 2, rule, seed_owned=False), tp_cells(plan, 2, rule)
+    for got in (before, after):
+        assert got["owned_tp"] == {0: 0}  # the owned TP runtime's LPT: A (alone) on TP rank 0
+    assert before["grid_tp"] == {1: 0, 2: 1} and after["grid_tp"] == {1: 1, 2: 1}
+    assert before["cell_flops"] == [[a + b, c], [d, d]] and after["cell_flops"] == [[a, b + c], [d, d]]
+    mean = (a + b + c + 2 * d) / 4
+    assert max(map(max, after["cell_flops"])) / mean < max(map(max, before["cell_flops"])) / mean
+
+
+def test_tp_cells_on_qwen3_at_tp8_lower_the_worst_cell():
+    """Real shapes (Qwen3-8B, TP=8, the mixed plan): seeding lowers the worst (dp, tp) cell's FLOPs."""
+    from canzona_ds.optim import cost_model
+    from canzona_ds.planning.cost import cost_vector
+    from canzona_ds.planning.dp import plan_mixed_dp
+    from canzona_ds.planning.mixed import tp_cells
+    from canzona_ds.planning.models import matrix_specs, model_specs
+
+    rule = cost_model("muon")
+    specs = matrix_specs(model_specs("qwen3-8b", 8))
+    for dp in (8, 32):
+        plan = plan_mixed_dp(specs, dp, cost_vector(specs, "flops", rule), "flops", rule)
+        before, after = (max(map(max, tp_cells(plan, 8, rule, seed_owned=s)["cell_flops"])) for s in (False, True))
+        assert after < 0.9 * before, (dp, before, after)
+
+
+def test_same_layout_compares_the_grid_hosts_tp_ranks():
+    from canzona_ds.integration.zero import grid_tp_hosts_of, same_layout
+
+    rec = {"fingerprint": "f", "hosted": {"w": {"host": 0, "tp_host": 1}, "m": {"host": 1}}}
+    assert grid_tp_hosts_of(rec) == {"w": 1} and same_layout(rec, dict(rec))
+    moved = {"fingerprint": "f", "hosted": {"w": {"host": 0, "tp_host": 0}, "m": {"host": 1}}}
+    assert not same_layout(rec, moved) and not same_layout({**rec, "fingerprint": "g"}, rec)
+    assert same_layout({"fingerprint": "f"}, {"fingerprint": "f", "hosted": {}})  # an owned layout's record
 
 
 def test_plan_hosts_tp_matrices_only_with_a_grid_group():
@@ -196,12 +271,58 @@ def _one(optimizer: str, stage: int, layout: str, ckpt: bool, root: str) -> dict
            "stats": dict(inner.step_stats.collectives) if inner.step_stats is not None else {},
            "tp_host": {n: h.get("tp_host") for n, h in a.optimizer.canzona_layout_meta()["hosted"].items()}}
     out["grid_names"] = sorted(n for n, k in out["kinds"].items() if k == GridSplit.__name__)
+    out["planned_tp_host"] = _planned_tp_hosts(inner) if out["mixed"] else {}
     if ckpt:
         b = zt.build_engine(_config(optimizer, stage, layout))
         b.load_checkpoint(folder, tag="mid")
         _train(b, range(CKPT_AFTER, STEPS))
         out.update(sd_resumed=zt.numpy_sd(b.module), state_resumed=zt.matrix_state(b), pieces_resumed=_pieces(b))
     return out
+
+
+def _planned_tp_hosts(inner) -> dict[str, int]:
+    """The grid hosts' TP ranks the planner gives for this optimizer's plan (planning/mixed.tp_cells,
+    seeded with the owned TP runtime's load), by name."""
+    from canzona_ds.planning.mixed import tp_cells
+
+    plan, tpc = inner.plan, inner.config.tp
+    got = tp_cells(plan, inner.tp_size, inner.rule, scheduler=tpc.scheduler, c_max=tpc.c_max, cost=tpc.cost)
+    return {plan.specs[i].name: t for i, t in got["grid_tp"].items()}
+
+
+#: rules whose grid host keeps rule state of its own (Muon's momentum stays with the pieces)
+OLD_HOSTS = ("CanzonaShampoo", "CanzonaSOAP")
+
+
+def _old_hosts(optimizer: str, root: str) -> dict[str, Any]:
+    """A stage-1 mixed checkpoint written with the grid hosts' TP ranks chosen without the owned
+    TP runtime's load (what versions before the seed chose: tp_cells(seed_owned=False)),
+    resumed by this version at the same DP2 x TP2, whose choice differs: the record's tp_host
+    sends it through the elastic path, which finds the hosts' rule state by name."""
+    import canzona_ds.integration.elastic as elastic
+    import canzona_ds.planning.mixed as pm
+
+    folder = str(Path(root) / f"old-hosts-{optimizer}")
+    seeded = pm.tp_cells
+    pm.tp_cells = functools.partial(seeded, seed_owned=False)
+    try:
+        a = zt.build_engine(_config(optimizer, 1, "mixed"))
+        old = a.optimizer.canzona_layout_meta()["hosted"]
+        _train(a, range(CKPT_AFTER))
+        a.save_checkpoint(folder, tag="mid")
+    finally:
+        pm.tp_cells = seeded
+    b = zt.build_engine(_config(optimizer, 1, "mixed"))
+    calls, stock = [], elastic.load
+    elastic.load = lambda *a, **k: calls.append(1) or stock(*a, **k)
+    try:
+        b.load_checkpoint(folder, tag="mid")
+    finally:
+        elastic.load = stock
+    _train(b, range(CKPT_AFTER, STEPS))
+    return {"sd": zt.numpy_sd(b.module), "elastic": len(calls),
+            "old": {n: h.get("tp_host") for n, h in old.items()},
+            "new": {n: h.get("tp_host") for n, h in b.optimizer.canzona_layout_meta()["hosted"].items()}}
 
 
 def _switch(before: str, after: str, root: str) -> dict[str, Any]:
@@ -259,6 +380,7 @@ def _worker(rank: int, world: int, root: str) -> dict:
     ms.initialize_model_parallel(TP)
     out = {run: _isolated(lambda run=run: _one(*run, root)) for run in RUNS}
     out.update({sw: _isolated(lambda sw=sw: _switch(*sw, root)) for sw in SWITCH})
+    out.update({("old-hosts", o): _isolated(lambda o=o: _old_hosts(o, root)) for o in OLD_HOSTS})
     out["grid_pp"] = _isolated(_grid_per_stage)
     out["resize"] = _isolated(lambda: _resize(root))
     return out
@@ -310,6 +432,7 @@ def test_mixed_tp_hosts_tp_matrices_over_the_grid(run, runs):
             assert all(set(r["pieces"][n]) == {"momentum_buffer"} for r in res)
             assert sum(r["pieces"][n]["momentum_buffer"].size for r in res) == \
                 sum(r["sd"][n].size for r in res) // DP  # the whole matrix once
+    assert {n: t for n, t in r0["tp_host"].items() if t is not None} == r0["planned_tp_host"]  # the planner's choice
 
 
 @pytest.mark.parametrize("run", MIXED_RUNS, ids=[_id(r) for r in MIXED_RUNS])
@@ -369,6 +492,22 @@ def test_mixed_tp_layout_change_on_resume_is_exact(before, after, runs):
     want = _res(runs, ("CanzonaMuon", 1, before, True))
     for rank, (r, w) in enumerate(zip(res, want)):
         assert r["mixed"] == (after == "mixed")
+        for n in w["sd"]:
+            np.testing.assert_array_equal(r["sd"][n], w["sd"][n], err_msg=f"rank {rank} {n}")
+
+
+@pytest.mark.parametrize("optimizer", OLD_HOSTS)
+def test_mixed_tp_checkpoint_with_other_grid_tp_hosts_resumes_exactly(optimizer, runs):
+    """A checkpoint whose grid hosts sit at other TP ranks (chosen without the owned TP runtime's
+    load, as before the seed) resumes at the same size through the elastic path, and the continued
+    run equals the uninterrupted one bit for bit (DeepSpeed's own load would leave the new hosts
+    without their rule state)."""
+    res = _res(runs, ("old-hosts", optimizer))
+    want = _res(runs, (optimizer, 1, "mixed", True))
+    r0 = res[0]
+    assert r0["old"] != r0["new"] and r0["new"] == want[0]["tp_host"], (r0["old"], r0["new"])
+    for rank, (r, w) in enumerate(zip(res, want)):
+        assert r["elastic"] == 1, rank
         for n in w["sd"]:
             np.testing.assert_array_equal(r["sd"][n], w["sd"][n], err_msg=f"rank {rank} {n}")
 

@@ -23,7 +23,9 @@ TP change re-orders rows (or columns) by the permutation between the TP layouts 
 sizes (``canzona_ds/tp/layout.py``), which each rule maps onto its state through
 ``MatrixRule.state_axes`` (e.g. SOAP's L is row x row, its eigenbasis row x eigen).  A
 state that cannot follow such a permutation (Shampoo blocks cut along the split dimension
-of a fused layout) is refused by name.
+of a fused layout) is refused by name; where a matrix keeps its saved TP layout (another DP
+size or plan, a grid host at another TP rank) its state is taken as saved, nothing permuted
+(``SavedCheckpoint.state_in``).
 
 Under DeepSpeed MoE (ZeRO 1/2) every expert parameter is indexed by its whole-model name (local
 expert j on expert-parallel rank k is global expert k*E/ep + j, recorded per file in
@@ -185,6 +187,20 @@ class Universal:
 
     def state_of(self, name: str) -> dict[str, Any]:
         return self.rule_state[name]
+
+    def check_state_layout(self, rule, name: str, tp_layout) -> None:
+        """Refuse (ElasticError, by name) a state that cannot be laid out as ``tp_layout``
+        ((dim, shard sizes, blocks) of this run; None: not split)."""
+        if tp_layout is not None:
+            _check_permutable(rule, name, self.state_shapes(name), self.full_shape(name), _layout_perm(tp_layout))
+
+    def state_in(self, rule, name: str, tp_layout) -> dict[str, Any]:
+        """The rule state of ``name`` in ``tp_layout`` (the TP layout a host of this run sees)."""
+        state = self.rule_state[name]
+        if tp_layout is None:
+            return state
+        return _permute_state(rule, name, state, self.full_shape(name), tp_layout[0], _layout_perm(tp_layout),
+                              inverse=False)
 
 
 # ------------------------------------------------------------------------------ reading
@@ -353,9 +369,8 @@ class SavedCheckpoint:
         self.tp_params = {n: (int(d), tuple(s), tuple(b)) for n, (d, s, b) in meta0["tp_params"].items()}
         self._hosted = hosted
         self._rule = None if rule_description is None else _rule_of(rule_description)
-        # a state that cannot leave its saved TP layout is refused here, from shapes alone, on every rank
-        for name in sorted(hosted & set(self._state_at)):
-            _check_permutable(self._rule, name, self.state_shapes(name), self.full_shape(name), self._perm(name))
+        # (a state that cannot leave its saved TP layout is refused where it would have to: state_of,
+        # and write's checks, from shapes alone, on every rank)
 
     @property
     def names(self) -> list[str]:
@@ -537,6 +552,36 @@ class SavedCheckpoint:
             state = _permute_state(self._rule, name, state, self.full_shape(name), dim, self._perm(name), inverse=True)
         return state
 
+    def _same_tp_layout(self, name: str, tp_layout) -> bool:
+        saved = self.tp_params.get(name)
+        return saved is not None and tp_layout is not None and saved == _layout_key(tp_layout)
+
+    def check_state_layout(self, rule, name: str, tp_layout) -> None:
+        """Refuse (ElasticError, by name) a state that cannot be laid out as ``tp_layout``
+        ((dim, shard sizes, blocks) of this run; None: not split).  Where that is the saved TP
+        layout nothing moves, so every rule's state fits, Shampoo's blocked factors too (another
+        DP size or plan, a grid host at another TP rank)."""
+        if self._same_tp_layout(name, tp_layout):
+            return
+        if name in self._hosted:  # to the TP=1 layout
+            _check_permutable(self._rule, name, self.state_shapes(name), self.full_shape(name), self._perm(name))
+        if tp_layout is not None:  # and into this run's
+            _check_permutable(rule, name, self.state_shapes(name), self.full_shape(name), _layout_perm(tp_layout))
+
+    def state_in(self, rule, name: str, tp_layout) -> dict[str, Any]:
+        """The rule state of ``name`` in ``tp_layout`` (the TP layout a host of this run sees):
+        as saved where that is the saved TP layout (views into the file: copy what you keep),
+        else through the TP=1 layout (:meth:`state_of`)."""
+        if not self._same_tp_layout(name, tp_layout):
+            state = self.state_of(name)
+            if tp_layout is None:
+                return state
+            return _permute_state(rule, name, state, self.full_shape(name), tp_layout[0], _layout_perm(tp_layout),
+                                  inverse=False)
+        state = self._saved_state(name)
+        self.elements_read += sum(v.numel() for v in state.values() if isinstance(v, Tensor))
+        return state
+
     def universal(self) -> Universal:
         """Every parameter and its state whole, in memory (the converter's form)."""
         params = {name: self.whole(name) for name in self.names}
@@ -553,6 +598,14 @@ def _rule_of(description: dict):
     from ..optim import rule_from_description
 
     return rule_from_description(description)  # with its hyper-parameters (Shampoo's blocks)
+
+
+def _layout_perm(tp_layout) -> Tensor:
+    """TP layout[i] = TP=1[perm[i]] along the split dimension of ``tp_layout`` (dim, shard sizes, blocks)."""
+    from ..tp.layout import concat_permutation
+
+    _, sizes, blocks = tp_layout
+    return concat_permutation(blocks, sizes)
 
 
 def _layout_key(tp_layout) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
@@ -638,7 +691,7 @@ def write(engine, src: Universal | SavedCheckpoint, gather: bool = True) -> dict
     from deepspeed import comm as dist
 
     from ..optim.optimizer import MATRIX
-    from ..tp.layout import concat_permutation, tp_blocks
+    from ..tp.layout import tp_blocks
     from ..tp.runtime import FlatSplit, GridSplit, TPMatrix
     from .runtime_info import canzona_optimizer
 
@@ -684,9 +737,7 @@ def write(engine, src: Universal | SavedCheckpoint, gather: bool = True) -> dict
     with_state = [local_of[n] for n in src.state_names() if n in local_of]
     for name in with_state:
         shapes = src.state_shapes(glob(name))
-        if name in opt.tp_matrices:
-            dim, sizes, blocks = layouts[name]
-            _check_permutable(opt.rule, name, shapes, src.full_shape(name), concat_permutation(blocks, sizes))
+        src.check_state_layout(opt.rule, glob(name), layouts.get(name))  # saved TP-split, or split here
         _check_state(opt.rule, opt.state_infos[name], shapes)
 
     def mine(name: str, key: str, start: int, stop: int) -> Tensor:
@@ -726,11 +777,7 @@ def write(engine, src: Universal | SavedCheckpoint, gather: bool = True) -> dict
         for name in with_state:
             if name not in handled:
                 continue
-            st = src.state_of(glob(name))
-            if name in opt.tp_matrices:
-                dim, sizes, blocks = layouts[name]
-                st = _permute_state(opt.rule, name, st, src.full_shape(name), dim,
-                                    concat_permutation(blocks, sizes), inverse=False)
+            st = src.state_in(opt.rule, glob(name), layouts.get(name))  # (a TP-split one in this run's TP layout)
             wanted[name] = {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in st.items()}
         # the mixed layout: every rank keeps its piece of a hosted matrix's element-wise state, the
         # host the other keys (MatrixRule.elementwise_state; tp/runtime.py)
@@ -747,13 +794,11 @@ def write(engine, src: Universal | SavedCheckpoint, gather: bool = True) -> dict
                 if role == MATRIX and h is not None:
                     group_of.update({n: i for n in h.split})
             for name in flat:
-                m, st = split[name], src.state_of(glob(name))
+                m, st = split[name], src.state_in(opt.rule, glob(name), layouts.get(name))
                 dp_rank = dist.get_rank(group=zopt.real_dp_process_group[group_of[name]])
                 lo, n = m.starts[dp_rank], m.lengths[dp_rank]
                 if isinstance(m, GridSplit):  # this TP rank's shard of the TP layout, then its DP piece
                     dim, sizes, blocks = layouts[name]
-                    st = _permute_state(opt.rule, name, st, src.full_shape(name), dim,
-                                        concat_permutation(blocks, sizes), inverse=False)
                     off = sum(sizes[:tp_rank])
                     st = {k: st[k].narrow(dim, off, sizes[tp_rank]) for k in elementwise}
                 pieces[name] = {k: st[k].reshape(-1)[lo:lo + n].clone() for k in elementwise}

@@ -80,7 +80,7 @@ def elastic_needed(engine, load_dir, tag) -> bool:
 
     from .elastic import OPTIM_FILE, ElasticError, _load, checkpoint_size, latest_tag
     from .runtime_info import canzona_optimizer
-    from .zero import LAYOUT_KEY, expert_ranks_moved
+    from .zero import LAYOUT_KEY, expert_ranks_moved, same_layout
 
     opt = canzona_optimizer(engine)
     if opt is not None and engine.zero_optimization_stage() == 3:
@@ -112,8 +112,9 @@ def elastic_needed(engine, load_dir, tag) -> bool:
             meta = saved["optimizer_state_dict"].get(LAYOUT_KEY) or {}
             current = engine.optimizer.canzona_layout_meta()
             # (an expert group laid out otherwise at the same sizes, e.g. use_data_before_expert_parallelism
-            # changed: this rank's own file holds another expert-parallel or expert-DP rank's partition)
-            differs = meta.get("fingerprint") != current["fingerprint"] or bool(expert_ranks_moved(meta, current))
+            # changed: this rank's own file holds another expert-parallel or expert-DP rank's partition;
+            # a grid host at another TP rank: zero.same_layout)
+            differs = not same_layout(meta, current) or bool(expert_ranks_moved(meta, current))
     if not tdist.is_initialized():
         return differs
     # a load-time decision every rank must share (host objects, not the step)

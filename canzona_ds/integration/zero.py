@@ -45,6 +45,23 @@ from .pinned import check_instance
 LAYOUT_KEY = "canzona_layout"
 
 
+def grid_tp_hosts_of(meta: dict) -> dict:
+    """Name -> TP rank of the host of every grid-hosted matrix in a layout record
+    (``canzona_layout_meta()["hosted"][name]["tp_host"]``; a record without any: {})."""
+    return {n: h["tp_host"] for n, h in (meta.get("hosted") or {}).items() if h.get("tp_host") is not None}
+
+
+def same_layout(saved: dict, current: dict) -> bool:
+    """Whether a checkpoint's layout record (``saved``) places every matrix and its rule state as
+    this run does (``current``): the plan's and layout's fingerprint, and the TP rank of each
+    grid-hosted matrix's host, which the fingerprint does not cover (it is chosen after the
+    plan, planning/mixed.tp_cells: a checkpoint written by a version that chose another TP rank
+    keeps that matrix's rule state in another TP rank's file, so it resumes through the elastic
+    path, which finds state by name)."""
+    return saved.get("fingerprint") == current.get("fingerprint") and \
+        grid_tp_hosts_of(saved) == grid_tp_hosts_of(current)
+
+
 def _make_zero_class():
     from deepspeed import comm as dist
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
@@ -375,11 +392,14 @@ def _make_zero_class():
                 raise ValueError("This ZeRO checkpoint was not written by a Canzona optimizer (no 'canzona_layout'); "
                                  "load it with the optimizer that wrote it, or load the module weights only "
                                  "(load_optimizer_states=False, load_module_only=True).")
-            if len(state_dict_list) != dp or saved["fingerprint"] != current["fingerprint"]:
+            if len(state_dict_list) != dp or not same_layout(saved, current):
+                was, now = grid_tp_hosts_of(saved), grid_tp_hosts_of(current)
+                hosts = "" if was == now else f"; grid hosts' TP ranks saved {was}, now {now}"
                 raise ValueError(
                     f"Canzona checkpoint layout differs from this run: saved with DP={saved['world_size']} "
                     f"(planner={saved['planner']}, P={saved['shard_numel']}, {len(state_dict_list)} shards), "
-                    f"now DP={current['world_size']} (planner={current['planner']}, P={current['shard_numel']}). "
+                    f"now DP={current['world_size']} (planner={current['planner']}, P={current['shard_numel']})"
+                    f"{hosts}. "
                     "Load it with canzona_ds.checkpoint.load() or engine.load_checkpoint() after `import "
                     "canzona_ds` (both resume at another DP/TP size: docs/checkpoints.md), or resume with the same "
                     "DP size and optimizer params.")

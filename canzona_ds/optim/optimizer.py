@@ -255,7 +255,8 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         matrix, and ``dp_hosted`` their cuts, hosted where the plan says:
         :class:`~canzona_ds.tp.runtime.FlatSplit` over ``dp_group`` (matrices not split by TP),
         :class:`~canzona_ds.tp.runtime.GridSplit` over ``groups.grid_group`` (TP-split ones: the
-        plan's DP host, at the TP rank :func:`~canzona_ds.planning.mixed.grid_tp_hosts` picks).
+        plan's DP host, at the TP rank :func:`~canzona_ds.planning.mixed.grid_tp_hosts` picks, seeded with
+        the owned TP runtime's load on each cell: :func:`~canzona_ds.planning.mixed.tp_cells`).
         Under TP a rank then runs up to three runtimes, in this order on every rank: the owned
         TP-split matrices over the TP group, the flat ones over DP, the grid ones.
 
@@ -269,7 +270,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         make = self._hosted
         if dp_hosted:
             from ..placement import HostedSet
-            from ..planning.mixed import grid_tp_hosts
+            from ..planning.mixed import tp_cells
             from ..tp.runtime import GridSplit
 
             if partition not in self.plans:
@@ -292,8 +293,19 @@ class CanzonaOptimizer(torch.optim.Optimizer):
                 raise RuntimeError("The mixed layout hosts tensor-parallel matrices over the DP x TP grid, but "
                                    "groups.grid_group is None (integration/groups.with_grid_group builds it).")
             dp_hosts = [plan.host[index[m.name]] for m in grid]
-            costs = [self.rule.flops(m.info.shape2d, m.num_heads).amortised for m in grid]
-            tp_hosts = grid_tp_hosts(dp_hosts, costs, self.groups.tp_size)
+            # the TP rank of each grid host: balanced with what the owned TP runtime already puts on
+            # each (dp, tp) cell, from the plan alone (every rank the same; planning/mixed.tp_cells)
+            tp_hosts = []
+            if grid:
+                tpc = self.config.tp
+                grid_tp = tp_cells(plan, self.groups.tp_size, self.rule, scheduler=tpc.scheduler, c_max=tpc.c_max,
+                                   cost=tpc.cost, full_shapes={n: m.full_shape for n, m in self.tp_matrices.items()}
+                                   )["grid_tp"]
+                planned = sorted(plan.specs[i].name for i in grid_tp)
+                if planned != sorted(m.name for m in grid):
+                    raise RuntimeError(f"bind_partition: the plan hosts {planned[:3]}... over the DP x TP grid, the "
+                                       f"layout cut {sorted(m.name for m in grid)[:3]}... as GridSplits.")
+                tp_hosts = [grid_tp[index[m.name]] for m in grid]
             hosted = {m.name for m in dp_hosted}
 
             def make_mixed(names: list[str]):

@@ -24,8 +24,14 @@ result, so the host keeps only the rest, and the planner counts that state per p
 Under tensor parallelism the plan is made over the TP-local shapes and every TP rank's buffer
 follows it, so a hosted TP-split matrix is cut twice: into TP shards, and each shard into these
 DP pieces (:class:`~canzona_ds.tp.runtime.GridSplit` over the DP x TP grid).  Its host is the
-grid cell (the plan's DP host, the TP rank :func:`grid_tp_hosts` picks); the bytes here are one
-TP rank's (its TP-local pieces).
+grid cell (the plan's DP host, the TP rank :func:`grid_tp_hosts` picks, each TP rank starting
+from what the owned TP runtime already updates there: :func:`tp_cells`); the bytes here are one
+TP rank's (its TP-local pieces)::
+
+    DP=2 x TP=2; d=0 owns the TP-split A and hosts the TP-split B, C; d=1 owns the replicated D
+                  tp=0     tp=1
+      dp=0        A        B C      A where the owned TP runtime put it; B and C start from it
+      dp=1        D        D        a replicated matrix: every TP rank updates its replica
 
 The planner (:func:`plan_mixed`) walks the buffer rank by rank:
 
@@ -46,7 +52,7 @@ computes the same plan from the same specs.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from .layout import DS_START_ALIGNMENT, Layout
 from .params import ParamSpec
@@ -318,18 +324,26 @@ def step_bytes(layout: Layout, host_of_k: Sequence[int] | None = None, grad_byte
             "rank_cost": zero_total // dp + max(sent) + collectives * LATENCY_BYTES}
 
 
-def grid_tp_hosts(dp_hosts: Sequence[int], costs: Sequence[float], tp_size: int) -> list[int]:
+def grid_tp_hosts(dp_hosts: Sequence[int], costs: Sequence[float], tp_size: int,
+                  seed: Mapping[tuple[int, int], float] | None = None) -> list[int]:
     """The TP rank of each tensor-parallel hosted matrix's host (the mixed layout under DP x
     TP): the matrix's update runs at grid cell (its DP host, this TP rank).  Every TP rank at one
     DP index shares that index's hosted matrices: heaviest first (``costs``: the full matrix's
     cost), each onto the least-loaded TP rank at its DP host, lowest rank on ties;
-    deterministic, the same on every rank.  (The TP runtime of the owned TP-split matrices plans
-    its own hosts over the TP group; its loads are not counted here.)"""
+    deterministic, the same on every rank.  ``seed``: the load already on cell (dp, tp) before
+    any of these (:func:`tp_cells` passes the owned TP runtime's FLOPs there, so a TP rank that
+    already hosts owned TP-split matrices takes fewer grid ones); None: every cell starts at 0."""
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"Invalid tp_size={tp_size!r}. Must be an int >= 1.")
     if len(dp_hosts) != len(costs):
         raise ValueError(f"dp_hosts ({len(dp_hosts)}) and costs ({len(costs)}) must be one per matrix.")
     load: dict[tuple[int, int], float] = {}
+    for cell, v in (seed or {}).items():
+        ok = isinstance(cell, tuple) and len(cell) == 2 and all(isinstance(c, int) and c >= 0 for c in cell)
+        if not ok or cell[1] >= tp_size or not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+            raise ValueError(f"Invalid seed entry {cell!r}: {v!r}. Keys must be (dp_rank, tp_rank) cells with "
+                             f"0 <= tp_rank < {tp_size}, values finite loads >= 0.")
+        load[cell] = float(v)
     out = [0] * len(dp_hosts)
     for j in sorted(range(len(dp_hosts)), key=lambda j: (-costs[j], j)):
         h = dp_hosts[j]
@@ -337,3 +351,77 @@ def grid_tp_hosts(dp_hosts: Sequence[int], costs: Sequence[float], tp_size: int)
         out[j] = t
         load[(h, t)] = load.get((h, t), 0.0) + costs[j]
     return out
+
+
+def full_matrix_flops(spec: ParamSpec, model, full_shape: Sequence[int] | None = None) -> float:
+    """The rule's amortised FLOPs of one whole update of ``spec`` on its host: the whole (TP=1)
+    matrix of a TP-split one (``full_shape``: its real full shape, e.g. AutoTP's uneven shards
+    summed; default ``spec.full_shape``), every expert of a stack."""
+    if spec.is_tp_split:
+        shape = tuple(full_shape) if full_shape is not None else spec.full_shape
+        return float(model.flops((shape[0], math.prod(shape[1:])), spec.num_heads).amortised)
+    return float(spec.matrix_count * model.flops(spec.matrix_shape, spec.num_heads).amortised)
+
+
+def owned_tp_hosts(plan, tp_size: int, model, scheduler: str | None = None, c_max: float | None = None,
+                   cost: str = "numel", full_shapes: Mapping[str, Sequence[int]] | None = None) -> dict[int, int]:
+    """Spec index -> TP rank of every owned TP-split matrix of a DP plan, where the owned TP
+    runtime hosts it: each DP rank's owned TP-split matrices (buffer order) scheduled over its
+    TP group by ``planning/tp.plan_tp`` with the runtime's settings (``canzona_tp``: scheduler,
+    c_max, cost) on the whole matrices, as ``tp/runtime.plan_groups`` does.  From the plan alone."""
+    from .tp import DEFAULT_TP_SCHEDULER, plan_tp
+
+    full_shapes = full_shapes or {}
+    by_dp: dict[int, list[int]] = {}
+    for i in plan.buffer_order():
+        o, spec = plan.owner[i], plan.specs[i]
+        if o >= 0 and spec.is_tp_split:
+            by_dp.setdefault(o, []).append(i)
+    out = {}
+    for idx in by_dp.values():
+        specs = [ParamSpec(plan.specs[i].name, tuple(full_shapes.get(plan.specs[i].name, plan.specs[i].full_shape)),
+                           "matrix", num_heads=plan.specs[i].num_heads) for i in idx]
+        got = plan_tp(specs, tp_size, scheduler=scheduler or DEFAULT_TP_SCHEDULER, c_max=c_max, cost=cost,
+                      model=model)
+        out.update(zip(idx, got.host))
+    return out
+
+
+def tp_cells(plan, tp_size: int, model, scheduler: str | None = None, c_max: float | None = None,
+             cost: str = "numel", full_shapes: Mapping[str, Sequence[int]] | None = None,
+             seed_owned: bool = True) -> dict:
+    """Where every matrix of a DP plan is updated on the DP x TP grid, and each cell's FLOPs (the
+    rule's amortised FLOPs of the whole matrices it updates), from the plan alone: every rank
+    computes the same.
+
+    ``owned_tp``: spec index -> TP rank of each owned TP-split matrix (:func:`owned_tp_hosts`,
+    the owned TP runtime's hosts over its owner's TP group); ``grid_tp``: spec index -> TP rank
+    of each hosted TP-split matrix (:func:`grid_tp_hosts` at the plan's DP host, each TP rank
+    seeded with its owned TP runtime's FLOPs at that DP index; ``seed_owned=False``: unseeded,
+    the choice before the seed); ``cell_flops[d][t]``: FLOPs of cell (d, t): owned TP-split and
+    grid-hosted matrices at their cell, owned and DP-hosted replicated matrices on every TP rank
+    of their DP index (each TP rank updates its replica)."""
+    dp = plan.world_size
+    full_shapes = full_shapes or {}
+    order = plan.buffer_order()
+    flops = {i: full_matrix_flops(plan.specs[i], model, full_shapes.get(plan.specs[i].name)) for i in order}
+    host = plan.host if plan.mixed else plan.owner
+    owned_tp = owned_tp_hosts(plan, tp_size, model, scheduler, c_max, cost, full_shapes)
+    cells = [[0.0] * tp_size for _ in range(dp)]
+    for i in order:
+        if plan.specs[i].is_tp_split:
+            if i in owned_tp:
+                cells[plan.owner[i]][owned_tp[i]] += flops[i]
+        else:
+            for t in range(tp_size):
+                cells[host[i]][t] += flops[i]
+    seed = None
+    if seed_owned:  # (replicated matrices load every TP rank of a DP index alike: only these differ)
+        seed = {}
+        for i, t in owned_tp.items():
+            seed[(plan.owner[i], t)] = seed.get((plan.owner[i], t), 0.0) + flops[i]
+    grid = [i for i in order if plan.owner[i] < 0 and plan.specs[i].is_tp_split]
+    tps = grid_tp_hosts([host[i] for i in grid], [flops[i] for i in grid], tp_size, seed)
+    for i, t in zip(grid, tps):
+        cells[host[i]][t] += flops[i]
+    return {"owned_tp": owned_tp, "grid_tp": dict(zip(grid, tps)), "cell_flops": cells}
