@@ -30,7 +30,6 @@ fp32, so TP hosts scatter fp32 update shards and hosting is bit-exact.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import ClassVar
 
