@@ -96,14 +96,18 @@ MOE_REFUSAL = ("{where}: this checkpoint has DeepSpeed MoE expert groups but its
                "load_module_only=True); checkpoints written now resume at any DP and ep_size, either layout (docs/moe.md).")
 
 
-def _check_moe_meta(folder: str, metas: list[dict], tp: int = 1) -> None:
+def _check_moe_meta(folder: str, metas: list[dict], tp: int = 1, stage: bool = False) -> None:
     """A DeepSpeed MoE checkpoint resumes at another size when every file records its experts'
     whole-model names (``canzona_layout.moe[group].global_names``), with either layout (a mixed
     group also records ``owner_at`` and ``hosted``), at any TP size ``tp`` (whole experts: each file holds its expert-parallel rank's partition,
-    wherever its TP rank lies; ``SavedCheckpoint._index_experts``)."""
+    wherever its TP rank lies; ``SavedCheckpoint._index_experts``).  Under pipeline parallelism
+    only when ``stage``: the files read are one pipeline stage's (``SavedCheckpoint(mp_ranks=...)``,
+    as ``load`` opens them), without TP and in the owned layout (what is tested)."""
     for m in metas:
-        if m.get("pp_size", 1) > 1:
-            raise ElasticError(MOE_PP_REFUSAL.format(where=folder, pp=m["pp_size"]))
+        pp = m.get("pp_size", 1)
+        if pp > 1 and (not stage or tp > 1 or m.get("layout") == "mixed"
+                       or any(i.get("layout") == "mixed" for i in m["moe"].values())):
+            raise ElasticError(MOE_PP_REFUSAL.format(where=folder, pp=pp))
         if tp > 1 and (m.get("layout") == "mixed" or any(i.get("layout") == "mixed" for i in m["moe"].values())):
             raise ElasticError(MOE_TP_MIXED_REFUSAL.format(where=folder, tp=tp))
         for info in m["moe"].values():
@@ -125,11 +129,14 @@ MOE_TP_MIXED_REFUSAL = ("{where}: a DeepSpeed MoE checkpoint with tensor paralle
                         "that must resize.")
 
 
-#: DeepSpeed MoE x pipeline parallelism: not resumable at another size (not implemented: the expert
-#: index reads one stage's files)
-MOE_PP_REFUSAL = ("{where}: a DeepSpeed MoE checkpoint saved under pipeline parallelism (PP={pp}) cannot be resumed at "
-                  "another DP size, ep_size or plan (not implemented for MoE x pipeline parallelism); resume it at the "
-                  "size it was saved at (engine.load_checkpoint does), or load the module weights only "
+#: DeepSpeed MoE x pipeline parallelism: resumable at another DP size and ep_size (ZeRO 1, the
+#: owned layout) through ``load``, each stage from its own files; not through the converter (which
+#: reads every model-parallel file as a TP rank), nor in the mixed layout (untested)
+MOE_PP_REFUSAL = ("{where}: a DeepSpeed MoE checkpoint saved under pipeline parallelism (PP={pp}) is resumed at another "
+                  "size only by engine.load_checkpoint at ZeRO 1 in the owned layout, each pipeline stage "
+                  "from its own files (another DP size or ep_size, the same PP size); it cannot be read whole here "
+                  "(the offline converter), nor resized in the mixed layout (not implemented for MoE x pipeline "
+                  "parallelism). Resume it at the size it was saved at, or load the module weights only "
                   "(load_module_only=True).")
 
 
@@ -310,7 +317,7 @@ class SavedCheckpoint:
                 raise ElasticError(f"{folder} was not written by a Canzona optimizer with a planned layout (no "
                                    f"'{LAYOUT_KEY}'); only Canzona checkpoints can change size here.")
             if any(m.get("moe") for m in metas):
-                _check_moe_meta(folder, metas, tp)
+                _check_moe_meta(folder, metas, tp, stage=mp_ranks is not None)
             meta = metas[0]
             meta0 = meta0 or meta
             where: dict[str, tuple] = {}
