@@ -1,19 +1,23 @@
 """DeepSpeed MoE x pipeline parallelism resumed at another size (the PipelineModule of
-tests/test_moe_pipeline.py at ZeRO 1, one MoE layer in each of its 2 stages, CanzonaMuon with
-gradient clipping that clips): saved at PP 2 x DP 2 with ep_size 2 (world 4), resumed at
+tests/test_moe_pipeline.py with one MoE layer in each of its 2 stages, CanzonaMuon with gradient
+clipping that clips): saved at PP 2 x DP 2 with ep_size 2 (world 4), resumed at
 
-    dp1_ep1   PP 2 x DP 1, ep_size 1 (world 2): another DP size and ep_size
-    dp2_ep1   PP 2 x DP 2, ep_size 1 (world 4): another ep_size at the same DP size
+    z1_dp1_ep1   ZeRO 1, PP 2 x DP 1, ep_size 1 (world 2): another DP size and ep_size
+    z1_dp2_ep1   ZeRO 1, PP 2 x DP 2, ep_size 1 (world 4): another ep_size at the same DP size
+    z0_dp1_ep1   ZeRO 0, PP 2 x DP 1, ep_size 1 (world 2): DeepSpeed's expp_rank files, through
+                 ``elastic.load_stage0_moe``
 
-Each stage's ranks read their own stage's files (``zero_pp_rank_{dp}_mp_rank_{stage}``): the
-expert index of ``elastic.SavedCheckpoint`` covers one stage's expert groups, by whole-model
-name.  Per scenario:
+Each stage's ranks read their own stage's files: DeepSpeed numbers every file of a stage by its
+model-parallel rank, which on a pipeline grid is the stage (``zero_pp_rank_{dp}_mp_rank_{stage}``,
+``expp_rank_{k}_mp_rank_{stage}``, ``layer_{i}_expert_{e}_mp_rank_{stage}``, the layer index
+counted within the stage); the expert index of ``elastic.SavedCheckpoint`` (ZeRO 1) and
+``load_stage0_moe`` (ZeRO 0) cover one stage's expert groups, by whole-model name.  Per scenario:
 
   (a) right after ``engine.load_checkpoint``: every matrix's fp32 master and Muon state (dense
       and each expert, by whole-model name), every AdamW piece and every module weight equal
       what the saving ranks held in memory, bit for bit; each matrix on exactly one rank, the
-      planned owner of its new (expert-)DP group (``layout.owners()``) in its own stage, an
-      expert on the ranks of its new expert-parallel rank; the steps as saved;
+      planned owner of its new (expert-)DP group (``layout.owners()``, ZeRO 1) in its own stage,
+      an expert on the rank of its new expert-parallel rank; the steps as saved;
   (b) 2 more ``train_batch`` calls on the batches the saving run continued with (the same global
       batch: DP 1 takes 4 micro-batches of 2 where DP 2 took 2 per rank): every matrix update the
       owner made replays bit for bit from its gradients and the loaded state (MatrixStepRecorder,
@@ -26,7 +30,8 @@ name.  Per scenario:
       Newton-Schulz amplifies the rounding of that expert's rank-deficient gradient: Muon applied
       in one process to either run's gradients from the saved state gives the same 1.2e-4).
 
-A PP size change stays refused by name (tests/test_pipeline.py covers the dense refusal).
+A PP size change stays refused by name (the check MoE and dense pipelines share; tests/test_pipeline.py
+runs it), as do the offline converter of a MoE x PP checkpoint (tested here) and the mixed layout.
 One ``run_distributed`` per run (a second PipelineEngine in the same processes hung when tried);
 one test per scenario.
 """
@@ -43,8 +48,8 @@ from canzona_ds.testing.dist import run_distributed, scratch_dir
 
 SAVE_STEPS, MORE, CLIP, MICRO = 2, 2, 0.05, 2
 OPT = "CanzonaMuon"
-#: scenario -> (new world, new ep_size) (saved: world 4 = PP 2 x DP 2, ep_size 2)
-SCENARIOS = {"dp1_ep1": (2, 1), "dp2_ep1": (4, 1)}
+#: scenario -> (new world, new ep_size, ZeRO stage) (saved at that stage: world 4 = PP 2 x DP 2, ep_size 2)
+SCENARIOS = {"z1_dp1_ep1": (2, 1, 1), "z1_dp2_ep1": (4, 1, 1), "z0_dp1_ep1": (2, 1, 0)}
 #: the largest |gradient - the saving run's| in the first continued step (gradients ~3e-3;
 #: measured 2.3e-10: the same sums in another order)
 GRAD_TOL = 1e-9
@@ -69,7 +74,7 @@ def _steps(start: int, count: int, dp: int, dp_rank: int) -> list:
     return out
 
 
-def _engine(world: int, ep: int):
+def _engine(world: int, ep: int, zero: int):
     import deepspeed
 
     import canzona_ds  # noqa: F401
@@ -79,7 +84,7 @@ def _engine(world: int, ep: int):
     module = build_moe_pipe(2, ep_size=ep)
     dp = world // 2
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 4 // dp,
-           "steps_per_print": 10 ** 6, "gradient_clipping": CLIP, "zero_optimization": {"stage": 1},
+           "steps_per_print": 10 ** 6, "gradient_clipping": CLIP, "zero_optimization": {"stage": zero},
            "optimizer": {"type": OPT, "params": HP[OPT]}}
     engine, *_ = deepspeed.initialize(model=module, model_parameters=list(module.parameters()), config=cfg)
     grid = module.mpu()
@@ -105,9 +110,9 @@ def _grads(recorder, opt) -> list:
              for n, (g, _, w) in step.items()} for step in recorder.steps]
 
 
-def _save_worker(rank, world, root):
+def _save_worker(rank, world, root, zero):
     try:
-        engine, module, dp, dp_rank, stage = _engine(world, 2)
+        engine, module, dp, dp_rank, stage = _engine(world, 2, zero)
         data = iter(_steps(0, SAVE_STEPS, dp, dp_rank))
         for _ in range(SAVE_STEPS):
             engine.train_batch(data)
@@ -126,13 +131,13 @@ def _save_worker(rank, world, root):
         return traceback.format_exc()
 
 
-def _load_worker(rank, world, root, ep):
+def _load_worker(rank, world, root, ep, zero):
     try:
         import torch.distributed as tdist
 
         from canzona_ds.testing.models import MatrixStepRecorder
 
-        engine, module, dp, dp_rank, stage = _engine(world, ep)
+        engine, module, dp, dp_rank, stage = _engine(world, ep, zero)
         engine.load_checkpoint(root, tag="saved")
         opt = engine.basic_optimizer
         loaded = _snapshot(engine)
@@ -148,19 +153,19 @@ def _load_worker(rank, world, root, ep):
 
 
 @functools.lru_cache(maxsize=None)
-def _root() -> str:
-    return scratch_dir("canzona_moe_pp_elastic_")
+def _root(zero: int) -> str:
+    return scratch_dir(f"canzona_moe_pp_elastic_z{zero}_")
 
 
 @functools.lru_cache(maxsize=None)
-def _saved() -> list:
-    return run_distributed(_save_worker, 4, _root(), timeout=240)
+def _saved(zero: int) -> list:
+    return run_distributed(_save_worker, 4, _root(zero), zero, timeout=240)
 
 
 @functools.lru_cache(maxsize=None)
 def _loaded(name: str) -> list:
-    world, ep = SCENARIOS[name]
-    return run_distributed(_load_worker, world, _root(), ep, timeout=240)
+    world, ep, zero = SCENARIOS[name]
+    return run_distributed(_load_worker, world, _root(zero), ep, zero, timeout=240)
 
 
 def _results(runs: list, what: str) -> list:
@@ -182,13 +187,14 @@ def _eq(got, want, what: str) -> None:
 def test_moe_pipeline_resume_at_new_size(name):
     from test_moe_elastic import _merge
 
-    world, ep = SCENARIOS[name]
-    saved_runs = _results(_saved(), "saving")
+    world, ep, zero = SCENARIOS[name]
+    saved_runs = _results(_saved(zero), "saving")
     res = _results(_loaded(name), "loading")
     saved = _merge([r["snap"] for r in saved_runs])
     # DeepSpeed numbers every file by the stage's model-parallel rank (experts: layer_<i>_expert_<e>_mp_rank_<stage>)
     files = saved_runs[0]["files"]
-    assert {f"zero_pp_rank_{d}_mp_rank_{s:02d}_optim_states.pt" for d in range(2) for s in range(2)} <= set(files)
+    optim = "zero_pp_rank_{}_mp_rank_{:02d}_optim_states.pt" if zero else "expp_rank_{}_mp_rank_{:02d}_optim_states.pt"
+    assert {optim.format(r, s) for r in range(2) for s in range(2)} <= set(files), files  # by DP / expert-parallel rank
     assert {f"layer_0_expert_{e}_mp_rank_{s:02d}_model_states.pt" for e in range(4) for s in range(2)} <= set(files)
     experts = [n for n in saved.rule_state if ".deepspeed_experts." in n]
     assert len(experts) == 2 * 4 * 2, sorted(saved.rule_state)  # 2 MoE layers x 4 experts x 2 matrices
@@ -204,9 +210,10 @@ def test_moe_pipeline_resume_at_new_size(name):
             holders.setdefault(n, []).append(rank)
             assert _stage_of(n) == r["stage"], (n, rank, r["stage"])
             _eq(w, saved.params[n], f"{name}: fp32 master of {n} on rank {rank}")
-            key = f"ep_size_{ep}" if ".deepspeed_experts." in n else "None"
-            edp_rank, _ = got["groups"][key]
-            assert got["owners"][n] == edp_rank, (n, rank, got["owners"][n], edp_rank)  # its planned owner
+            if zero:
+                key = f"ep_size_{ep}" if ".deepspeed_experts." in n else "None"
+                edp_rank, _ = got["groups"][key]
+                assert got["owners"][n] == edp_rank, (n, rank, got["owners"][n], edp_rank)  # its planned owner
             if ".deepspeed_experts." in n:  # an expert of this rank's new expert-parallel rank
                 e = int(n.split("deepspeed_experts.")[1].split(".")[0])
                 assert e // (4 // ep) == got["ep"][1], (n, rank, got["ep"])
@@ -256,6 +263,31 @@ def test_moe_pipeline_converter_refuses_by_name():
     does not separate pipeline stages: a MoE x PP checkpoint is refused by name there."""
     from canzona_ds.integration.elastic import ElasticError, read
 
-    _results(_saved(), "saving")
+    _results(_saved(1), "saving")
     with pytest.raises(ElasticError, match=r"pipeline parallelism \(PP=2\)"):
-        read(_root(), "saved")
+        read(_root(1), "saved")
+
+
+def _pp_change_worker(rank, world, root):
+    """The ZeRO-1 MoE x PP checkpoint into the tiny MoE model without pipeline parallelism (PP 1 x
+    DP 2, ep_size 2)."""
+    from canzona_ds.integration.elastic import ElasticError
+    from canzona_ds.testing.moe import moe_ds_config, run_moe_engine
+
+    def load(engine):
+        engine.load_checkpoint(root, tag="saved")
+
+    try:
+        run_moe_engine(rank, world, 2, moe_ds_config(world, optimizer=OPT, stage=1), 1, after_init=load)
+    except ElasticError as e:
+        return str(e)
+    except Exception:  # noqa: BLE001
+        return "not an ElasticError:\n" + traceback.format_exc()
+    return None
+
+
+def test_moe_pipeline_resume_at_another_pipeline_size_is_refused():
+    """Another PP size (here PP 2 -> 1) stays refused by name on every rank, before anything loads."""
+    _results(_saved(1), "saving")
+    for rank, msg in enumerate(run_distributed(_pp_change_worker, 2, _root(1), timeout=240)):
+        assert msg is not None and "saved with PP=2; this run has PP=1" in msg, (rank, msg)

@@ -950,13 +950,11 @@ def stage0_moe_resize_needed(engine, ckpt_dir: str, tag: str | None) -> bool:
             raise ElasticError(_incomplete_stage0_moe(
                 folder, [os.path.basename(engine._get_optimizer_ckpt_name(ckpt_dir, tag, k))]))
         return False
-    if opt.groups.pp_size > 1:  # load_stage0_moe reads the first stage's files only
-        raise ElasticError(MOE_PP_REFUSAL.format(where=folder, pp=opt.groups.pp_size))
-    if opt.groups.tp_size > 1 or any(m for _, m in pairs):
+    if opt.groups.tp_size > 1 or (opt.groups.pp_size == 1 and any(m for _, m in pairs)):
         raise ElasticError(f"{folder} was saved at ZeRO stage 0 with expert-parallel size {len(saved_ep)}; this run "
                            f"has ep_size={opt.groups.ep_size}. A change of ep_size under tensor parallelism is not "
                            "implemented; resume MoE x TP with the saved ep_size.")
-    first = _load(_expp_files(folder)[0], mmap=True)["optimizer"]
+    first = _load(_expp_files(folder, int(engine.checkpoint_mp_rank))[0], mmap=True)["optimizer"]
     if "global_names" not in first.get("canzona", {}):
         raise ElasticError(
             f"{folder} was saved at ZeRO stage 0 with expert-parallel size {len(saved_ep)}; this run has "
@@ -976,10 +974,11 @@ def _incomplete_stage0_moe(folder: str, missing: list) -> str:
             "Checkpoints).")
 
 
-def _expp_files(folder: str) -> list[str]:
-    """DeepSpeed's stage-0 MoE optimizer files of ``folder``, by expert-parallel rank."""
+def _expp_files(folder: str, mp_rank: int = 0) -> list[str]:
+    """DeepSpeed's stage-0 MoE optimizer files of ``folder`` at model-parallel rank ``mp_rank``, by
+    expert-parallel rank (TP=1, stage0_moe_resize_needed: ``mp_rank`` is the pipeline stage)."""
     found = {int(m.group(1)): os.path.join(folder, f) for f in os.listdir(folder)
-             if (m := EXPP_FILE.search(f)) and int(m.group(2)) == 0}  # (TP=1: stage0_moe_resize_needed)
+             if (m := EXPP_FILE.search(f)) and int(m.group(2)) == mp_rank}
     if sorted(found) != list(range(len(found))):
         raise ElasticError(f"{folder}: expp_rank optimizer files {sorted(found)} are not 0..{len(found) - 1}.")
     return [found[k] for k in range(len(found))]
@@ -1002,7 +1001,8 @@ def load_stage0_moe(engine, stock_load, ckpt_dir: str, tag: str | None, load_mod
     folder = os.path.join(ckpt_dir, tag)
     opt = canzona_optimizer(engine)
     # where every saved parameter's state lies: whole-model name -> (file, group, position)
-    files = [_load(path, mmap=True)["optimizer"] for path in _expp_files(folder)]
+    # (under pipeline parallelism this stage's files: DeepSpeed numbers them by the stage's mp rank)
+    files = [_load(path, mmap=True)["optimizer"] for path in _expp_files(folder, int(engine.checkpoint_mp_rank))]
     where: dict[str, tuple[int, int, int]] = {}
     for k, sd in enumerate(files):
         for g, names in enumerate(sd["canzona"]["global_names"]):
