@@ -38,7 +38,11 @@ different TP ranks: each expert group is indexed over the files of every TP rank
 expert-parallel and expert-DP rank each file records), the dense groups as without MoE, and a
 resume may change TP too.  At ZeRO stage 0 DeepSpeed's own
 load resumes at another DP size; another ``ep_size`` goes through ``load_stage0_moe`` (each
-parameter's state from the expp_rank file that held it, by whole-model name).
+parameter's state from the expp_rank file that held it, by whole-model name).  Under pipeline
+parallelism (MoE x PP, TP 1) DeepSpeed numbers a stage's files by its model-parallel rank, the
+stage, and each stage's ranks read their own stage's files only (``_stage_file_ranks``,
+``SavedCheckpoint(mp_ranks=...)``; at ZeRO 0 the stage's expp_rank files): another DP size or
+``ep_size`` at the same PP size; the converter and the mixed layout are refused there.
 
 ``engine.load_checkpoint`` of a Canzona engine takes this path by itself when the
 checkpoint's DP or TP size differs from the engine's (integration/registry.py), and
