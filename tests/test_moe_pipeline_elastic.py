@@ -7,6 +7,8 @@ clipping that clips; and CanzonaShampoo): saved at PP 2 x DP 2 with ep_size 2 (w
     z0_dp1_ep1   ZeRO 0, PP 2 x DP 1, ep_size 1 (world 2): DeepSpeed's expp_rank files, through
                  ``elastic.load_stage0_moe``
     z1_dp1_ep1_shampoo   the first with CanzonaShampoo (its whole rule state by key)
+    z0_dp1_ep1_moe_in_stage0   the z0 one with MoE in stage 0 only (stage 1: the head, AdamW, no
+                 matrix; it resumes through DeepSpeed's own load, stage 0 through load_stage0_moe)
 
 Each stage's ranks read their own stage's files: DeepSpeed numbers every file of a stage by its
 model-parallel rank, which on a pipeline grid is the stage (``zero_pp_rank_{dp}_mp_rank_{stage}``,
@@ -49,10 +51,11 @@ import pytest
 from canzona_ds.testing.dist import run_distributed, scratch_dir
 
 SAVE_STEPS, MORE, CLIP, MICRO = 2, 2, 0.05, 2
-#: scenario -> (new world, new ep_size, ZeRO stage, type) (saved at that stage with that type: world 4 =
-#: PP 2 x DP 2, ep_size 2)
+#: scenario -> (new world, new ep_size, ZeRO stage, type[, MoE layers: 2, one per stage, default]) (saved
+#: at that stage with that type and layers: world 4 = PP 2 x DP 2, ep_size 2)
 SCENARIOS = {"z1_dp1_ep1": (2, 1, 1, "CanzonaMuon"), "z1_dp2_ep1": (4, 1, 1, "CanzonaMuon"),
-             "z0_dp1_ep1": (2, 1, 0, "CanzonaMuon"), "z1_dp1_ep1_shampoo": (2, 1, 1, "CanzonaShampoo")}
+             "z0_dp1_ep1": (2, 1, 0, "CanzonaMuon"), "z1_dp1_ep1_shampoo": (2, 1, 1, "CanzonaShampoo"),
+             "z0_dp1_ep1_moe_in_stage0": (2, 1, 0, "CanzonaMuon", 1)}
 #: the largest |gradient - the saving run's| in the first continued step (gradients ~3e-3;
 #: measured 2.3e-10: the same sums in another order)
 GRAD_TOL = 1e-9
@@ -78,14 +81,14 @@ def _steps(start: int, count: int, dp: int, dp_rank: int) -> list:
     return out
 
 
-def _engine(world: int, ep: int, zero: int, opt: str):
+def _engine(world: int, ep: int, zero: int, opt: str, layers: int = 2):
     import deepspeed
 
     import canzona_ds  # noqa: F401
     from canzona_ds.testing.models import HP
     from canzona_ds.testing.moe import build_moe_pipe
 
-    module = build_moe_pipe(2, ep_size=ep)
+    module = build_moe_pipe(layers, ep_size=ep)
     dp = world // 2
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 4 // dp,
            "steps_per_print": 10 ** 6, "gradient_clipping": CLIP, "zero_optimization": {"stage": zero},
@@ -95,28 +98,42 @@ def _engine(world: int, ep: int, zero: int, opt: str):
     return engine, module, dp, grid.get_data_parallel_rank(), grid.get_stage_id()
 
 
+def _glob(opt) -> dict:
+    """Local -> whole-model parameter names (a stage without MoE layers: its own)."""
+    return opt.moe.global_names if opt.moe is not None and opt.moe.active else {}
+
+
 def _snapshot(engine) -> dict:
+    from types import SimpleNamespace
+
     from test_moe_elastic import _snapshot as snapshot
 
-    return snapshot(engine)
+    opt = engine.basic_optimizer
+    if opt.moe is not None:
+        return snapshot(engine)
+    opt.moe = SimpleNamespace(global_names={})  # (a stage without MoE layers: its names are whole-model names)
+    try:
+        return snapshot(engine)
+    finally:
+        opt.moe = None
 
 
 def _params(module, opt) -> dict:
-    glob = opt.moe.global_names
+    glob = _glob(opt)
     return {glob.get(n, n): np.array(p.detach().float().numpy(), copy=True) for n, p in module.named_parameters()}
 
 
 def _grads(recorder, opt) -> list:
     """Per continued step: the gradient each matrix's owner stepped with and the matrix after the
     step, by whole-model name."""
-    glob = opt.moe.global_names
+    glob = _glob(opt)
     return [{glob.get(n, n): (np.array(g.float().numpy(), copy=True), np.array(w.float().numpy(), copy=True))
              for n, (g, _, w) in step.items()} for step in recorder.steps]
 
 
-def _save_worker(rank, world, root, zero, opt):
+def _save_worker(rank, world, root, zero, opt, layers=2):
     try:
-        engine, module, dp, dp_rank, stage = _engine(world, 2, zero, opt)
+        engine, module, dp, dp_rank, stage = _engine(world, 2, zero, opt, layers)
         data = iter(_steps(0, SAVE_STEPS, dp, dp_rank))
         for _ in range(SAVE_STEPS):
             engine.train_batch(data)
@@ -135,13 +152,13 @@ def _save_worker(rank, world, root, zero, opt):
         return traceback.format_exc()
 
 
-def _load_worker(rank, world, root, ep, zero, opt):
+def _load_worker(rank, world, root, ep, zero, opt, layers=2):
     try:
         import torch.distributed as tdist
 
         from canzona_ds.testing.models import MatrixStepRecorder
 
-        engine, module, dp, dp_rank, stage = _engine(world, ep, zero, opt)
+        engine, module, dp, dp_rank, stage = _engine(world, ep, zero, opt, layers)
         engine.load_checkpoint(root, tag="saved")
         opt = engine.basic_optimizer
         loaded = _snapshot(engine)
@@ -150,26 +167,29 @@ def _load_worker(rank, world, root, ep, zero, opt):
         for _ in range(MORE):
             engine.train_batch(data)
         edp = {str(e.name): sorted(tdist.get_process_group_ranks(e.edp_group)) for e in opt.groups.experts}
-        return dict(stage=stage, loaded=loaded, after=_params(module, opt), replay=recorder.summary(), edp=edp,
+        has_matrices = any(g["canzona_role"] == "matrix" for g in opt.param_groups)
+        replay = recorder.summary() if has_matrices else {"steps": 0, "matrices": [], "replay_max_diff": 0.0}
+        return dict(stage=stage, loaded=loaded, after=_params(module, opt), replay=replay, edp=edp,
                     grads=_grads(recorder, opt))
     except Exception:  # noqa: BLE001
         return traceback.format_exc()
 
 
 @functools.lru_cache(maxsize=None)
-def _root(zero: int, opt: str) -> str:
-    return scratch_dir(f"canzona_moe_pp_elastic_z{zero}_{opt}_")
+def _root(zero: int, opt: str, layers: int) -> str:
+    return scratch_dir(f"canzona_moe_pp_elastic_z{zero}_{opt}_{layers}_")
 
 
 @functools.lru_cache(maxsize=None)
-def _saved(zero: int, opt: str) -> list:
-    return run_distributed(_save_worker, 4, _root(zero, opt), zero, opt, timeout=240)
+def _saved(zero: int, opt: str, layers: int) -> list:
+    return run_distributed(_save_worker, 4, _root(zero, opt, layers), zero, opt, layers, timeout=240)
 
 
 @functools.lru_cache(maxsize=None)
 def _loaded(name: str) -> list:
-    world, ep, zero, opt = SCENARIOS[name]
-    return run_distributed(_load_worker, world, _root(zero, opt), ep, zero, opt, timeout=240)
+    world, ep, zero, opt, *layers = SCENARIOS[name]
+    layers = layers[0] if layers else 2
+    return run_distributed(_load_worker, world, _root(zero, opt, layers), ep, zero, opt, layers, timeout=240)
 
 
 def _results(runs: list, what: str) -> list:
@@ -191,25 +211,31 @@ def _eq(got, want, what: str) -> None:
 def test_moe_pipeline_resume_at_new_size(name):
     from test_moe_elastic import _merge
 
-    world, ep, zero, opt = SCENARIOS[name]
-    saved_runs = _results(_saved(zero, opt), "saving")
+    world, ep, zero, opt, *layers = SCENARIOS[name]
+    layers = layers[0] if layers else 2
+    saved_runs = _results(_saved(zero, opt, layers), "saving")
     res = _results(_loaded(name), "loading")
     saved = _merge([r["snap"] for r in saved_runs])
     # DeepSpeed numbers every file by the stage's model-parallel rank (experts: layer_<i>_expert_<e>_mp_rank_<stage>)
     files = saved_runs[0]["files"]
     optim = "zero_pp_rank_{}_mp_rank_{:02d}_optim_states.pt" if zero else "expp_rank_{}_mp_rank_{:02d}_optim_states.pt"
-    assert {optim.format(r, s) for r in range(2) for s in range(2)} <= set(files), files  # by DP / expert-parallel rank
-    assert {f"layer_0_expert_{e}_mp_rank_{s:02d}_model_states.pt" for e in range(4) for s in range(2)} <= set(files)
+    moe_stages = range(layers)  # (one MoE layer: in stage 0 only)
+    assert {optim.format(r, s) for r in range(2) for s in moe_stages} <= set(files), files  # by DP / expert-parallel rank
+    assert {f"layer_0_expert_{e}_mp_rank_{s:02d}_model_states.pt" for e in range(4) for s in moe_stages} <= set(files)
     experts = [n for n in saved.rule_state if ".deepspeed_experts." in n]
-    assert len(experts) == 2 * 4 * 2, sorted(saved.rule_state)  # 2 MoE layers x 4 experts x 2 matrices
+    assert len(experts) == layers * 4 * 2, sorted(saved.rule_state)  # MoE layers x 4 experts x 2 matrices
     assert sorted(r["stage"] for r in res) == sorted([0, 1] * (world // 2))
     # (a) the state as saved, on the planned owner of the new (expert-)DP group of its own stage
     holders: dict = {}
     for rank, r in enumerate(res):
         got = r["loaded"]
         assert got["ep"][0] == ep, got["ep"]
-        assert got["matrix_step"] == saved.matrix_step == SAVE_STEPS and got["adam_step"] == saved.adam_step
-        assert r["edp"] == {f"ep_size_{ep}": r["edp"][f"ep_size_{ep}"]} and len(r["edp"][f"ep_size_{ep}"]) == world // 2 // ep
+        assert got["adam_step"] == saved.adam_step and saved.matrix_step == SAVE_STEPS
+        assert got["matrix_step"] == (SAVE_STEPS if got["master"] else None), got["matrix_step"]  # (a stage without matrices)
+        if r["stage"] in moe_stages:
+            assert list(r["edp"]) == [f"ep_size_{ep}"] and len(r["edp"][f"ep_size_{ep}"]) == world // 2 // ep, r["edp"]
+        else:
+            assert r["edp"] == {}, r["edp"]
         for n, w in got["master"].items():
             holders.setdefault(n, []).append(rank)
             assert _stage_of(n) == r["stage"], (n, rank, r["stage"])
@@ -240,11 +266,14 @@ def test_moe_pipeline_resume_at_new_size(name):
     # run's own continuation: the first step's gradients within GRAD_TOL, every matrix after it
     # bit for bit, every parameter after MORE steps within TOL
     for rank, r in enumerate(res):
+        if not r["loaded"]["master"]:  # (one MoE layer: stage 1 holds the head only, AdamW)
+            assert layers == 1 and r["stage"] == 1 and not r["grads"], (rank, r["replay"])
+            continue
         assert r["replay"]["steps"] == MORE and r["replay"]["replay_max_diff"] == 0.0, (rank, r["replay"])
         assert r["replay"]["matrices"], rank
     for step in range(MORE):
-        want = {n: v for r in saved_runs for n, v in r["grads"][step].items()}
-        have = {n: v for r in res for n, v in r["grads"][step].items()}
+        want = {n: v for r in saved_runs if r["grads"] for n, v in r["grads"][step].items()}
+        have = {n: v for r in res if r["grads"] for n, v in r["grads"][step].items()}
         assert sorted(have) == sorted(want) == sorted(saved.rule_state), step
         if step == 0:
             grad_dev = max(float(np.abs(have[n][0] - want[n][0]).max()) for n in want)
@@ -270,9 +299,9 @@ def test_moe_pipeline_converter_refuses_by_name():
     does not separate pipeline stages: a MoE x PP checkpoint is refused by name there."""
     from canzona_ds.integration.elastic import ElasticError, read
 
-    _results(_saved(1, "CanzonaMuon"), "saving")
+    _results(_saved(1, "CanzonaMuon", 2), "saving")
     with pytest.raises(ElasticError, match=r"pipeline parallelism \(PP=2\)"):
-        read(_root(1, "CanzonaMuon"), "saved")
+        read(_root(1, "CanzonaMuon", 2), "saved")
 
 
 def _pp_change_worker(rank, world, root):
@@ -295,6 +324,6 @@ def _pp_change_worker(rank, world, root):
 
 def test_moe_pipeline_resume_at_another_pipeline_size_is_refused():
     """Another PP size (here PP 2 -> 1) stays refused by name on every rank, before anything loads."""
-    _results(_saved(1, "CanzonaMuon"), "saving")
-    for rank, msg in enumerate(run_distributed(_pp_change_worker, 2, _root(1, "CanzonaMuon"), timeout=240)):
+    _results(_saved(1, "CanzonaMuon", 2), "saving")
+    for rank, msg in enumerate(run_distributed(_pp_change_worker, 2, _root(1, "CanzonaMuon", 2), timeout=240)):
         assert msg is not None and "saved with PP=2; this run has PP=1" in msg, (rank, msg)
