@@ -133,11 +133,12 @@ MOE_TP_MIXED_REFUSAL = ("{where}: a DeepSpeed MoE checkpoint with tensor paralle
                         "that must resize.")
 
 
-#: DeepSpeed MoE x pipeline parallelism: resumable at another DP size and ep_size (ZeRO 1, the
-#: owned layout) through ``load``, each stage from its own files; not through the converter (which
-#: reads every model-parallel file as a TP rank), nor in the mixed layout (untested)
+#: DeepSpeed MoE x pipeline parallelism: resumable at another DP size and ep_size through ``load``
+#: (ZeRO 1, the owned layout; ZeRO 0: ``load_stage0_moe``), each stage from its own files; not
+#: through the converter (which reads every model-parallel file as a TP rank), nor in the mixed
+#: layout (untested)
 MOE_PP_REFUSAL = ("{where}: a DeepSpeed MoE checkpoint saved under pipeline parallelism (PP={pp}) is resumed at another "
-                  "size only by engine.load_checkpoint at ZeRO 1 in the owned layout, each pipeline stage "
+                  "size only by engine.load_checkpoint (ZeRO 0, or ZeRO 1 in the owned layout), each pipeline stage "
                   "from its own files (another DP size or ep_size, the same PP size); it cannot be read whole here "
                   "(the offline converter), nor resized in the mixed layout (not implemented for MoE x pipeline "
                   "parallelism). Resume it at the size it was saved at, or load the module weights only "
