@@ -94,6 +94,7 @@ def _snapshot(engine) -> dict:
     if opt is zopt:  # ZeRO stage 0: every rank keeps every matrix it has, and AdamW's state per parameter
         name_of = {id(p): n for n, p in engine.module.named_parameters()}
         master, adam = {}, []
+        adam_step = matrix_step = None  # (a pipeline stage may hold no matrix: tests/test_moe_pipeline_elastic.py)
         for g in opt.param_groups:
             for p in g["params"]:
                 n = glob.get(name_of[id(p)], name_of[id(p)])

@@ -38,7 +38,11 @@ different TP ranks: each expert group is indexed over the files of every TP rank
 expert-parallel and expert-DP rank each file records), the dense groups as without MoE, and a
 resume may change TP too.  At ZeRO stage 0 DeepSpeed's own
 load resumes at another DP size; another ``ep_size`` goes through ``load_stage0_moe`` (each
-parameter's state from the expp_rank file that held it, by whole-model name).
+parameter's state from the expp_rank file that held it, by whole-model name).  Under pipeline
+parallelism (MoE x PP, TP 1) DeepSpeed numbers a stage's files by its model-parallel rank, the
+stage, and each stage's ranks read their own stage's files only (``_stage_file_ranks``,
+``SavedCheckpoint(mp_ranks=...)``; at ZeRO 0 the stage's expp_rank files): another DP size or
+``ep_size`` at the same PP size; the converter and the mixed layout are refused there.
 
 ``engine.load_checkpoint`` of a Canzona engine takes this path by itself when the
 checkpoint's DP or TP size differs from the engine's (integration/registry.py), and
@@ -96,14 +100,18 @@ MOE_REFUSAL = ("{where}: this checkpoint has DeepSpeed MoE expert groups but its
                "load_module_only=True); checkpoints written now resume at any DP and ep_size, either layout (docs/moe.md).")
 
 
-def _check_moe_meta(folder: str, metas: list[dict], tp: int = 1) -> None:
+def _check_moe_meta(folder: str, metas: list[dict], tp: int = 1, stage: bool = False) -> None:
     """A DeepSpeed MoE checkpoint resumes at another size when every file records its experts'
     whole-model names (``canzona_layout.moe[group].global_names``), with either layout (a mixed
     group also records ``owner_at`` and ``hosted``), at any TP size ``tp`` (whole experts: each file holds its expert-parallel rank's partition,
-    wherever its TP rank lies; ``SavedCheckpoint._index_experts``)."""
+    wherever its TP rank lies; ``SavedCheckpoint._index_experts``).  Under pipeline parallelism
+    only when ``stage``: the files read are one pipeline stage's (``SavedCheckpoint(mp_ranks=...)``,
+    as ``load`` opens them), without TP and in the owned layout (what is tested)."""
     for m in metas:
-        if m.get("pp_size", 1) > 1:
-            raise ElasticError(MOE_PP_REFUSAL.format(where=folder, pp=m["pp_size"]))
+        pp = m.get("pp_size", 1)
+        if pp > 1 and (not stage or tp > 1 or m.get("layout") == "mixed"
+                       or any(i.get("layout") == "mixed" for i in m["moe"].values())):
+            raise ElasticError(MOE_PP_REFUSAL.format(where=folder, pp=pp))
         if tp > 1 and (m.get("layout") == "mixed" or any(i.get("layout") == "mixed" for i in m["moe"].values())):
             raise ElasticError(MOE_TP_MIXED_REFUSAL.format(where=folder, tp=tp))
         for info in m["moe"].values():
@@ -125,11 +133,15 @@ MOE_TP_MIXED_REFUSAL = ("{where}: a DeepSpeed MoE checkpoint with tensor paralle
                         "that must resize.")
 
 
-#: DeepSpeed MoE x pipeline parallelism: not resumable at another size (not implemented: the expert
-#: index reads one stage's files)
-MOE_PP_REFUSAL = ("{where}: a DeepSpeed MoE checkpoint saved under pipeline parallelism (PP={pp}) cannot be resumed at "
-                  "another DP size, ep_size or plan (not implemented for MoE x pipeline parallelism); resume it at the "
-                  "size it was saved at (engine.load_checkpoint does), or load the module weights only "
+#: DeepSpeed MoE x pipeline parallelism: resumable at another DP size and ep_size through ``load``
+#: (ZeRO 1, the owned layout; ZeRO 0: ``load_stage0_moe``), each stage from its own files; not
+#: through the converter (which reads every model-parallel file as a TP rank), nor in the mixed
+#: layout (untested)
+MOE_PP_REFUSAL = ("{where}: a DeepSpeed MoE checkpoint saved under pipeline parallelism (PP={pp}) is resumed at another "
+                  "size only by engine.load_checkpoint (ZeRO 0, or ZeRO 1 in the owned layout), each pipeline stage "
+                  "from its own files (another DP size or ep_size, the same PP size); it cannot be read whole here "
+                  "(the offline converter), nor resized in the mixed layout (not implemented for MoE x pipeline "
+                  "parallelism). Resume it at the size it was saved at, or load the module weights only "
                   "(load_module_only=True).")
 
 
@@ -310,7 +322,7 @@ class SavedCheckpoint:
                 raise ElasticError(f"{folder} was not written by a Canzona optimizer with a planned layout (no "
                                    f"'{LAYOUT_KEY}'); only Canzona checkpoints can change size here.")
             if any(m.get("moe") for m in metas):
-                _check_moe_meta(folder, metas, tp)
+                _check_moe_meta(folder, metas, tp, stage=mp_ranks is not None)
             meta = metas[0]
             meta0 = meta0 or meta
             where: dict[str, tuple] = {}
@@ -943,13 +955,11 @@ def stage0_moe_resize_needed(engine, ckpt_dir: str, tag: str | None) -> bool:
             raise ElasticError(_incomplete_stage0_moe(
                 folder, [os.path.basename(engine._get_optimizer_ckpt_name(ckpt_dir, tag, k))]))
         return False
-    if opt.groups.pp_size > 1:  # load_stage0_moe reads the first stage's files only
-        raise ElasticError(MOE_PP_REFUSAL.format(where=folder, pp=opt.groups.pp_size))
-    if opt.groups.tp_size > 1 or any(m for _, m in pairs):
+    if opt.groups.tp_size > 1 or (opt.groups.pp_size == 1 and any(m for _, m in pairs)):
         raise ElasticError(f"{folder} was saved at ZeRO stage 0 with expert-parallel size {len(saved_ep)}; this run "
                            f"has ep_size={opt.groups.ep_size}. A change of ep_size under tensor parallelism is not "
                            "implemented; resume MoE x TP with the saved ep_size.")
-    first = _load(_expp_files(folder)[0], mmap=True)["optimizer"]
+    first = _load(_expp_files(folder, int(engine.checkpoint_mp_rank))[0], mmap=True)["optimizer"]
     if "global_names" not in first.get("canzona", {}):
         raise ElasticError(
             f"{folder} was saved at ZeRO stage 0 with expert-parallel size {len(saved_ep)}; this run has "
@@ -969,10 +979,11 @@ def _incomplete_stage0_moe(folder: str, missing: list) -> str:
             "Checkpoints).")
 
 
-def _expp_files(folder: str) -> list[str]:
-    """DeepSpeed's stage-0 MoE optimizer files of ``folder``, by expert-parallel rank."""
+def _expp_files(folder: str, mp_rank: int = 0) -> list[str]:
+    """DeepSpeed's stage-0 MoE optimizer files of ``folder`` at model-parallel rank ``mp_rank``, by
+    expert-parallel rank (TP=1, stage0_moe_resize_needed: ``mp_rank`` is the pipeline stage)."""
     found = {int(m.group(1)): os.path.join(folder, f) for f in os.listdir(folder)
-             if (m := EXPP_FILE.search(f)) and int(m.group(2)) == 0}  # (TP=1: stage0_moe_resize_needed)
+             if (m := EXPP_FILE.search(f)) and int(m.group(2)) == mp_rank}
     if sorted(found) != list(range(len(found))):
         raise ElasticError(f"{folder}: expp_rank optimizer files {sorted(found)} are not 0..{len(found) - 1}.")
     return [found[k] for k in range(len(found))]
@@ -995,7 +1006,8 @@ def load_stage0_moe(engine, stock_load, ckpt_dir: str, tag: str | None, load_mod
     folder = os.path.join(ckpt_dir, tag)
     opt = canzona_optimizer(engine)
     # where every saved parameter's state lies: whole-model name -> (file, group, position)
-    files = [_load(path, mmap=True)["optimizer"] for path in _expp_files(folder)]
+    # (under pipeline parallelism this stage's files: DeepSpeed numbers them by the stage's mp rank)
+    files = [_load(path, mmap=True)["optimizer"] for path in _expp_files(folder, int(engine.checkpoint_mp_rank))]
     where: dict[str, tuple[int, int, int]] = {}
     for k, sd in enumerate(files):
         for g, names in enumerate(sd["canzona"]["global_names"]):
