@@ -107,28 +107,10 @@ def _ds_groups() -> dict:
                 edp=dist.get_process_group_ranks(ds_groups._get_expert_data_parallel_group("ep_size_2")))
 
 
-def _gather_partitions(zero, captured: list) -> list:
-    """Per step: {local parameter name: its averaged gradient} from this rank's captured flat
-    partitions (all-gathered over each group's ZeRO partition group)."""
-    import torch
-    import torch.distributed as dist
-
-    out = []
-    for parts in captured:
-        grads = {}
-        for i, flat in sorted(parts.items()):
-            group = zero.real_dp_process_group[i]
-            pieces = [torch.empty_like(flat) for _ in range(dist.get_world_size(group=group))]
-            dist.all_gather(pieces, flat, group=group)
-            whole = torch.cat(pieces)
-            for p, off in zip(zero.round_robin_bit16_groups[i], zero.round_robin_bit16_offsets[i]):
-                grads[zero.param_names[p]] = whole.narrow(0, int(off), p.numel()).view(p.shape).numpy().copy()
-        out.append(grads)
-    return out
-
-
 def _train(rank: int, world: int, stage: int, opt_type: str, clip: float) -> dict:
     import torch.distributed as dist
+
+    from test_moe_tp import _gather_partitions  # (this rank's gradients, gathered over each ZeRO group)
 
     from canzona_ds.testing.comm import CommCounter
     from canzona_ds.testing.moe import run_moe_engine
