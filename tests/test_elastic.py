@@ -7,7 +7,7 @@ Two checks per case:
     bit for bit (``integration.elastic.read`` gives both in the DP/TP-independent form);
   * exact continuation: the resumed run equals the single-process reference that saw N-rank
     batches before the checkpoint and M-rank batches after; bit for bit where both sides
-    average over at most 2 ranks (fp32), within 1e-6 for Muon when a 4-rank sum is involved
+    average over at most 2 ranks (fp32), within the reordered-sum bound for Muon when a 4-rank sum is involved
     (gloo's summation order), and the replayed rule updates bit for bit for every rule.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from canzona_ds.testing.dist import run_distributed
-from canzona_ds.testing.models import HP, batches, ds_config, make_model, params_of, run_engine
+from canzona_ds.testing.models import HP, batches, ds_config, make_model, muon_reordered_sum_tolerance, params_of, run_engine
 
 BEFORE, AFTER, MICRO = 3, 3, 2
 
@@ -104,8 +104,8 @@ def test_resume_at_another_dp(tmp_path, n, m, opt_type, stage):
     if max(n, m) <= 2:
         for k in ref:
             np.testing.assert_array_equal(res[0]["params"][k], ref[k], err_msg=k)
-    elif opt_type == "CanzonaMuon":
-        assert dev <= 1e-6
+    elif opt_type == "CanzonaMuon":  # 4-rank sums: another association (muon_reordered_sum_tolerance)
+        assert dev <= muon_reordered_sum_tolerance(BEFORE + AFTER), dev
 
 
 def _convert_and_load(rank, dp, ckpt, out):

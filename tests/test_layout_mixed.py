@@ -7,7 +7,7 @@ them, hosted matrices cut at chunk boundaries and updated over the DP group.
   than the atomic plan's, fewer bytes per step;
 * real processes (gloo) with ``layout: "mixed"`` (the tiny model hosts 1 matrix at DP=2, 3 at
   DP=4): every rule, ZeRO stage 1 and 2, against the single-process reference: bit for bit at
-  DP=2 (clipping, gradient accumulation and CPU offload included); bf16 weights replayed; at DP=4 gloo's 4-rank sum differs by ~1 ulp, so Muon within 1e-6
+  DP=2 (clipping, gradient accumulation and CPU offload included); bf16 weights replayed; at DP=4 gloo's 4-rank sum differs by ~1 ulp, so Muon within the reordered-sum bound
   end to end and every rule's updates replayed in one process from the gradients each
   matrix saw (owned: on its owner; hosted: its pieces joined), bit for bit; the inner
   optimizer step issues exactly the plan's all-to-alls and sends the plan's bytes;
@@ -31,7 +31,8 @@ from canzona_ds.planning.params import ParamSpec
 from canzona_ds.planning.report import dp_report
 from canzona_ds.planning.tp import plan_fixed_hosts
 from canzona_ds.testing.dist import run_distributed
-from canzona_ds.testing.models import HP, TYPES, batches, ds_config, make_model, params_of, run_engine, run_reference
+from canzona_ds.testing.models import (HP, TYPES, batches, ds_config, make_model, muon_reordered_sum_tolerance, params_of, run_engine,
+                                       run_reference)
 
 MUON = cost_model("muon")
 STEPS = 4
@@ -319,8 +320,8 @@ def test_mixed_dp4_replays_exactly(sc):
     ref = res[0]["reference"]
     dev = max(float(np.abs(res[0]["params"][k] - ref[k]).max()) for k in ref)
     print(f"{sc}: max |param - reference| = {dev:.3g}")
-    if sc[0] == "CanzonaMuon":
-        assert dev <= 1e-6
+    if sc[0] == "CanzonaMuon":  # 4-rank sums: another association (muon_reordered_sum_tolerance)
+        assert dev <= muon_reordered_sum_tolerance(STEPS), dev
 
 
 # ------------------------------------------------------------------------------ checkpoints
@@ -404,7 +405,7 @@ def test_resume_across_a_change_of_layout(tmp_path, n, before, m, after, opt_typ
     if after == "owned":
         assert all(r["replay"] == 0.0 for r in res)
     if opt_type == "CanzonaMuon":  # SOAP amplifies gloo's 4-rank summation order: lossless checked above
-        assert dev <= 1e-6
+        assert dev <= muon_reordered_sum_tolerance(BEFORE + AFTER), dev
 
 
 def test_canzona_plan_shows_both_layouts(capsys):

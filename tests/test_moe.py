@@ -16,7 +16,7 @@ Tolerances (fp32):
     replayed bit for bit.
   * world 4, ep_size 2: the expert-DP sums have two terms, the dense sums four (gloo's order,
     ~1 ulp): after the first step every expert matrix is bit-exact; over 3 steps each owner's
-    updates replay bit for bit in one process (MatrixStepRecorder), Muon stays within 1e-6 of
+    updates replay bit for bit in one process (MatrixStepRecorder), Muon stays within the reordered-sum bound of
     the reference end to end (Shampoo's and SOAP's preconditioners amplify the ulps: printed).
   * the inner optimizer's step makes no collective call (CommCounter); every matrix is owned
     by exactly one rank of its group (dense: the DP group; experts: their expert-DP group).
@@ -35,7 +35,7 @@ import numpy as np
 import pytest
 
 from canzona_ds.testing.dist import run_distributed
-from canzona_ds.testing.models import TYPES
+from canzona_ds.testing.models import TYPES, muon_reordered_sum_tolerance
 
 STEPS = 3  # Shampoo/SOAP in HP refresh every 2 steps
 CLIP = 0.05  # well below the gradient norm (~1): every step clips
@@ -237,8 +237,8 @@ def test_world4_ep2(name):
                                             names=["ep_size_2"], same=[True] * 6), r["same_groups"]
     dev = max(float(np.abs(r["params"][n] - ref[n]).max()) for r in res for n in r["params"])
     print(f"{name} world 4: max |param - reference| after {STEPS} steps = {dev:.3g}")
-    if opt_type == "CanzonaMuon":
-        assert dev <= 1e-6
+    if opt_type == "CanzonaMuon":  # dense 4-rank sums: another association (muon_reordered_sum_tolerance)
+        assert dev <= muon_reordered_sum_tolerance(STEPS), dev
     _check_structure(res, 4, stage)
 
 

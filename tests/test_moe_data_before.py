@@ -24,7 +24,7 @@ its own ``try``; one failing scenario fails one test):
   - against the independent reference ``reference_run(before=True)`` (the ranks' forward,
     all-to-alls and ZeRO's averages reproduced in one process): every expert matrix bit for bit
     after the first step (its expert-DP sums have two terms; the dense sums four, associated in
-    gloo's order, ~1 ulp: as tests/test_moe.py at world 4), Muon within 1e-6 after 3 steps.  (An
+    gloo's order, ~1 ulp: as tests/test_moe.py at world 4), Muon within the reordered-sum bound after 3 steps.  (An
     expert's gradient is the same sum of every rank's tokens in either layout; what the layout
     decides, and what is checked here, is which ranks hold, average and own which experts: rank 1
     holds experts 0, 1, not 2, 3, and its weights are those experts' by whole-model name.);
@@ -38,14 +38,14 @@ its own ``try``; one failing scenario fails one test):
   ranks), and right after loading every fp32 master, rule state, AdamW piece and module weight
   equals the saved one bit for bit (by whole-model name) on the planned owner of its new
   expert-DP group; 2 more steps against ``reference_run(start=<saved state>)`` at the new layout
-  (experts bit for bit after 1 step, Muon within 1e-6 after 2); DeepSpeed's own load
+  (experts bit for bit after 1 step, Muon within the reordered-sum bound after 2); DeepSpeed's own load
   (``_load_legacy_checkpoint``) handed a file whose experts moved refuses by name;
 * the saved D + E checkpoint resumed at world 2 (ZeRO 2 SOAP; elastic): the same checks, 2 more
   steps bit for bit;
 * Megatron-DeepSpeed's ZeRO-0 client optimizer (``build_tp_optimizer`` before
   ``deepspeed.initialize``, with the stand-in mpu): ``create_expert_groups`` builds the D + E
   groups, and the engine, its MoE layer and the optimizer's plan use the same group objects;
-  experts bit for bit after the first step, Muon within 1e-6 after 3;
+  experts bit for bit after the first step, Muon within the reordered-sum bound after 3;
 * refused by name (untested): the setting with pipeline parallelism (every rank, the stage without
   MoE layers too) and with tensor parallelism.
 """
@@ -59,6 +59,7 @@ import numpy as np
 import pytest
 
 from canzona_ds.testing.dist import run_distributed, scratch_dir
+from canzona_ds.testing.models import muon_reordered_sum_tolerance
 
 EP, WORLD = 2, 4
 STEPS = 3  # Shampoo/SOAP in HP refresh every 2 steps
@@ -493,8 +494,8 @@ def test_data_before_expert_training(name):
             assert r["norms"] == own["norms"], (r["norms"], own["norms"])  # torch's clip_grad_norm_, bit for bit
     dev = max(float(np.abs(r["params"][n] - r0["ref"][n]).max()) for r in res for n in r["params"])
     print(f"{name}: max |param - reference_run| after {STEPS} steps = {dev:.3g}")
-    if opt_type == "CanzonaMuon":
-        assert dev <= 1e-6, dev
+    if opt_type == "CanzonaMuon":  # dense 4-rank sums: another association (muon_reordered_sum_tolerance)
+        assert dev <= muon_reordered_sum_tolerance(STEPS), dev
     # ownership: each expert matrix once, on a rank of its expert-DP group; each dense matrix once
     holders: dict[str, list[int]] = {}
     for rank, r in enumerate(res):
@@ -562,8 +563,8 @@ def _check_resumed(name: str, res: list, saved_snaps: list, world: int, before: 
                 _eq(w, ref_first[n], f"{name}: {n} after 1 step")
     dev = max(float(np.abs(r["params"][n] - ref[n]).max()) for r in res for n in r["params"])
     print(f"{name}: max |param - reference| after {MORE} steps = {dev:.3g}")
-    if "Muon" in name:
-        assert dev <= 1e-6, dev
+    if "Muon" in name:  # dense 4-rank sums: another association (muon_reordered_sum_tolerance)
+        assert dev <= muon_reordered_sum_tolerance(MORE), dev
 
 
 @pytest.mark.parametrize("name", sorted(FLIP))
@@ -602,7 +603,7 @@ def test_data_before_expert_client_optimizer_groups():
                 _eq(v, ref_first[n], f"client: rank {rank} {n} after 1 step")
     dev = max(float(np.abs(r["params"][n] - ref[n]).max()) for r in res for n in r["params"])
     print(f"client ZeRO-0 Muon: max |param - reference_run| after {STEPS} steps = {dev:.3g}")
-    assert dev <= 1e-6, dev
+    assert dev <= muon_reordered_sum_tolerance(STEPS), dev  # dense 4-rank sums: another association
 
 
 def test_data_before_expert_with_pipeline_refused_on_every_rank():

@@ -26,7 +26,7 @@ saved, independent of the checkpoint reader.  A fresh engine at the new size the
         new world 4: after the first step every expert matrix whose expert-DP group has at most
         two ranks (ep_size 2 and 4) is bit for bit and every parameter within 1e-5 (4-term sums
         are associated in gloo's order: ~1 ulp in the gradients, measured <= 2e-6 in the
-        parameters); after 2 steps Muon is within 1e-6 of the reference end to end (measured
+        parameters); after 2 steps Muon is within the reordered-sum bound of the reference end to end (measured
         <= 3e-8).  Shampoo's and SOAP's 2-step deviations are printed, not asserted: a
         preconditioner refresh turns those ulps into ~1e-3 (SOAP world 4 ep_size 4: 2e-3), the
         size a misplaced expert or state would also have; their state is checked bit for bit in
@@ -47,6 +47,7 @@ import numpy as np
 import pytest
 
 from canzona_ds.testing.dist import run_distributed, scratch_dir
+from canzona_ds.testing.models import muon_reordered_sum_tolerance
 
 SAVE_STEPS, MORE = 2, 2
 
@@ -395,9 +396,10 @@ def test_moe_resume_at_new_size(name):
     first = max(float(np.abs(r["first"][n] - ref_first[n]).max()) for r in res for n in r["first"])
     dev = max(float(np.abs(r["params"][n] - ref[n]).max()) for r in res for n in r["params"])
     print(f"{name}: max |param - reference| after 1 step = {first:.3g}, after {MORE} steps = {dev:.3g}")
-    assert first <= 1e-5, first
+    # dense 4-rank sums: another association (muon_reordered_sum_tolerance); Shampoo/SOAP's refresh amplifies it further
+    assert first <= (muon_reordered_sum_tolerance(1) if opt_type == "CanzonaMuon" else 1e-5), first
     if opt_type == "CanzonaMuon":
-        assert dev <= 1e-6, dev
+        assert dev <= muon_reordered_sum_tolerance(MORE), dev
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))

@@ -15,7 +15,7 @@ and each (a) holds, right after the load, by whole-model name, the saved state b
 (fp32 master pieces joined, the rule state with Muon's momentum pieces joined, AdamW's pieces,
 the steps), as does the offline converter's form (``elastic.read``) of the checkpoint; (b) trains 2 more steps against ``testing.moe.reference_run(start=<saved state>)``:
 bit for bit at world 2 (two-term sums), at world 4 as tests/test_moe_elastic.py bounds it (the
-experts bit for bit after one step, every parameter within 1e-5, Muon within 1e-6 after two).
+experts bit for bit after one step, every parameter within 1e-5, Muon within the reordered-sum bound after two).
 
 One ``run_distributed`` per world; each scenario in its own ``try``.
 """
@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 from canzona_ds.testing.dist import run_distributed, scratch_dir
-from canzona_ds.testing.models import HP
+from canzona_ds.testing.models import HP, muon_reordered_sum_tolerance
 
 SAVE_STEPS, MORE, EXPERTS = 2, 2, 2
 #: saved checkpoint -> (layout, ZeRO stage, type), all at world 4, ep_size 2
@@ -301,5 +301,6 @@ def test_mixed_moe_resume(name):
     first = max(float(np.abs(r["first"][n] - ref_first[n]).max()) for r in results for n in r["first"])
     dev = max(float(np.abs(r["params"][n] - ref[n]).max()) for r in results for n in r["params"])
     print(f"{name}: max |param - reference| after 1 step = {first:.3g}, after {MORE} steps = {dev:.3g}")
-    assert first <= 1e-5, first
-    assert dev <= 1e-6, dev  # Muon (tests/test_moe_elastic.py: 4-term sums, ~1 ulp)
+    # Muon; 4-rank sums: another association (muon_reordered_sum_tolerance)
+    assert first <= muon_reordered_sum_tolerance(1), first
+    assert dev <= muon_reordered_sum_tolerance(MORE), dev

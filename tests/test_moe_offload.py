@@ -8,8 +8,8 @@ piece there (``cpu_offload`` paths of ``stage_1_and_2.py``) and runs the optimiz
 Canzona layout binds its matrix views into those host partitions and the torch-exact clip reads
 the gradient partitions from ``single_partition_of_fp32_groups[i].grad``
 (``integration/clip.py``, ``TorchClip.partition_pieces``).  (DeepSpeed 0.19.8 itself runs MoE with
-offload: its own ``"AdamW"`` - ``DeepSpeedCPUAdam`` - on this model at ZeRO 1 and 2, with and
-without clipping, equals the run without offload bit for bit: checked below; docs/moe.md.)
+offload: its own ``"AdamW"`` - ``DeepSpeedCPUAdam`` - on this model at ZeRO 1 and 2 with clipping
+follows the run without offload within an ulp or two per step: checked below; docs/moe.md.)
 
   * ZeRO 1 and 2, Muon, Shampoo, SOAP: every rank's parameters equal the reference bit for bit
     (rtol = atol = 0); offload active (``cpu_offload``), every matrix group's views bound into its
@@ -21,7 +21,8 @@ without clipping, equals the run without offload bit for bit: checked below; doc
     which the reference does not model: bit for bit with the same run without offload, each
     owner's updates replayed bit for bit;
   * DeepSpeed's own ``"AdamW"`` with clipping, ZeRO 1 and 2: with offload (``DeepSpeedCPUAdam``)
-    bit for bit with the run without it (DeepSpeed supports MoE with offload itself);
+    within an ulp or two per step of the run without it (DeepSpeed supports MoE with offload
+    itself; its two paths round the clip norm differently: ``test_offload_equals_plain``);
   * checkpoints (ZeRO 2, Shampoo): saved after 2 steps, a fresh engine loads and trains the
     third: bit for bit with the uninterrupted run, rule state equal;
   * resizes (integration/elastic.py): that checkpoint at ep_size 1 (the experts' expert-DP group
@@ -298,14 +299,44 @@ def test_offload_bit_exact(name):
     assert dense == ["moe.deepspeed_moe.gate.wg.weight", "proj.weight"], dense  # each dense matrix once
 
 
+#: DeepSpeed's own AdamW twins: offload vs plain within this many fp32 ulps per step (below)
+DS_CLIP_ULPS_PER_STEP = 2
+
+
+def _within_ulps(got: dict, want: dict, ulps: float, what: str) -> None:
+    assert got and set(got) <= set(want)
+    for n in got:
+        a, b = np.asarray(got[n], dtype=np.float32), np.asarray(want[n], dtype=np.float32)
+        bound = ulps * np.spacing(np.maximum(np.abs(a), np.abs(b)))
+        far = np.abs(a - b) > bound
+        assert not far.any(), f"{what}: {n}: {int(far.sum())} elements beyond {ulps} ulps, max {np.abs(a - b).max():.3g}"
+
+
 @pytest.mark.parametrize("name", sorted(TWINS))
 def test_offload_equals_plain(name):
+    """Canzona types: offload and plain are the same arithmetic (the torch-exact clip, the rule and
+    torch's AdamW on the same values), so bit for bit on any CPU.
+
+    DeepSpeed's own ``"AdamW"`` is not: with offload DeepSpeed sums the squared per-parameter norms
+    as Python floats (fp64, ``complete_grad_norm_calculation_for_cpu_offload``), without it in fp32
+    tensors (``get_grad_norm_direct``), so the two clip coefficients may differ by an fp32 ulp and
+    every clipped gradient element with them; the two runs also cut the same CPU Adam kernel
+    (``cpu_adam_impl.cpp``: ``DeepSpeedCPUAdam`` on the flat partition, ``FusedAdam`` per tensor) at
+    other SIMD/scalar boundaries, whose widths depend on the CPU (AVX-512: 16 lanes, AVX2: 8).  Adam's
+    update is normalised (m / sqrt(v)), so an ulp of gradient scale changes it by ~an ulp of lr-sized
+    values, far below a weight's ulp; each step's add then rounds the weight to within an ulp.  So
+    the twins agree within ``DS_CLIP_ULPS_PER_STEP`` ulps per step (measured: bit for bit on AVX-512
+    Xeons; 30 of 512 ``embed.weight`` elements 1 ulp apart after 3 steps on an AVX2 EPYC)."""
     stage, opt_type, steps, extra = TWINS[name]
     gas = extra.get("gas", 1)
     for r in _results(name):
         assert r["offload"]["cpu_offload"] and not r["plain"]["cpu_offload"]
-        _eq(r["offload"]["params"], r["plain"]["params"], name)
-        assert r["offload"]["losses"] == r["plain"]["losses"]
+        if isinstance(opt_type, str):
+            _eq(r["offload"]["params"], r["plain"]["params"], name)
+            assert r["offload"]["losses"] == r["plain"]["losses"]
+        else:
+            _within_ulps(r["offload"]["params"], r["plain"]["params"], DS_CLIP_ULPS_PER_STEP * steps, name)
+            np.testing.assert_allclose(r["offload"]["losses"], r["plain"]["losses"], rtol=1e-5, atol=0)
         if isinstance(opt_type, str):
             assert r["replay"]["replay_max_diff"] == 0.0 and r["replay"]["steps"] == steps // gas, r["replay"]
         else:  # DeepSpeed's offload runs its own CPU Adam

@@ -33,7 +33,8 @@ Per scenario (each in its own ``try``; one failing scenario fails one test):
 * gradient clipping (active: every step clips): the norm equals torch's ``clip_grad_norm_`` of
   the gathered whole gradients up to rounding (TP-split norms are joined from squared shard
   norms), where DeepSpeed's own ZeRO norm misses the experts of TP rank 1; the run then equals
-  the clipped reference within 1e-6;
+  the clipped reference within the reordered-sum bound (the norm's rounding moves the clip
+  coefficient by an ulp, which bf16 Newton-Schulz may amplify: testing.models.muon_reordered_sum_tolerance);
 * ZeRO stage 0 (Shampoo; Muon clipped): the same reference, every rank stepping what it holds;
 * ZeRO-Offload (``offload_optimizer.device = "cpu"``: ZeRO 2 Shampoo, ZeRO 1 Muon at ep_size 1):
   the same checks, bit for bit (DeepSpeed's offload path taken);
@@ -52,6 +53,7 @@ import pytest
 import torch
 
 from canzona_ds.testing.dist import run_distributed
+from canzona_ds.testing.models import muon_reordered_sum_tolerance
 from canzona_ds.testing.moe import NUM_EXPERTS
 
 TP, DP, WORLD = 2, 2, 4
@@ -405,7 +407,7 @@ def test_moe_tp(name):
                    for r in res for n, v in r["params"].items())
         print(f"{name}: max |param - TP=1 model trained on its own gradients| after {STEPS} steps = {loop:.3g}")
         if opt_type == "CanzonaMuon" and not options.get("bf16"):
-            assert loop <= 1e-5, loop
+            assert loop <= muon_reordered_sum_tolerance(STEPS), loop  # TP-split products: sums in another order
     if stage and not options.get("clip"):  # the reported norm is torch's too (DeepSpeed's misses experts)
         for r in res:
             assert max(abs(a - b) / b for a, b in zip(r["norms"], ref["norms"])) <= 1e-6, (r["norms"], ref["norms"])
@@ -417,7 +419,7 @@ def test_moe_tp(name):
         print(f"{name}: clip norm vs torch's: rel {rel:.2g}; params max |run - clipped reference| = {worst:.2g}")
         assert all(b > CLIP * 2 for b in ref["norms"])  # every step clips
         assert rel <= 1e-6
-        assert worst <= 1e-6
+        assert worst <= muon_reordered_sum_tolerance(STEPS), worst  # the norm's rounding moves the clip coefficient
         if stage:
             stock = max(abs(a - b) / b for a, b in zip(res[0]["stock_norms"], ref["norms"]))
             print(f"{name}: DeepSpeed's own ZeRO norm vs torch's: rel {stock:.2g}")

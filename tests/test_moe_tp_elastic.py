@@ -50,6 +50,7 @@ import numpy as np
 import pytest
 
 from canzona_ds.testing.dist import run_distributed, scratch_dir
+from canzona_ds.testing.models import muon_reordered_sum_tolerance
 
 SAVE_STEPS, MORE, MICRO = 2, 2, 2
 
@@ -346,9 +347,10 @@ def test_moe_tp_resume_at_new_size(name):
     print(f"{name}: max |param - TP=1 reference| after 1 step = {dev1:.3g}, after {MORE} steps = {dev:.3g}")
     # measured: Muon and Shampoo 6e-8 after 1 step, SOAP 1.5e-5 (its normalised update in the
     # eigenbasis amplifies the ulps); after 2 steps Muon 6e-8, Shampoo 3e-6, SOAP 6e-3 (a refresh)
-    assert dev1 <= (1e-4 if opt_type == "CanzonaSOAP" else 1e-6), dev1
+    # Muon: TP-split products sum in another order, which bf16 Newton-Schulz may amplify (muon_reordered_sum_tolerance)
+    assert dev1 <= {"CanzonaSOAP": 1e-4, "CanzonaShampoo": 1e-6, "CanzonaMuon": muon_reordered_sum_tolerance(1)}[opt_type], dev1
     if opt_type != "CanzonaSOAP":
-        assert dev <= (1e-6 if opt_type == "CanzonaMuon" else 1e-4), dev
+        assert dev <= (muon_reordered_sum_tolerance(MORE) if opt_type == "CanzonaMuon" else 1e-4), dev
 
 
 @pytest.mark.parametrize("name", list(REFUSED))

@@ -10,7 +10,7 @@ Tolerances (fp32):
     boundary); the rule's math is the same code; for Muon that code equals torch.optim.Muon
     (test_optim_muon).
   * DP=4: gloo's 4-rank reduction associates the sum in its own order (~1 ulp on gradients):
-    Muon within 1e-6 end to end; for every rule, each owner's updates are replayed in one
+    Muon within the reordered-sum bound end to end; for every rule, each owner's updates are replayed in one
     process from the gradients it received and must match bit for bit
     (testing.models.MatrixStepRecorder), which checks the machinery exactly where the
     gradients cannot be reproduced (also bf16).
@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 
 from canzona_ds.testing.dist import device_params, run_distributed
-from canzona_ds.testing.models import (HP, MATRICES, TYPES, batches, ds_config, make_model, max_abs_diff, params_of,
-                                       run_engine, run_reference)
+from canzona_ds.testing.models import (HP, MATRICES, TYPES, batches, ds_config, make_model, max_abs_diff,
+                                       muon_reordered_sum_tolerance, params_of, run_engine, run_reference)
 
 STEPS = 4  # Shampoo/SOAP in HP refresh every 2 steps: two refreshes
 
@@ -171,7 +171,7 @@ def test_gradient_accumulation_bit_exact(opt_type, stage):
 def test_dp4(opt_type):
     """Four ranks, one matrix each.  Each owner applies exactly the single-process rule to the
     gradient it received (replayed bit for bit).  End to end, gloo's 4-rank summation order
-    changes gradients by ~1 ulp: Muon stays within 1e-6 of the reference; Shampoo's and SOAP's
+    changes gradients by ~1 ulp: Muon stays within the reordered-sum bound of the reference; Shampoo's and SOAP's
     preconditioners divide by small curvature and amplify it (printed, not asserted)."""
     res = run_distributed(_config_worker, 4, ds_config(4, optimizer=opt_type), STEPS)
     ref = run_reference(4, STEPS, opt_type)
@@ -180,8 +180,8 @@ def test_dp4(opt_type):
     for r in res:
         assert r["replay"]["replay_max_diff"] == 0.0 and r["replay"]["steps"] == STEPS, r["replay"]
     assert sorted(len(r["replay"]["matrices"]) for r in res) == [1, 1, 1, 1]  # one matrix each
-    if opt_type == "CanzonaMuon":
-        assert dev <= 1e-6
+    if opt_type == "CanzonaMuon":  # 4-rank sums: another association (muon_reordered_sum_tolerance)
+        assert dev <= muon_reordered_sum_tolerance(STEPS), dev
 
 
 def test_more_ranks_than_matrices():
@@ -190,7 +190,7 @@ def test_more_ranks_than_matrices():
     res = run_distributed(_config_worker, 4, ds_config(4, params=hp), STEPS)
     ref = run_reference(4, STEPS, params=hp)
     for r in res:
-        assert max_abs_diff(r["params"], ref) <= 1e-6
+        assert max_abs_diff(r["params"], ref) <= muon_reordered_sum_tolerance(STEPS)  # 4-rank sums: another association
 
 
 def test_use_muon_tags_are_honoured():
