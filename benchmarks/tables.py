@@ -756,7 +756,22 @@ def moe_measured(d: Data) -> str:
                   rows)
 
 
+# ============================================================================ ns_dtype.json
+def ns_dtype(d: Data) -> str:
+    """bench_ns_dtype: one Newton-Schulz in bf16 vs fp32 per CPU kind, one thread, and the
+    fp32 direction's distance from the bf16 one."""
+    rows = []
+    for kind, k in d["kinds"].items():
+        for r in k["rows"]:
+            rows.append([f"{kind} ({k['cpu_capability']})", "x".join(map(str, r["shape"])),
+                         f"{1e3 * r['bf16_s']:,.1f}", f"{1e3 * r['fp32_s']:,.1f}", f"{r['bf16_over_fp32']:.1f}x",
+                         f"{r['rel_distance']:.4f}", k["auto_chose"].replace("torch.", "")])
+    return _table(["CPU kind", "matrix", "bf16 ms", "fp32 ms", "bf16 / fp32", "‖D_fp32 − D_bf16‖ / ‖D_bf16‖",
+                   "\"auto\" chose"], rows)
+
+
 TABLES: dict[str, tuple[str, Callable[[Data], str]]] = {
+    "ns_dtype": ("ns_dtype", ns_dtype),
     "fig3_dp": ("paper_experiments", fig3_dp),
     "fig3_tp": ("paper_experiments", fig3_tp),
     "buckets": ("paper_experiments", buckets),

@@ -46,6 +46,7 @@ BAD = [
     ("CanzonaMuon", {"eps": 0}, ValueError, "eps=0"),
     ("CanzonaMuon", {"betas": [0.9, 0.95], "adam_betas": [0.9, 0.95]}, ValueError, "'betas' and 'adam_betas'"),
     ("CanzonaMuon", {"ns_method": "svd"}, ValueError, "ns_method='svd'"),
+    ("CanzonaMuon", {"ns_dtype": "float32"}, ValueError, "ns_dtype='float32'"),
     ("CanzonaMuon", {"nesterov": "yes"}, TypeError, "nesterov='yes'"),
     ("CanzonaMuon", {"weight_decay": -0.1}, ValueError, "weight_decay=-0.1"),
     ("CanzonaMuon", {"planner": "equal_chunk"}, ValueError, "planner='equal_chunk'"),

@@ -121,7 +121,83 @@ def test_per_head_cost_is_per_head():
 
 
 @pytest.mark.parametrize("key,value", [("ns_steps", 1_000_000_000), ("ns_steps", 0), ("ns_coefficients", [1e30, -1e30, 1e30]),
-                                       ("momentum", 1.0), ("ns_method", "svd"), ("adjust_lr_fn", "x"), ("ns_eps", 0.0)])
+                                       ("momentum", 1.0), ("ns_method", "svd"), ("adjust_lr_fn", "x"), ("ns_eps", 0.0),
+                                       ("ns_dtype", "fp16")])
 def test_bad_values_name_the_key(key, value):
     with pytest.raises((ValueError, TypeError), match=key):
         MuonRule(**{key: value})
+
+
+# ---------------------------------------------------------------- ns_dtype
+def _fp32_newton_schulz(G: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+    """torch.optim.Muon's _zeropower_via_newtonschulz written out with float32 for bfloat16:
+    the independent oracle of ns_dtype="fp32" (same coefficients, same op order)."""
+    a, b, c = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's DEFAULT_NS_COEFFICIENTS
+    X = G.float()
+    tall = G.size(0) > G.size(1)
+    if tall:
+        X = X.T
+    X = X / X.norm().clamp(min=eps)
+    for _ in range(steps):
+        A = X @ X.T
+        B = torch.addmm(A, A, A, beta=b, alpha=c)
+        X = torch.addmm(X, B, X, beta=a)
+    return X.T if tall else X
+
+
+@pytest.mark.parametrize("shape", SHAPES + [(96, 384)])
+def test_fp32_newton_schulz_equals_an_independent_fp32_iteration(shape):
+    """Same fp32 kernels on both sides (addmm/matmul of the same shapes): bit for bit, also on
+    CPUs without bf16 kernels.  The rule returns the direction in bf16 whatever the iteration ran
+    in, so its direction is the oracle's rounded to bf16."""
+    G = torch.randn(shape, generator=torch.Generator().manual_seed(2))
+    expected = _fp32_newton_schulz(G)
+    torch.testing.assert_close(newton_schulz(G, dtype=torch.float32), expected, rtol=0, atol=0)
+    rule = MuonRule(ns_dtype="fp32", momentum=0.0, nesterov=False)
+    info = MatrixInfo("w", shape)
+    D = rule.direction(G.clone(), rule.init_state(info, like=G), info, 1)
+    assert D.dtype == torch.bfloat16 == rule.direction_dtype(torch.float32)
+    torch.testing.assert_close(D, expected.bfloat16(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("shape", SHAPES + [(256, 1024)])
+def test_fp32_newton_schulz_distance_from_bf16(shape):
+    """fp32 and bf16 iterations agree up to bf16 rounding: bf16 keeps 8 mantissa bits (relative
+    step 2^-8 = 0.0039 per product, accumulating over 15 products); measured relative Frobenius
+    distance 0.012-0.021 on these shapes (benchmarks/bench_ns_dtype.py records it per shape)."""
+    G = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    fp32, bf16 = newton_schulz(G, dtype=torch.float32), newton_schulz(G).float()
+    assert ((bf16 - fp32).norm() / fp32.norm()).item() < 15 * 2 ** -8
+
+
+def test_bf16_key_is_torch_muon_bit_exact():
+    """ns_dtype="bf16" written out is the default: bit-exact with torch.optim.Muon."""
+    torch.manual_seed(0)
+    init = [torch.randn(s) for s in SHAPES]
+    grads = [[torch.randn(s) for s in SHAPES] for _ in range(3)]
+    ref = [p.clone().requires_grad_() for p in init]
+    _steps(ref, torch.optim.Muon(ref, lr=0.02, momentum=0.9, weight_decay=0.0), grads)
+    ours = [(f"m{i}.weight", p.clone().requires_grad_()) for i, p in enumerate(init)]
+    opt = CanzonaOptimizer(ours, CanzonaConfig.from_ds("CanzonaMuon", dict(lr=0.02, momentum=0.9, ns_dtype="bf16")))
+    _steps([p for _, p in ours], opt, grads)
+    for (name, p), r in zip(ours, ref):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=0, atol=0, msg=name)
+
+
+def test_auto_chooses_by_the_probe(monkeypatch):
+    """"auto" runs fp32 exactly where the probe measured bf16 over AUTO_SLOWDOWN x slower; the
+    real probe returns positive times and is measured once per device."""
+    from canzona_ds.optim import muon
+
+    real = muon.probe_matmul_seconds("cpu")
+    assert real["bf16"] > 0 and real["fp32"] > 0 and muon.probe_matmul_seconds("cpu") is real
+    expected = torch.float32 if real["bf16"] > muon.AUTO_SLOWDOWN * real["fp32"] else torch.bfloat16
+    assert muon.resolve_ns_dtype("auto", "cpu") == expected
+    monkeypatch.setitem(muon._probed, ("cpu", None), {"bf16": 40.0, "fp32": 1.0})  # AVX2-only CPU
+    assert muon.resolve_ns_dtype("auto", "cpu") == torch.float32
+    monkeypatch.setitem(muon._probed, ("cpu", None), {"bf16": 1.9, "fp32": 1.0})  # AVX512-bf16 Xeon
+    assert muon.resolve_ns_dtype("auto", "cpu") == torch.bfloat16
+    G = torch.randn(16, 40)
+    monkeypatch.setitem(muon._probed, ("cpu", None), {"bf16": 40.0, "fp32": 1.0})
+    torch.testing.assert_close(MuonRule(ns_dtype="auto").orthogonalise(G),
+                               MuonRule(ns_dtype="fp32").orthogonalise(G), rtol=0, atol=0)

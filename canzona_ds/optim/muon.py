@@ -18,6 +18,18 @@ matrix, torch's ``adjust_lr_fn`` scaling, then decoupled weight decay (tests che
                 runs in bfloat16 like "standard", so its directions have the same dtype.
                 Equal to "standard" in exact arithmetic; differs by rounding: opt-in.
 
+``ns_dtype`` (the dtype the iteration's matrix products run in):
+    "bf16"  torch.optim.Muon's choice and the default: bit-exact with it.
+    "fp32"  every product in float32.  The direction is still returned in bfloat16 (the dtype
+            torch.optim.Muon adds to the parameter, and what TP/ZeRO-3 hosts send back), so
+            only the iteration's rounding changes: measured distance from the bf16 result and
+            cost in docs/optimizers.md (benchmarks/bench_ns_dtype.py).  For CPUs without bf16
+            matrix kernels (AVX2-only x86: oneDNN falls back to a ~40x slower path).
+    "auto"  per device, once per process: time one bf16 and one fp32 product of
+            ``PROBE_SIZE``^3 on that device and run fp32 only when bf16 is more than
+            ``AUTO_SLOWDOWN`` times slower (a wide factor, not "slower at all", so that timing
+            noise cannot make two processes on one kind of machine choose differently).
+
 Per-head (``num_heads``, DeepSpeed's ``per_head_muon``): an attention projection of shape
 (heads * head_dim, in) is orthogonalised head by head, (heads, head_dim, in) batched, and
 the learning rate is scaled by the head's shape (DeepSpeed's semantics).
@@ -25,6 +37,7 @@ the learning rate is scaled by the head's shape (DeepSpeed's semantics).
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -43,20 +56,70 @@ MAX_NS_STEPS = 100
 MAX_NS_COEFFICIENT = 100.0
 #: gram: iterations between restarts (DeepSpeed's gram Muon restarts after 2)
 GRAM_RESTART = 2
-#: gram: dtype of the Gram-matrix iteration (the same as "standard")
-GRAM_DTYPE = torch.bfloat16
+#: ns_dtype key -> the dtype of the iteration's products ("auto" resolves to one of these per device)
+NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+NS_DTYPE_CHOICES = (*NS_DTYPES, "auto")
+#: "auto": side of the square products the probe times on each device
+PROBE_SIZE = 256
+#: "auto": fp32 is chosen when a bf16 product is more than this many times slower than fp32.
+#: Measured (bf16 / fp32 time of the probe): AVX2-only x86 (oneDNN without bf16 kernels) ~90x;
+#: an AVX512-bf16 Xeon ~1.9x; GPUs < 1.  A wide margin: where the two are close the default
+#: (bf16, bit-exact with torch.optim.Muon) stays, and timing noise cannot flip the choice
+AUTO_SLOWDOWN = 4.0
+#: direction dtype whatever the iteration ran in (torch.optim.Muon's Newton-Schulz output)
+DIRECTION_DTYPE = torch.bfloat16
+
+_probed: dict[tuple[str, int | None], dict[str, float]] = {}
+
+
+def probe_matmul_seconds(device: torch.device | str) -> dict[str, float]:
+    """Seconds of one ``PROBE_SIZE``^3 product per dtype on ``device`` (best of 3 after a warm-up),
+    measured once per process and device: ``{"bf16": s, "fp32": s}``."""
+    device = torch.device(device)
+    key = (device.type, device.index)
+    if key not in _probed:
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
+        g = torch.Generator(device="cpu").manual_seed(0)
+        base = torch.randn(PROBE_SIZE, PROBE_SIZE, generator=g).to(device)
+        out: dict[str, float] = {}
+        for name, dtype in NS_DTYPES.items():
+            A = base.to(dtype)
+            A @ A  # warm-up: kernel selection, lazy initialisation
+            best = float("inf")
+            for _ in range(3):
+                sync(device)
+                t0 = time.perf_counter()
+                A @ A
+                sync(device)
+                best = min(best, time.perf_counter() - t0)
+            out[name] = best
+        _probed[key] = out
+    return _probed[key]
+
+
+def resolve_ns_dtype(ns_dtype: str, device: torch.device | str) -> torch.dtype:
+    """The dtype the iteration runs in on ``device`` for the ``ns_dtype`` key."""
+    if ns_dtype == "auto":
+        t = probe_matmul_seconds(device)
+        return torch.float32 if t["bf16"] > AUTO_SLOWDOWN * t["fp32"] else torch.bfloat16
+    if ns_dtype not in NS_DTYPES:
+        raise ValueError(f"Invalid ns_dtype={ns_dtype!r}. Allowed: {list(NS_DTYPE_CHOICES)}.")
+    return NS_DTYPES[ns_dtype]
 
 
 def newton_schulz(G: Tensor, steps: int = 5, coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
-                  eps: float = 1e-7, method: str = "standard") -> Tensor:
-    """Approximate the orthogonal factor U V^T of ``G`` (..., m, n), batched over leading dims.
+                  eps: float = 1e-7, method: str = "standard", dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """Approximate the orthogonal factor U V^T of ``G`` (..., m, n), batched over leading dims,
+    with every product in ``dtype`` (bfloat16: torch.optim.Muon's iteration, op for op).
 
-    Returns bfloat16."""
+    Returns ``dtype``."""
     if G.ndim < 2:
         raise ValueError(f"newton_schulz needs a matrix, got shape {tuple(G.shape)}")
+    if dtype not in NS_DTYPES.values():
+        raise ValueError(f"Invalid newton_schulz dtype={dtype}. Allowed: {list(NS_DTYPES.values())}.")
     tall = G.size(-2) > G.size(-1)
     if method == "standard":
-        X = G.bfloat16()
+        X = G.to(dtype)
         if tall:
             X = X.mT
         # Ensure spectral norm is at most 1
@@ -66,7 +129,7 @@ def newton_schulz(G: Tensor, steps: int = 5, coefficients: tuple[float, float, f
         X = G.float()
         if tall:
             X = X.mT
-        X = X.div(X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)).to(GRAM_DTYPE)
+        X = X.div(X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)).to(dtype)
         X = _gram_iterations(X, steps, coefficients)
     else:
         raise ValueError(f"Invalid ns_method={method!r}. Allowed: {list(NS_METHODS)}.")
@@ -138,6 +201,10 @@ class MuonRule(MatrixRule):
     ns_method: str = "standard"
     #: learning-rate scaling by shape: null/"original" (torch's default), "match_rms_adamw", "none"
     adjust_lr_fn: str | None = None
+    #: dtype of the Newton-Schulz products: "bf16" (torch.optim.Muon, bit-exact), "fp32", or "auto" (per
+    #: device, by a timed probe: fp32 where a bf16 product is over 4x slower, e.g. AVX2-only CPUs); the
+    #: direction stays bf16. Cost and distance from bf16 in docs/optimizers.md
+    ns_dtype: str = "bf16"
 
     def __post_init__(self) -> None:
         check_number("momentum", self.momentum, 0.0, 1.0, high_open=True)
@@ -151,6 +218,7 @@ class MuonRule(MatrixRule):
         check_number("ns_eps", self.ns_eps, 0.0, 1e-2, low_open=True)
         check_choice("ns_method", self.ns_method, NS_METHODS)
         check_choice("adjust_lr_fn", self.adjust_lr_fn, ADJUST_LR_FNS)
+        check_choice("ns_dtype", self.ns_dtype, NS_DTYPE_CHOICES)
 
     # ---------------------------------------------------------------- the math
     def init_state(self, info: MatrixInfo, like: Tensor) -> dict[str, Tensor]:
@@ -167,15 +235,19 @@ class MuonRule(MatrixRule):
         buf.lerp_(grad, 1 - self.momentum)
         return grad.lerp(buf, self.momentum) if self.nesterov else buf
 
+    def orthogonalise(self, G: Tensor) -> Tensor:
+        """This rule's Newton-Schulz of ``G`` (..., m, n) in its ``ns_dtype`` on G's device;
+        returns ``DIRECTION_DTYPE``."""
+        return newton_schulz(G, self.ns_steps, self.ns_coefficients, self.ns_eps, self.ns_method,
+                             resolve_ns_dtype(self.ns_dtype, G.device)).to(DIRECTION_DTYPE)
+
     def direction_from(self, update: Tensor, state: dict[str, Tensor], info: MatrixInfo, step: int) -> Tensor:
         rows, cols = info.shape2d
         if info.num_heads:
             heads = info.num_heads
-            O = newton_schulz(update.reshape(heads, rows // heads, cols), self.ns_steps, self.ns_coefficients,
-                              self.ns_eps, self.ns_method)
+            O = self.orthogonalise(update.reshape(heads, rows // heads, cols))
         else:
-            O = newton_schulz(update.reshape(rows, cols), self.ns_steps, self.ns_coefficients, self.ns_eps,
-                              self.ns_method)
+            O = self.orthogonalise(update.reshape(rows, cols))
         return O.reshape(update.shape)
 
     def stack_direction(self, grad: Tensor, states: list[dict[str, Tensor]], infos: list[MatrixInfo],
@@ -187,12 +259,11 @@ class MuonRule(MatrixRule):
         torch._foreach_lerp_(bufs, grads, 1 - self.momentum)
         updates = torch._foreach_lerp(grads, bufs, self.momentum) if self.nesterov else bufs
         rows, cols = infos[0].shape2d
-        O = newton_schulz(torch.stack(updates).reshape(len(updates), rows, cols), self.ns_steps,
-                          self.ns_coefficients, self.ns_eps, self.ns_method)
+        O = self.orthogonalise(torch.stack(updates).reshape(len(updates), rows, cols))
         return O.reshape(grad.shape)
 
     def direction_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
-        return torch.bfloat16  # Newton-Schulz's output: TP update shards travel at half the bytes, losslessly
+        return DIRECTION_DTYPE  # Newton-Schulz's output: TP update shards travel at half the bytes, losslessly
 
     def scales(self, lr: float, weight_decay: float, info: MatrixInfo, step: int) -> tuple[float, float]:
         rows, cols = info.shape2d
