@@ -312,6 +312,7 @@ def _within_ulps(got: dict, want: dict, ulps: float, what: str) -> None:
         assert not far.any(), f"{what}: {n}: {int(far.sum())} elements beyond {ulps} ulps, max {np.abs(a - b).max():.3g}"
 
 
+@pytest.mark.cpu_kernels
 @pytest.mark.parametrize("name", sorted(TWINS))
 def test_offload_equals_plain(name):
     """Canzona types: offload and plain are the same arithmetic (the torch-exact clip, the rule and

@@ -14,10 +14,13 @@ that holds only on some CPUs fails on every machine.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 from canzona_ds.optim.muon import newton_schulz
 from canzona_ds.testing.models import NS_FLIP_BOUND, TEST_MATRIX_ASPECT, make_model
+
+pytestmark = pytest.mark.cpu_kernels
 
 #: every matrix shape the multi-rank tests' models hold (TinyLM; testing.moe's dense, expert and
 #: TP-split matrices)

@@ -25,6 +25,8 @@ def test_ci_runs_the_readme_test_command():
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
           if line.strip() and not line.startswith("#")]
     assert ci[-1] == TEST_COMMAND, ci[-1]
+    # and, before it, the exactness-critical tests as an AVX2-only CPU (docs/zero.md)
+    assert "bash .ci/avx2" in ci and (ROOT / ".ci" / "avx2").is_file(), ci
 
 
 def test_main_job_command_is_runnable():

@@ -33,6 +33,14 @@ def _worker(rank, world_size, port, device, fn, args, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world_size))
     torch.set_num_threads(1)
+    # Eager only, as the main job runs (RunConfig.disable_torch_compile): DeepSpeed's own "Muon"
+    # (the tests' baseline) compiles its update with inductor, and on AVX-512 Xeons with
+    # avx512_bf16/fp16 that compiled CPU kernel corrupts the heap ("corrupted size vs. prev_size",
+    # "malloc(): unaligned tcache chunk detected"; fine with ATEN_CPU_CAPABILITY=avx2 or
+    # TORCH_COMPILE_DISABLE=1).  Nothing under test here depends on torch.compile.
+    import torch._dynamo
+
+    torch._dynamo.config.disable = True
     try:
         if device == "cuda":
             torch.cuda.set_device(rank)

@@ -176,6 +176,16 @@ def run_reference(dp: int, steps: int, optimizer: str = "CanzonaMuon", params: d
     return params_of(model)
 
 
+def reordered_sum_bound(per_rank: list[dict]) -> dict:
+    """Per element, how far an average of ``per_rank`` gradients (each divided by dp, a power of
+    two: exact) may be from the same average summed in another order: for n fp32 terms in any
+    order |sum - sum'| <= 2 (n - 1) u sum|t_i| (u = 2^-24; the classic bound on each of the two
+    sums is (n - 1) u sum|t_i| to first order)."""
+    dp = len(per_rank)
+    u = 2.0 ** -24
+    return {n: 2 * (dp - 1) * u * sum(g[n].abs() for g in per_rank) / dp for n in per_rank[0]}
+
+
 def max_abs_diff(a: dict, b: dict) -> float:
     return max(float(abs(a[k] - b[k]).max()) for k in a)
 
@@ -276,8 +286,11 @@ class MatrixStepRecorder:
         return worst
 
     def summary(self) -> dict:
+        """Steps, matrices, the replay's largest difference, and each matrix's first-step gradient
+        as the optimizer received it (``first_grads``, numpy)."""
+        first = {n: g.float().numpy() for n, (g, _, _) in self.steps[0].items()} if self.steps else {}
         return {"steps": len(self.steps), "matrices": sorted({n for s in self.steps for n in s}),
-                "replay_max_diff": self.replay()}
+                "replay_max_diff": self.replay(), "first_grads": first}
 
 
 class TinyAttention(nn.Module):
