@@ -101,11 +101,14 @@ def load_ds_config(path: str | Path) -> dict:
 
 
 def check_optimizer_section(ds: dict, path: str | Path) -> None:
-    """Validate a Canzona type's optimizer params before any process group exists (the same
-    check the optimizer makes later, but here every rank fails at once, naming the key)."""
+    """Validate the optimizer type (one DeepSpeed can build, else the valid ones and a "did you
+    mean") and a Canzona type's params before any process group exists (the same checks
+    DeepSpeed and the optimizer make later, but here every rank fails at once, naming the key)."""
+    from canzona_ds.integration.config_check import check_optimizer_type
     from canzona_ds.optim import OPTIMIZER_TYPES
     from canzona_ds.optim.config import CanzonaConfig
 
+    check_optimizer_type(ds["optimizer"]["type"], f"ds_config {str(path)!r}")
     opt_type = str(ds["optimizer"]["type"])
     if opt_type in OPTIMIZER_TYPES:
         try:
