@@ -358,8 +358,12 @@ def train(cfg: RunConfig, name: str | None = None, progress: bool = True) -> Run
         print(f"[{name}] model={cfg.model} params={n_params:,} {pp_note}dp={dp} micro_batch={cfg.micro_batch} "
               f"grad_accum={accum} global_batch={global_batch} seq_len={cfg.seq_len} "
               f"optimizer={opt_type} ds_config={cfg.ds_config}", flush=True)
-        for line in format_plan(plan):
-            print(f"[{name}] {line}", flush=True)
+        if canzona_optimizer(engine) is not None or opt_type.lower() == "muon":
+            for line in format_plan(plan):
+                print(f"[{name}] {line}", flush=True)
+        else:  # the plan summary costs matrices with Muon's rule: it belongs to matrix optimizers only
+            print(f"[{name}] {opt_type}: element-wise, no matrix partition plan (DeepSpeed's equal chunks)",
+                  flush=True)
         if pipe or not tap.attached:
             why = " (pp > 1: DeepSpeed's PipelineEngine cannot run wall_clock_breakdown)" if pipe else ""
             print(f"[{name}] DeepSpeed timers unavailable{why}: step-time breakdown will show n/a", flush=True)
