@@ -2,7 +2,7 @@
 
 * Pre-launch check: ``--help``, a misspelt optimizer type, a bad run-config key, a checkpoint
   folder in the way, ``--resume`` naming a folder without a checkpoint: each answered in one
-  process before any rank starts (DeepSpeed's runner never prints), in one line, exit 2 / 4.
+  process before any rank starts (DeepSpeed's launch.py never prints), in one line, exit 2 / 4.
 * A ``launch/train.sh &`` from a non-interactive shell (SIGINT ignored by the shell for its
   background jobs) still stops on SIGINT: exit 130, no traceback, both ranks say so.
 * DeepSpeed's op cache is this environment's, whoever imports canzona_ds (install.sh, the
@@ -38,9 +38,9 @@ def train_sh(args: list[str], timeout: float = 120, **env_extra) -> subprocess.C
 
 
 def no_rank_started(out: str) -> bool:
-    """DeepSpeed's runner logs its command line ("runner.py ... cmd = ...") before it starts
-    launch.py, which starts the ranks: neither appears when the check answered first."""
-    return "runner.py" not in out and "launch.py" not in out and "canzona_ds.cli.train: rank" not in out
+    """DeepSpeed's launch.py logs ("launch.py ... WORLD INFO DICT", "process ... spawned") before
+    and as it starts the ranks: none of it appears when the check answered first."""
+    return "] [launch.py:" not in out and "] [runner.py:" not in out and "canzona_ds.cli.train: rank" not in out
 
 
 def lines(r: subprocess.CompletedProcess) -> list[str]:
@@ -106,7 +106,7 @@ def test_checkpoint_problems_are_exit_4_before_ranks_start(tmp_path):
 def test_sigint_reaches_a_background_job_of_a_script(tmp_path):
     """``launch/train.sh &`` from a non-interactive shell: bash starts it with SIGINT ignored
     (and bash cannot un-ignore it); a SIGINT to it must still stop the ranks, exit 130, with no
-    KeyboardInterrupt traceback from DeepSpeed's runner."""
+    KeyboardInterrupt traceback."""
     log = tmp_path / "run"
     args = ["--set", "steps=500", "--set", "seq_len=64", "--set", "micro_batch=4", "--set", "eval_every=0",
             "--set", "checkpoint_every=0", "--set", f"log_dir={log}", "--no-progress"]
@@ -195,3 +195,20 @@ def test_a_script_that_imported_canzona_ds_leaves_no_shm_buffer(tmp_path):
                 p.kill()
         for f in SHM.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):
             f.unlink()
+
+
+def test_launch_command_is_the_runners_local_command():
+    """canzona_ds.integration.launcher builds what `deepspeed --num_gpus N --master_port P
+    --module M ARGS` runs on one node (DeepSpeed 0.19.8's runner logs it as "cmd = ..."),
+    without the runner's own start-up."""
+    import base64
+
+    from canzona_ds.integration.launcher import local_launch_command
+
+    cmd = local_launch_command(2, 29710, "canzona_ds.cli.train", ["--config", "x.yaml"])
+    assert cmd[:5] == [sys.executable, "-u", "-m", "deepspeed.launcher.launch", "--world_info=eyJsb2NhbGhvc3QiOiBbMCwgMV19"]
+    assert json.loads(base64.urlsafe_b64decode(cmd[4].split("=", 1)[1])) == {"localhost": [0, 1]}
+    assert cmd[5:] == ["--master_addr=127.0.0.1", "--master_port=29710", "--module", "canzona_ds.cli.train",
+                       "--config", "x.yaml"]
+    with pytest.raises(ValueError, match="num_ranks=0"):
+        local_launch_command(0, 1, "m", [])

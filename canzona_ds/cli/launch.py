@@ -16,15 +16,17 @@ In order, in this one process:
    included), the batch layout, the optimizer type (with "did you mean"), the Canzona
    params: one line and exit 2; an unwritable checkpoint folder, or ``--resume`` naming a
    folder without a checkpoint: one line and exit 4.
-2. **Launch**: DeepSpeed's launcher (``python -m deepspeed.launcher.runner``, this
-   interpreter's) in a session of its own, ranks running ``canzona_ds.cli.train``.
+2. **Launch**: DeepSpeed's per-node launcher (``python -m deepspeed.launcher.launch``, this
+   interpreter's, the command DeepSpeed's ``deepspeed`` runner would build:
+   canzona_ds/integration/launcher.py) in a session of its own, ranks running
+   ``canzona_ds.cli.train``.
    ``TORCH_EXTENSIONS_DIR`` is this environment's op cache (``canzona_ds.op_cache_dir``, set
    by ``import canzona_ds``), the folder ``launch/install.sh`` built DeepSpeed's CPU op in.
 3. **Stop**: SIGINT / SIGTERM to this process, however it was started (a Ctrl-C, ``kill``, or
    a ``launch/train.sh &`` from a non-interactive shell, where the shell starts it with SIGINT
    ignored: Python can still catch it, bash cannot) go to the ranks; they exit 130 / 143
-   (canzona_ds/cli/train.py), DeepSpeed's ``launch.py`` and runner follow with that status,
-   no traceback; after STOP_GRACE_S the job's processes are SIGKILLed.
+   (canzona_ds/cli/train.py), DeepSpeed's ``launch.py`` follows with that status, no
+   traceback; after STOP_GRACE_S the job's processes are SIGKILLed.
 4. **Sweep**: once every process of the job has ended, the DeepSpeed ``/dev/shm`` all-reduce
    buffers of this user and MASTER_PORT left by a rank killed during start-up are removed.
 
@@ -101,19 +103,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     stop: list[int] = []  # the signal that stops the job (first one wins)
     signalled: set[int] = set()
-    started: list[subprocess.Popen] = []  # DeepSpeed's runner, once started
+    started: list[subprocess.Popen] = []  # DeepSpeed's launch.py, once started
 
     def forward() -> None:
         """The stop signal to the ranks (and anything below them) not signalled yet: the
-        processes below DeepSpeed's launch.py, which is the runner's child.  A rank started
-        after the stop gets it too.  launch.py then sees a rank end with 130 / 143, stops the
-        others and exits with that status, and the runner passes it on (neither is signalled:
-        the runner's ``wait`` would end in a KeyboardInterrupt traceback, and launch.py's own
-        handler would SIGTERM the ranks while they handle the SIGINT)."""
+        processes below DeepSpeed's launch.py, this process's child.  A rank started after the
+        stop gets it too.  launch.py then sees a rank end with 130 / 143, stops the others and
+        exits with that status (launch.py itself is not signalled: its handler would SIGTERM
+        the ranks while they handle the SIGINT)."""
         if not started or not stop:
             return
         for pid, depth in _descendants(started[0].pid):
-            if depth >= 2 and pid not in signalled:
+            if pid not in signalled:
                 signalled.add(pid)
                 try:
                     os.kill(pid, stop[0])
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         return _check_and_run(train_args, ranks, port, grace, stop, forward, lambda p: started.append(p))
     finally:
         if started:
-            # the runner is gone; wait for the rest of its session (launch.py, the ranks)
+            # launch.py is gone; wait for the rest of its session (the ranks)
             t0 = time.monotonic()
             while _group_alive(started[0].pid):
                 if time.monotonic() - t0 > grace:
@@ -168,8 +169,9 @@ def _check_and_run(train_args: list[str], ranks: int, port: str, grace: float, s
     if rc:
         return rc
 
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", port,
-           "--module", "canzona_ds.cli.train", *train_args]
+    from canzona_ds.integration.launcher import local_launch_command
+
+    cmd = local_launch_command(ranks, port, "canzona_ds.cli.train", train_args)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     on_start(proc)
