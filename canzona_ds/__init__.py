@@ -28,15 +28,19 @@ __version__ = "0.1.0"
 def op_cache_dir() -> str:
     """Where this Python environment keeps DeepSpeed's JIT-built ops (``TORCH_EXTENSIONS_DIR``):
 
-        <sys.prefix>/var/cache/torch_extensions            the environment's own folder, when writable
-        ~/.cache/canzona_ds/torch_extensions/<id>           otherwise; <id> = a hash of sys.prefix
+        <sys.prefix>/var/cache/torch_extensions       a virtual or conda environment (its own
+                                                      folder: deleting the environment deletes it)
+        ~/.cache/canzona_ds/torch_extensions/<id>     any other Python (system, pyenv), or an
+                                                      environment folder this user cannot write;
+                                                      <id> = a hash of sys.prefix
 
     Either way one folder per environment: two environments never share (and rebuild) an op."""
     own = os.path.join(sys.prefix, "var", "cache", "torch_extensions")
+    is_env = sys.prefix != sys.base_prefix or os.path.isdir(os.path.join(sys.prefix, "conda-meta"))
     base = own
     while not os.path.exists(base) and os.path.dirname(base) != base:
         base = os.path.dirname(base)
-    if os.path.isdir(base) and os.access(base, os.W_OK | os.X_OK):
+    if is_env and os.path.isdir(base) and os.access(base, os.W_OK | os.X_OK):
         return own
     import hashlib
 
