@@ -209,7 +209,7 @@ def test_runs_get_their_own_folders_and_resume_finds_its_own(tmp_path):
     r = launch([*base, "--ds-config", "configs/ds_cpu_muon.json", "--resume"], ranks=1)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-3000:]
-    assert f"continuing the newest run_tiny-muon run, {muon}" in out
+    assert f"continuing the newest run_tiny-muon run this run can resume (ZeRO 1, pp=1, 1 rank), {muon}" in out
     assert "nothing to do: the checkpoint step2" in out and "steps=2" in out, out[-3000:]
     after = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in muon.iterdir() if p.is_file()}
     assert after == before  # no artifact rewritten (no empty loss.png)
