@@ -18,11 +18,17 @@ if [[ "${CPU_ONLY:-0}" == "1" ]]; then TORCH_INDEX=(--index-url https://download
 "$PY" -m pip install --quiet "${TORCH_INDEX[@]}" "torch==2.13.0"
 "$PY" -m pip install --quiet -e ".[test,plot,hf]"
 "$PY" -c "import torch, deepspeed, canzona_ds; print(f'installed: torch {torch.__version__}, deepspeed {deepspeed.__version__}, canzona_ds {canzona_ds.__version__}')"
-# Build DeepSpeed's CPU shared-memory all-reduce op now (a JIT build, ~1 min, cached in
-# ~/.cache/torch_extensions) rather than inside the first job or test, where it would run in
-# every rank at once behind a file lock.  DeepSpeed skips the op where it is incompatible.
+# Build DeepSpeed's CPU shared-memory all-reduce op now (a JIT build, ~1 min) rather than inside
+# the first job or test, where it would run in every rank at once behind a file lock.  It is
+# cached in this environment's own folder (canzona_ds.op_cache_dir(), which `import canzona_ds`
+# makes TORCH_EXTENSIONS_DIR unless that is set), where launch/train.sh's ranks and the suite
+# load it, and where another environment's build cannot invalidate it (torch's default,
+# ~/.cache/torch_extensions/py3XX_cpu, is shared by every environment of that Python version).
+# DeepSpeed skips the op where it is incompatible.
 "$PY" - <<'PYEOF'
-import importlib
+import importlib, os
+import canzona_ds  # first: sets TORCH_EXTENSIONS_DIR to this environment's op cache
 ds_comm = importlib.import_module("deepspeed.comm.torch")  # the module, not the name torch
-print("deepspeed shm op:", "ready" if ds_comm.build_shm_op() is not None else "not used on this machine")
+print("deepspeed shm op:", "ready" if ds_comm.build_shm_op() is not None else "not used on this machine",
+      "in", os.environ["TORCH_EXTENSIONS_DIR"])
 PYEOF

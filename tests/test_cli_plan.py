@@ -137,3 +137,42 @@ def test_paper_naive_and_layerwise_in_json(capsys):
     assert json.loads(capsys.readouterr().out)["dp_planners"]["paper_naive"]["flops_ratio"] == pytest.approx(1.0)
     assert main(base[:-1] + ["--dp-planner", "layerwise"]) == 0
     assert "TP schedulers" in capsys.readouterr().out
+
+
+def _columns_hold(lines: list[str], head: str) -> list[list[str]]:
+    """Rows of the text table whose header line starts with ``head``, split at 2+ spaces; every
+    row must split into as many cells as the header (a value that runs into its neighbour, as
+    ``122.39112139.07%`` did, makes one cell of two)."""
+    import re
+
+    i = next(i for i, ln in enumerate(lines) if ln.startswith(head))
+    width = len(re.split(r"\s{2,}", lines[i].strip()))
+    rows = []
+    for ln in lines[i + 1:]:
+        if not ln.strip() or ln.startswith("("):
+            break
+        cells = re.split(r"\s{2,}", ln.strip())
+        assert len(cells) == width or ln.startswith("lower bound"), (lines[i], ln)
+        rows.append(cells)
+    return rows
+
+
+def test_wide_values_keep_their_columns(capsys):
+    """qwen3-30b-a3b at dp=128, ep=8: paper_naive's padding (12139.07%) is wider than any fixed
+    column: every table's columns grow to their widest value."""
+    assert main(["--model", "qwen3-30b-a3b", "--dp", "128", "--ep", "8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {r[0]: r for r in _columns_hold(lines, "planner ")}
+    assert rows["paper_naive"][3:5] == ["122.391", "12139.07%"]
+    _columns_hold(lines, "layout ")
+    _columns_hold(lines, "ownership unit ")
+
+
+def test_help_says_every_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for says in ("(default: 1)", "(default: numel, the paper's; the main job's optimizer balances its cost_model, "
+                 "default flops", "(default: muon)", "(default: multi_lpt)", "(default: lpt_rollback)",
+                 "(default: 1.0)"):
+        assert says in text, says

@@ -39,6 +39,7 @@ BAD = [
     ("CanzonaMuon", {"momentum": 1.5}, ValueError, "momentum=1.5"),
     ("CanzonaMuon", {"ns_steps": 1_000_000_000}, ValueError, "ns_steps=1000000000"),
     ("CanzonaMuon", {"ns_steps": 2.5}, ValueError, "ns_steps=2.5"),
+    ("CanzonaMuon", {"ns_steps": 100}, ValueError, "ns_steps=100"),  # torch.optim.Muon refuses it too
     ("CanzonaMuon", {"ns_coefficients": [1e30, -1e30, 1e30]}, ValueError, "ns_coefficients[0]"),
     ("CanzonaMuon", {"ns_coefficients": [1, 2]}, ValueError, "ns_coefficients"),
     ("CanzonaMuon", {"betas": [0.9, 1.0]}, ValueError, "betas[1]=1.0"),
@@ -67,6 +68,23 @@ BAD = [
     ("CanzonaSOAP", {"correct_bias": 1}, TypeError, "correct_bias=1"),
     ("CanzonaSOAP", {"momentum": 0.9}, ValueError, "momentum"),
 ]
+
+
+def test_ns_steps_range_is_the_references():
+    """ns_steps ends where torch.optim.Muon's does: the reference steps with 99 and refuses 100
+    (at its first step, in its Newton-Schulz)."""
+    import torch
+
+    for steps in (99, 100):
+        w = torch.nn.Parameter(torch.zeros(4, 4))
+        w.grad = torch.ones(4, 4)
+        opt = torch.optim.Muon([w], ns_steps=steps)
+        if steps == 99:
+            opt.step()
+        else:
+            with pytest.raises(ValueError, match="less than 100"):
+                opt.step()
+    assert CanzonaConfig.from_ds("CanzonaMuon", {"ns_steps": 99}).rule.ns_steps == 99
 
 
 @pytest.mark.parametrize("opt_type,params,exc,text", BAD, ids=[f"{t}-{next(iter(p))}" for t, p, _, _ in BAD])

@@ -127,7 +127,7 @@ def test_sigkilled_rank_leaves_no_buffer(tmp_path):
     assert job_processes(port) == {}
 
 
-def test_train_sh_sweeps_its_port_buffers_after_the_launcher_returns(tmp_path):
+def test_train_sh_sweeps_its_port_buffers_when_it_exits(tmp_path):
     # buffers a rank SIGKILLed during start-up would leave (before it unlinks its own):
     # stand-ins with the real names, for this run's port and for another port
     port, other = free_port(), free_port()
@@ -140,7 +140,8 @@ def test_train_sh_sweeps_its_port_buffers_after_the_launcher_returns(tmp_path):
         with p.open("r+b") as f:  # mapped, like a live rank's: other test sessions' sweeps leave it
             maps.append(mmap.mmap(f.fileno(), 4096))
     try:
-        # the launcher returns quickly: every rank rejects the config (exit 2)
+        # train.sh returns quickly: its pre-launch check rejects the config (exit 2, no rank
+        # started); it sweeps its port's buffers on every exit path
         proc = start_train_sh(port, ["--set", "stepz=1", "--set", f"log_dir={tmp_path}"])
         out = finish(proc)
         assert proc.returncode == 2, out[-3000:]

@@ -40,8 +40,29 @@ TP_KEYS = ("flops_ratio", "memory_ratio", "micro_groups", "plan_ms")
 MAX_DIM_FIELD = {"shampoo": "max_preconditioner_dim", "soap": "max_precond_dim"}
 
 
+def _table(head: list[str], rows: list[list[str]]) -> list[str]:
+    """Text table: the first column left-aligned, the others right-aligned, every column as wide
+    as its widest cell plus two spaces (a value never runs into its neighbour); short rows are
+    padded with blanks."""
+    rows = [r + [""] * (len(head) - len(r)) for r in rows]
+    widths = [max(len(c) for c in col) for col in zip(head, *rows)]
+    return [row[0].ljust(widths[0]) + "".join(c.rjust(w + 2) for c, w in zip(row[1:], widths[1:])).rstrip()
+            for row in (head, *rows)]
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The docstring as written; an option whose help does not state its default gets it appended."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or not action.option_strings or action.required
+                or action.default in (None, argparse.SUPPRESS, False)):
+            return text
+        return text + " (default: %(default)s)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="canzona-plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="canzona-plan", description=__doc__, formatter_class=_HelpFormatter)
     p.add_argument("--model", required=True, help="name in configs/models.yaml or path to an HF config.json")
     p.add_argument("--dp", type=int, required=True, help="data-parallel size")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
@@ -51,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "over its expert-data-parallel group of dp/ep ranks, the dense matrices over all dp ranks; it sets "
                         "the 'Expert stacks' section (the DP planner tables plan every matrix over dp)")
     p.add_argument("--optimizer", default="muon", choices=["muon", "shampoo", "soap"],
-                   help="whose FLOPs and state the cost models count (its default hyper-parameters; see "
+                   help="whose FLOPs and state the cost models count (with its usual hyper-parameters; see "
                         "--precondition-frequency)")
     p.add_argument("--precondition-frequency", type=int, default=None,
                    help="Shampoo/SOAP refresh period (amortises the eigendecompositions); default: the rule's")
@@ -60,15 +81,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "blocked Shampoo, cost ~ numel); SOAP: sides longer than this are not rotated "
                         "(max_precond_dim, default 10000)")
     p.add_argument("--alpha", type=float, default=1.0, help="alpha of alpha_balanced, in [0, 1]")
-    p.add_argument("--cost", default="numel", choices=list(COST_MODELS), help="load the planners balance")
+    p.add_argument("--cost", default="numel", choices=list(COST_MODELS),
+                   help="load the planners balance (default: numel, the paper's; the main job's optimizer balances "
+                        "its cost_model, default flops: pass --cost flops to see its plan)")
     p.add_argument("--c-max", type=float, default=None, help="TP micro-group capacity in --cost units (default: largest task)")
     p.add_argument("--bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL,
                    help="bucket size (elements) of alpha_balanced and paper_naive; 0 = one bucket (default: DeepSpeed's "
                         "reduce_bucket_size)")
     p.add_argument("--dp-planner", default=DEFAULT_DP_PLANNER, choices=sorted(DP_PLANNERS), help="the plan the TP schedule starts from")
-    p.add_argument("--tp-scheduler", default=DEFAULT_TP_SCHEDULER, choices=sorted(TP_SCHEDULERS))
-    p.add_argument("--json", action="store_true", help="print exactly one JSON object")
-    p.add_argument("--plot", metavar="PNG", help="draw per-rank loads (paper Figure 3 style); needs matplotlib")
+    p.add_argument("--tp-scheduler", default=DEFAULT_TP_SCHEDULER, choices=sorted(TP_SCHEDULERS),
+                   help="the TP micro-group scheduler the summary leads with")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object (default: text tables)")
+    p.add_argument("--plot", metavar="PNG", help="draw per-rank loads (paper Figure 3 style); needs matplotlib "
+                                                 "(default: no plot)")
     return p
 
 
@@ -106,43 +131,41 @@ def format_table(summary: dict) -> str:
     ]
     if "note" in s:
         return "\n".join(lines + [s["note"]])
-    lines += ["", f"DP planners (default: {s['default_dp_planner']})",
-              f"{'planner':<16}{'FLOPs max/avg':>14}{'peak max/avg':>14}{'mem max/avg':>13}{'padding':>10}{'split':>7}"
-              f"{'J_comm':>14}{'ms':>9}"]
-    for name, r in s["dp_planners"].items():
-        lines.append(f"{name:<16}{r['flops_ratio']:>14.3f}{r['peak_flops_ratio']:>14.3f}{r['memory_ratio']:>13.3f}"
-                     f"{r['padding_fraction']:>9.2%}{r['split_matrices']:>7d}{r['j_comm']:>14.3g}{r['plan_ms']:>9.1f}")
+    lines += ["", f"DP planners (default: {s['default_dp_planner']})"]
+    rows = [[name, f"{r['flops_ratio']:.3f}", f"{r['peak_flops_ratio']:.3f}", f"{r['memory_ratio']:.3f}",
+             f"{r['padding_fraction']:.2%}", f"{r['split_matrices']:d}", f"{r['j_comm']:.3g}", f"{r['plan_ms']:.1f}"]
+            for name, r in s["dp_planners"].items()]
     any_r = next(iter(s["dp_planners"].values()))
-    lines.append(f"{'lower bound':<16}{any_r['flops_lower_bound']:>14.3f}{'':>14}{any_r['memory_lower_bound']:>13.3f}")
+    rows.append(["lower bound", f"{any_r['flops_lower_bound']:.3f}", "", f"{any_r['memory_lower_bound']:.3f}"])
+    lines += _table(["planner", "FLOPs max/avg", "peak max/avg", "mem max/avg", "padding", "split", "J_comm", "ms"],
+                    rows)
     lines.append("(FLOPs: amortised over the refresh period; peak: the step that refreshes preconditioners)")
     if "layout" in s:
         lay = s["layout"]
-        lines += ["", f"ZeRO-1/2 layout (layout \"auto\" picks {lay['auto']}: {lay['why']})",
-                  f"{'layout':<16}{'padding':>10}{'FLOPs max/avg':>14}{'mem max/avg':>13}{'hosted':>8}"
-                  f"{'all-gather MiB':>16}{'a2a MiB max':>13}{'a2a calls':>10}{'step MiB-eq.':>14}"]
-        for key in ("owned", "mixed"):
-            r = lay[key]
-            lines.append(f"{key:<16}{r['padding_fraction']:>9.2%}{r['flops_ratio']:>14.3f}{r['memory_ratio']:>13.3f}"
-                         f"{r['hosted_matrices']:>8d}{r['all_gather_bytes'] / 2**20:>16,.1f}"
-                         f"{r['hosted_sent_max'] / 2**20:>13,.1f}{r['hosted_collectives']:>10d}"
-                         f"{r['rank_cost'] / 2**20:>14,.1f}")
+        lines += ["", f"ZeRO-1/2 layout (layout \"auto\" picks {lay['auto']}: {lay['why']})"]
+        lines += _table(["layout", "padding", "FLOPs max/avg", "mem max/avg", "hosted", "all-gather MiB", "a2a MiB max",
+                         "a2a calls", "step MiB-eq."],
+                        [[key, f"{r['padding_fraction']:.2%}", f"{r['flops_ratio']:.3f}", f"{r['memory_ratio']:.3f}",
+                          f"{r['hosted_matrices']:d}", f"{r['all_gather_bytes'] / 2**20:,.1f}",
+                          f"{r['hosted_sent_max'] / 2**20:,.1f}", f"{r['hosted_collectives']:d}",
+                          f"{r['rank_cost'] / 2**20:,.1f}"] for key, r in ((k, lay[k]) for k in ("owned", "mixed"))])
         lines.append("(mixed: owned matrices whole in equal ZeRO chunks, the rest hosted over DP, docs/zero.md; "
                      "per step, busiest rank)")
         if "runtime_note" in lay:
             lines.append(f"note: {lay['runtime_note']}")
     if s["tp_schedulers"]:
         lines += ["", f"TP schedulers over the {next(iter(s['tp_schedulers'].values()))['tasks']} TP-split matrices of "
-                  f"DP rank {s['tp_busiest_dp_rank']} (busiest; default: {s['default_tp_scheduler']})",
-                  f"{'scheduler':<16}{'FLOPs max/avg':>14}{'mem max/avg':>13}{'serial':>9}{'groups':>8}{'ms':>9}"]
-        for name, r in s["tp_schedulers"].items():
-            lines.append(f"{name:<16}{r['flops_ratio']:>14.3f}{r['memory_ratio']:>13.3f}{r['serial_ratio']:>9.3f}"
-                         f"{r['micro_groups']:>8d}{r['plan_ms']:>9.1f}")
+                  f"DP rank {s['tp_busiest_dp_rank']} (busiest; default: {s['default_tp_scheduler']})"]
+        head = ["scheduler", "FLOPs max/avg", "mem max/avg", "serial", "groups", "ms"]
+
+        def tp_rows(results: dict) -> list[list[str]]:
+            return [[name, f"{r['flops_ratio']:.3f}", f"{r['memory_ratio']:.3f}", f"{r['serial_ratio']:.3f}",
+                     f"{r['micro_groups']:d}", f"{r['plan_ms']:.1f}"] for name, r in results.items()]
+
         r = next(iter(s["tp_schedulers"].values()))
-        lines.append(f"{'lower bound':<16}{r['flops_lower_bound']:>14.3f}")
+        lines += _table(head, tp_rows(s["tp_schedulers"]) + [["lower bound", f"{r['flops_lower_bound']:.3f}"]])
         lines += ["", "TP schedulers over all TP-split matrices of the model (one TP group, DP=1 view)"]
-        for name, r in s["tp_whole_model"].items():
-            lines.append(f"{name:<16}{r['flops_ratio']:>14.3f}{r['memory_ratio']:>13.3f}{r['serial_ratio']:>9.3f}"
-                         f"{r['micro_groups']:>8d}{r['plan_ms']:>9.1f}")
+        lines += _table(head, tp_rows(s["tp_whole_model"]))
     elif "tp_note" in s:
         lines += ["", s["tp_note"]]
     if "expert_stacks" in s:
@@ -150,22 +173,15 @@ def format_table(summary: dict) -> str:
         lines += ["", f"Expert stacks: {x['stacks']} stacks of {x['experts_per_stack']} experts (largest "
                   f"{x['largest_stack_numel']:,} elements), {x['planner']}, ep={x['ep']}"
                   + (f" (experts over expert-DP groups of {x['expert_dp']} ranks, dense over {s['dp']}; "
-                     f"max/avg over all {s['dp']} DP ranks)" if x["ep"] > 1 else ""),
-                  f"{'ownership unit':<24}{'FLOPs max/avg':>14}{'mem max/avg':>13}{'padding':>10}{'bound':>8}"]
+                     f"max/avg over all {s['dp']} DP ranks)" if x["ep"] > 1 else "")]
         whole = "whole stack" if x["ep"] == 1 else f"stack of E/{x['ep']}"
-        for unit, label in (("whole", whole), ("per_expert", f"per expert ({x['per_expert_planner']})")):
-            r = x[unit]
-            lines.append(f"{label:<24}{r['flops_ratio']:>14.3f}{r['memory_ratio']:>13.3f}{r['padding_fraction']:>9.2%}"
-                         f"{r['flops_lower_bound']:>8.3f}")
-        if "per_expert_mixed" in x:  # layout "mixed" forced: every group's hosted matrices over its own DP group
-            r = x["per_expert_mixed"]
-            lines.append(f"{'per expert, mixed':<24}{r['flops_ratio']:>14.3f}{r['memory_ratio']:>13.3f}"
-                         f"{r['padding_fraction']:>9.2%}{r['flops_lower_bound']:>8.3f}")
-        if "joint" in x:
-            r = x["joint"]
-            lines.append(f"{'joint (planner only)':<24}{r['flops_ratio']:>14.3f}{r['memory_ratio']:>13.3f}"
-                         f"{r['padding_fraction']:>9.2%}"
-                         f"{r['flops_lower_bound']:>8.3f}")
+        units = [("whole", whole), ("per_expert", f"per expert ({x['per_expert_planner']})"),
+                 ("per_expert_mixed", "per expert, mixed"),  # layout "mixed" forced: hosted over each group's DP
+                 ("joint", "joint (planner only)")]
+        lines += _table(["ownership unit", "FLOPs max/avg", "mem max/avg", "padding", "bound"],
+                        [[label, f"{x[u]['flops_ratio']:.3f}", f"{x[u]['memory_ratio']:.3f}",
+                          f"{x[u]['padding_fraction']:.2%}", f"{x[u]['flops_lower_bound']:.3f}"]
+                         for u, label in units if u in x])
         lines.append("(ZeRO-1/2 keeps a stack whole on one owner; DeepSpeed MoE's experts are separate matrices "
                      "(per expert): docs/zero.md, 'Mixture of experts'"
                      + ("; per expert, mixed: layout 'mixed' forced, each group's matrices that do not fit hosted "

@@ -14,15 +14,19 @@ overrides the run config's ds_config.  Exit status: 0 done (also a ``--resume`` 
 left to train: it says so and leaves the run's files as they are), 2 bad config (run config or
 ds_config: one line naming the bad key or value), 3 optimizer type unavailable, 4 checkpoint
 error (``--resume`` found checkpoints but none intact or loadable by this run, e.g. written by
-another optimizer type, or a save failed: one line naming each bad file), 130 / 143 stopped
-by SIGINT / SIGTERM.  Errors are one line from rank 0; the other ranks exit quietly with the
-same status, and DeepSpeed's launcher (hence launch/train.sh) exits with it.
+another optimizer type, or a save failed: one line naming each bad file; ``--resume`` from a
+named log_dir / checkpoint_dir holding no checkpoint; an unwritable checkpoint_dir), 130 / 143
+stopped by SIGINT / SIGTERM.  Errors are one line from rank 0; the other ranks exit quietly
+with the same status, and DeepSpeed's launcher exits with it.  ``launch/train.sh``
+(canzona_ds/cli/launch.py) runs :func:`precheck` first, in one process: every error that
+needs no process group is reported there, before any rank starts.
 
 Where a run writes: ``log_dir`` unset -> a new folder per run,
 ``runs/<config stem>-<optimizer>-<YYYYmmdd-HHMMSS>``, with ``runs/latest`` pointing at it;
 checkpoints in ``<log_dir>/checkpoints`` unless ``checkpoint_dir`` is set.  ``--resume``
-without a log_dir continues the newest run of the same config stem and optimizer (not
-simply runs/latest).  See canzona_ds/train/rundir.py.
+without a log_dir continues the newest run of the same config stem and optimizer that this
+run can resume (same ZeRO stage and pp; the note names the runs passed over and why), not
+simply runs/latest.  See canzona_ds/train/rundir.py.
 
 DeepSpeed's CPU all-reduce leaves a ~69 MB ``/dev/shm`` buffer per rank that it never
 unlinks.  Every rank unlinks its own as soon as all ranks have mapped every buffer (right
@@ -34,25 +38,33 @@ before that point left.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The module docstring as written; every option's help states its default itself."""
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="canzona_ds.cli.train", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=None, help="YAML run config (default: built-in defaults = run_tiny)")
-    ap.add_argument("--ds-config", default=None, help="DeepSpeed JSON config (overrides the run config's)")
+    ap = argparse.ArgumentParser(prog="canzona_ds.cli.train", description=__doc__, formatter_class=_HelpFormatter)
+    ap.add_argument("--config", default=None,
+                    help="YAML run config (default: none, the built-in defaults = configs/run_tiny.yaml's values; "
+                         "launch/train.sh passes RUN_CONFIG, default configs/run_tiny.yaml)")
+    ap.add_argument("--ds-config", default=None,
+                    help="DeepSpeed JSON config, overrides the run config's ds_config "
+                         "(default: the run config's, configs/ds_cpu_canzona.json unless it says otherwise)")
     ap.add_argument("--resume", action="store_true",
-                    help="continue from the latest intact checkpoint of the newest run of this config and optimizer "
-                         "(or of log_dir, when set)")
+                    help="continue from the latest intact checkpoint: of log_dir / checkpoint_dir when set (an "
+                         "error if it holds none), else of the newest run of this config and optimizer that this "
+                         "run can resume (same ZeRO stage and pp; see canzona_ds/train/rundir.py) (default: off)")
     ap.add_argument("--compare", action="store_true",
-                    help="run compare_ds_configs one after another + a single-process Muon reference")
+                    help="run the run config's compare_ds_configs one after another + a single-process Muon "
+                         "reference (default: off)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                    help="override a run-config key (repeatable)")
-    ap.add_argument("--no-progress", action="store_true", help="no tqdm bar (logs only)")
+                    help="override a run-config key, value parsed as YAML (repeatable; default: none)")
+    ap.add_argument("--no-progress", action="store_true", help="no tqdm bar, logs only (default: a bar on rank 0)")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -82,33 +94,88 @@ def _fail(code: int, message: str) -> int:
     return code
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def check_config(args: argparse.Namespace, world: int, deep: bool = False):
+    """The run config of ``args`` for ``world`` ranks, every check that needs no process group
+    made (ValueError / TypeError naming the bad key or value): run config, ds_config files,
+    batch layout, pp, optimizer type ("did you mean"), the Canzona optimizer params, --compare's
+    reference.  ``deep``: also DeepSpeed's own parse of each ds_config (the launcher's
+    pre-launch check; the ranks meet it inside ``deepspeed.initialize`` anyway)."""
     from canzona_ds.train.config import load_run_config, parse_override
+    from canzona_ds.train.trainer import build_ds_config, check_optimizer_section, data_parallel_size
 
+    overrides = dict(parse_override(item) for item in args.overrides)
+    if args.ds_config:
+        overrides["ds_config"] = args.ds_config
+    if args.resume:
+        overrides["resume"] = True
+    cfg = load_run_config(args.config, overrides, overrides_from="the --set override(s)")
+    if args.compare and cfg.pp > 1:
+        raise ValueError(f"--compare runs pp=1 only (got pp={cfg.pp}); drop --set pp or --compare.")
+    for path in (cfg.compare_ds_configs if args.compare else [cfg.ds_config]):
+        ds = build_ds_config(cfg, path, data_parallel_size(path, world, cfg.pp))
+        check_optimizer_section(ds, path)
+        if deep:
+            from canzona_ds.integration.config_check import validate_ds_config
+
+            validate_ds_config(ds, str(path))
+        from canzona_ds.train.compare import REFERENCE_TYPES
+
+        if args.compare and cfg.reference_steps and str(ds["optimizer"]["type"]).lower() in REFERENCE_TYPES:
+            from canzona_ds.train.reference import reference_config
+
+            reference_config(ds["optimizer"])
+    return cfg
+
+
+def precheck(argv: list[str], world: int) -> int:
+    """Everything the job checks before a process group exists, in this one process (the
+    launcher's pre-launch check, canzona_ds/cli/launch.py): 0 go, 2 config error, 4 checkpoint
+    error (an unwritable checkpoint_dir; --resume from a named folder without a checkpoint),
+    each one line; argparse's own usage errors are 2 as well.  ``--help`` prints the help and
+    returns :data:`HELP_SHOWN` (nothing to launch)."""
     try:
-        overrides = dict(parse_override(item) for item in args.overrides)
-        if args.ds_config:
-            overrides["ds_config"] = args.ds_config
-        if args.resume:
-            overrides["resume"] = True
-        cfg = load_run_config(args.config, overrides, overrides_from="the --set override(s)")
+        args = parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2, already printed by argparse)
+        return HELP_SHOWN if e.code in (0, None) else int(e.code)
+    try:
+        cfg = check_config(args, world, deep=True)
+        from canzona_ds.train.rundir import check_writable
+
+        problems = check_writable(cfg)
+    except (ValueError, TypeError) as e:
+        return _fail(2, f"config error: {_one_line(e)}")
+    for key, problem in problems:
+        return _fail(4 if key == "checkpoint_dir" else 2,
+                     f"{'checkpoint' if key == 'checkpoint_dir' else 'config'} error: {problem}")
+    if not args.compare:
+        from canzona_ds.checkpoint import CheckpointError
+        from canzona_ds.train.rundir import check_named_checkpoint
+
+        try:
+            check_named_checkpoint(cfg)
+        except CheckpointError as e:
+            return _fail(4, f"checkpoint error: {_one_line(e)}")
+    return 0
+
+
+#: :func:`precheck`'s status after printing ``--help`` (the launcher exits 0 without starting ranks)
+HELP_SHOWN = 10
+
+
+def main(argv: list[str] | None = None) -> int:
+    previous = _install_signal_handlers()  # first: a stop during the imports below is an exit, not a traceback
+    try:
+        return _main(argv)
+    finally:
+        for sig, h in previous.items():
+            signal.signal(sig, h)
+
+
+def _main(argv: list[str] | None) -> int:
+    args = parse_args(argv)
+    try:
         _ensure_dist_env()
-        world = int(os.environ["WORLD_SIZE"])
-        from canzona_ds.train.trainer import build_ds_config, check_optimizer_section, data_parallel_size
-
-        # fail before any process group exists
-        if args.compare and cfg.pp > 1:
-            raise ValueError(f"--compare runs pp=1 only (got pp={cfg.pp}); drop --set pp or --compare.")
-        for path in (cfg.compare_ds_configs if args.compare else [cfg.ds_config]):
-            ds = build_ds_config(cfg, path, data_parallel_size(path, world, cfg.pp))
-            check_optimizer_section(ds, path)
-            from canzona_ds.train.compare import REFERENCE_TYPES
-
-            if args.compare and cfg.reference_steps and str(ds["optimizer"]["type"]).lower() in REFERENCE_TYPES:
-                from canzona_ds.train.reference import reference_config
-
-                reference_config(ds["optimizer"])
+        cfg = check_config(args, int(os.environ["WORLD_SIZE"]))  # fail before any process group exists
     except (ValueError, TypeError) as e:
         return _fail(2, f"config error: {_one_line(e)}")
 
@@ -118,7 +185,6 @@ def main(argv: list[str] | None = None) -> int:
     from canzona_ds.train.trainer import (ConfigError, OptimizerUnavailable, is_rank0, setup_process,
                                           shutdown_distributed, train)
 
-    previous = _install_signal_handlers()
     setup_process(cfg)
     try:
         import deepspeed
@@ -135,8 +201,13 @@ def main(argv: list[str] | None = None) -> int:
 
             report = run_compare(cfg, progress=not args.no_progress)
             if is_rank0():
-                print("artifacts:", json.dumps(report["artifacts"], indent=1), flush=True)
+                print("artifacts:", flush=True)
+                for k, v in report["artifacts"].items():
+                    print(f"  {k:14s} {v}", flush=True)
         else:
+            from canzona_ds.train.rundir import check_named_checkpoint
+
+            check_named_checkpoint(cfg)  # every rank reads the same folder: the same verdict
             result = train(cfg, progress=not args.no_progress)
             if is_rank0():
                 _final_report(cfg, result)
@@ -152,8 +223,6 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(2, f"config error: {_one_line(e)}")
     finally:
         release_shm_buffer()  # no-op when already unlinked; covers a failure before the barrier
-        for sig, h in previous.items():
-            signal.signal(sig, h)
     return 0
 
 
@@ -165,11 +234,16 @@ def _one_line(e: BaseException) -> str:
 
 def _run_dirs(cfg, args):
     """log_dir / checkpoint_dir of this run (canzona_ds/train/rundir.py), the same on every rank."""
-    from canzona_ds.train.rundir import resolve_collective
-    from canzona_ds.train.trainer import load_ds_config
+    import torch.distributed as dist
 
-    optimizer = "compare" if args.compare else str(load_ds_config(cfg.ds_config)["optimizer"]["type"])
-    return resolve_collective(cfg, args.config, optimizer, resume=cfg.resume and not args.compare)
+    from canzona_ds.optim import OPTIMIZER_TYPES
+    from canzona_ds.train.rundir import Layout, resolve_collective
+    from canzona_ds.train.trainer import load_ds_config, zero_stage
+
+    ds = load_ds_config(cfg.ds_config)
+    optimizer = "compare" if args.compare else str(ds["optimizer"]["type"])
+    layout = Layout(zero_stage(ds), cfg.pp, dist.get_world_size(), optimizer in OPTIMIZER_TYPES)
+    return resolve_collective(cfg, args.config, optimizer, resume=cfg.resume and not args.compare, layout=layout)
 
 
 def _install_signal_handlers() -> dict:

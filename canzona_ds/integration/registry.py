@@ -16,7 +16,9 @@ optimizer is one of ``OPTIMIZER_TYPES`` ("CanzonaMuon", "CanzonaShampoo", "Canzo
   it, or the newest intact tag with ``canzona_checkpoint.fallback``), then the elastic path
   (another DP/TP size) or DeepSpeed's own (integration/checkpoint_hooks.py);
 
-and ``DeepSpeedConfig._do_sanity_check`` validates our sections as soon as DeepSpeed
+``_take_model_step`` at ZeRO stage 0 in fp32 skips and reports a step with a non-finite
+gradient, as DeepSpeed's ZeRO 1-3 do (integration/stage0.py); and
+``DeepSpeedConfig._do_sanity_check`` validates our sections as soon as DeepSpeed
 has parsed the ds_config, so a bad key or value is a clear error before DeepSpeed's own
 checks trip over it (e.g. ``params`` given as a list).
 
@@ -235,6 +237,9 @@ def install() -> None:
     from .runtime_info import canzona_optimizer
     from .zero import zero_optimizer_class
 
+    from .stage0 import install as install_stage0_skip
+
+    install_stage0_skip(engine_mod.DeepSpeedEngine)  # stage 0, fp32: a non-finite step is skipped (stage0.py)
     stock_sanity = DeepSpeedConfig._do_sanity_check
 
     def _do_sanity_check(self):

@@ -49,8 +49,9 @@ from .rule import Flops, MatrixInfo, MatrixRule, check_bool, check_choice, check
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_METHODS = ("standard", "gram")
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "none")
-#: largest accepted ns_steps (a count of 1e9 would hang the step; 100 is 20x the default)
-MAX_NS_STEPS = 100
+#: largest accepted ns_steps: torch.optim.Muon, the reference, refuses ns_steps >= 100 (and a
+#: count of 1e9 would hang the step; 99 is ~20x the default)
+MAX_NS_STEPS = 99
 #: largest accepted |coefficient| (known coefficient sets stay below 10); bigger values
 #: overflow bf16 after a few iterations and turn every matrix non-finite
 MAX_NS_COEFFICIENT = 100.0
@@ -191,7 +192,7 @@ class MuonRule(MatrixRule):
     momentum: float = 0.95
     #: Nesterov momentum (torch.optim.Muon ``nesterov``)
     nesterov: bool = True
-    #: Newton-Schulz iterations, integer in [1, 100]
+    #: Newton-Schulz iterations, integer in [1, 99] (torch.optim.Muon refuses >= 100)
     ns_steps: int = 5
     #: quintic Newton-Schulz coefficients (a, b, c), each |x| <= 100
     ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS

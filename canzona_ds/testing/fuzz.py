@@ -5,7 +5,7 @@ For every key every Canzona optimizer type accepts (``optimizer.params`` and the
 non-finite numbers, values outside the documented range, and misspelt keys, plus malformed
 sections.  Each case names the key a clear error must name.  ``tests/test_config_fuzz.py``
 asserts every case is refused that way; ``benchmarks/config_fuzz.py`` counts them for the
-README's fault table.
+bad-input table in docs/benchmarks.md.
 """
 from __future__ import annotations
 

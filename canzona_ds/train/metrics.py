@@ -90,6 +90,10 @@ def summary_table(results: dict[str, dict]) -> str:
         lines.append(name.ljust(width) + "".join(_fmt(s.get(k)).rjust(11) for k, _ in cols))
     lines.append("(times in ms per optimizer step, median over steps after the first; n/a = not timed "
                  "separately by this runtime)")
+    from canzona_ds.integration.runtime_info import work_timed_in
+
+    for name, s in results.items():  # where each run's optimizer work is timed
+        lines.append(f"  {name}: {work_timed_in(s.get('optimizer', name))}")
     return "\n".join(lines)
 
 

@@ -101,11 +101,14 @@ def load_ds_config(path: str | Path) -> dict:
 
 
 def check_optimizer_section(ds: dict, path: str | Path) -> None:
-    """Validate a Canzona type's optimizer params before any process group exists (the same
-    check the optimizer makes later, but here every rank fails at once, naming the key)."""
+    """Validate the optimizer type (one DeepSpeed can build, else the valid ones and a "did you
+    mean") and a Canzona type's params before any process group exists (the same checks
+    DeepSpeed and the optimizer make later, but here every rank fails at once, naming the key)."""
+    from canzona_ds.integration.config_check import check_optimizer_type
     from canzona_ds.optim import OPTIMIZER_TYPES
     from canzona_ds.optim.config import CanzonaConfig
 
+    check_optimizer_type(ds["optimizer"]["type"], f"ds_config {str(path)!r}")
     opt_type = str(ds["optimizer"]["type"])
     if opt_type in OPTIMIZER_TYPES:
         try:
@@ -355,8 +358,12 @@ def train(cfg: RunConfig, name: str | None = None, progress: bool = True) -> Run
         print(f"[{name}] model={cfg.model} params={n_params:,} {pp_note}dp={dp} micro_batch={cfg.micro_batch} "
               f"grad_accum={accum} global_batch={global_batch} seq_len={cfg.seq_len} "
               f"optimizer={opt_type} ds_config={cfg.ds_config}", flush=True)
-        for line in format_plan(plan):
-            print(f"[{name}] {line}", flush=True)
+        if canzona_optimizer(engine) is not None or opt_type.lower() == "muon":
+            for line in format_plan(plan):
+                print(f"[{name}] {line}", flush=True)
+        else:  # the plan summary costs matrices with Muon's rule: it belongs to matrix optimizers only
+            print(f"[{name}] {opt_type}: element-wise, no matrix partition plan (DeepSpeed's equal chunks)",
+                  flush=True)
         if pipe or not tap.attached:
             why = " (pp > 1: DeepSpeed's PipelineEngine cannot run wall_clock_breakdown)" if pipe else ""
             print(f"[{name}] DeepSpeed timers unavailable{why}: step-time breakdown will show n/a", flush=True)
