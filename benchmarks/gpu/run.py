@@ -9,7 +9,7 @@ Before anything it checks what it needs (and stops, naming the problem, if it is
 Python >= 3.10; torch >= 2.11 built with CUDA and a visible GPU (dry run: any torch); Triton
 and numpy; DeepSpeed 0.19.8 -- if absent it is installed from the carried wheels
 (``benchmarks/gpu/wheels``, built here by ``benchmarks/gpu/build_wheels.sh``) with
-``pip install --no-index --find-links``; pyyaml and tqdm likewise.  Then, each section timed
+``pip install --no-index --find-links``; pyyaml, tqdm and pytest likewise.  Then, each section timed
 and recorded on its own (a failing section records its traceback; the others still run), the
 results file rewritten after every section so a timeout keeps what finished:
 
@@ -56,7 +56,7 @@ HERE = Path(__file__).resolve().parent
 WHEELS = HERE / "wheels"
 NEEDS = {"python": (3, 10), "torch": (2, 11), "deepspeed": "0.19.8"}
 #: the pure-Python packages installed from the carried wheels when missing (module -> requirement)
-CARRIED = {"deepspeed": "deepspeed==0.19.8", "yaml": "pyyaml", "tqdm": "tqdm"}
+CARRIED = {"deepspeed": "deepspeed==0.19.8", "yaml": "pyyaml", "tqdm": "tqdm", "pytest": "pytest"}
 MODELS = ("qwen3-8b", "qwen3-32b")
 TP = 8
 BATCH_CAP = 8
