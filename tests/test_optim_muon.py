@@ -265,3 +265,24 @@ def test_batch_probe_falls_back_where_batched_rounding_differs(monkeypatch):
     O = rule.orthogonalise_stack(X)
     assert calls == [2, 2, 2]
     torch.testing.assert_close(O, torch.stack([rule.orthogonalise(x) for x in X]), rtol=0, atol=0)
+
+
+def test_owner_batches_are_bounded_in_size(monkeypatch):
+    """rule_steps cuts a same-shape group into batches of at most BATCH_MAX_NUMEL elements (the
+    stacked copies a batch holds), still bit-exact against the one-at-a-time reference."""
+    from canzona_ds.optim import muon, rule
+
+    monkeypatch.setattr(rule, "BATCH_MAX_NUMEL", 2 * 24 * 40)
+    sizes = []
+    real_ns = muon.newton_schulz
+    monkeypatch.setattr(muon, "newton_schulz", lambda G, *a, **k: (sizes.append(tuple(G.shape)), real_ns(G, *a, **k))[1])
+    torch.manual_seed(0)
+    init = [torch.randn(24, 40) for _ in range(5)]
+    grads = [[torch.randn(24, 40) for _ in range(5)]]
+    ours = [(f"m{i}.weight", p.clone().requires_grad_()) for i, p in enumerate(init)]
+    ref = [(f"m{i}.weight", p.clone().requires_grad_()) for i, p in enumerate(init)]
+    _steps([p for _, p in ours], CanzonaOptimizer(ours, CanzonaConfig.from_ds("CanzonaMuon", {})), grads)
+    _steps([p for _, p in ref], ReferenceOptimizer(ref, CanzonaConfig.from_ds("CanzonaMuon", {})), grads)
+    for (name, p), (_, r) in zip(ours, ref):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=0, atol=0, msg=name)
+    assert max(s[0] for s in sizes if len(s) == 3) == 2, sizes  # 5 matrices: batches of 2, 2 and 1

@@ -262,6 +262,11 @@ def rule_step(rule: "MatrixRule", param: Tensor, grad: Tensor, states: dict[str,
     apply_rule_update(param, rule.direction(grad, state, info, step), rule, info, step, lr, weight_decay)
 
 
+#: rule_steps: most gradient elements one batch stacks (2^27: 512 MiB in fp32), so batching
+#: same-shape matrices never holds more than that in extra copies at once
+BATCH_MAX_NUMEL = 2 ** 27
+
+
 def rule_steps(rule: "MatrixRule", items: list[tuple[Tensor, Tensor, MatrixInfo]],
                states: dict[str, dict[str, Tensor]], step: int, lr: float, weight_decay: float) -> None:
     """:func:`rule_step` on every (param, grad, info) of ``items`` -- the whole matrices one rank
@@ -272,15 +277,20 @@ def rule_steps(rule: "MatrixRule", items: list[tuple[Tensor, Tensor, MatrixInfo]
         groups: [q0, q1, q2] -> stack_direction once  |  k0 -> rule_step  |  E -> rule_step (its own stack)
 
     The result per matrix is the rule's ``direction`` (``stack_direction``'s contract), so the
-    updates equal :func:`rule_step` one by one; only the kernel count changes.  Matrices with
-    heads or experts keep their own path."""
+    updates equal :func:`rule_step` one by one; only the kernel count changes.  A group is cut
+    into batches of at most ``BATCH_MAX_NUMEL`` gradient elements.  Matrices with heads or
+    experts keep their own path."""
     groups: dict[tuple, list[tuple[Tensor, Tensor, MatrixInfo]]] = {}
     for param, grad, info in items:
         if info.num_experts is not None or info.num_heads or grad.ndim != 2:
             rule_step(rule, param, grad, states, info, step, lr, weight_decay)
             continue
         groups.setdefault((tuple(grad.shape), grad.dtype, grad.device), []).append((param, grad, info))
-    for members in groups.values():
+    chunks = []
+    for members in groups.values():  # a batch stacks copies of its gradients: bounded in size
+        per = max(1, BATCH_MAX_NUMEL // members[0][1].numel())
+        chunks += [members[i:i + per] for i in range(0, len(members), per)]
+    for members in chunks:
         D = None
         if len(members) > 1:
             infos = [info for _, _, info in members]
