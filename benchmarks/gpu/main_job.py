@@ -57,6 +57,10 @@ def main() -> None:
     from canzona_ds.models.qwen3 import Qwen3Config, build_model
 
     deepspeed.init_distributed(dist_backend="gloo" if dry else "nccl")
+    from canzona_ds.integration.runtime_info import release_shm_buffer
+
+    torch.distributed.barrier()
+    release_shm_buffer()  # the CPU (dry run) comm op's /dev/shm buffer: DeepSpeed never unlinks it
     if dry:
         torch.set_num_threads(1)
         cfg = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2,
