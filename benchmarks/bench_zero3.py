@@ -140,14 +140,15 @@ def matrices_of(model) -> list[tuple[str, tuple[int, ...]]]:
 
 def plan_bytes(runtime, rank: int, grad_bytes: int) -> int:
     """Off-rank bytes one ``MicroGroupRuntime.step`` sends from ``rank``, from the plan alone:
-    its gradient pieces of matrices hosted elsewhere, and (where it hosts) the other ranks'
-    pieces of the direction, in the rule's direction dtype."""
+    its gradient pieces of matrices hosted elsewhere (none when ``runtime.pregathered``: the
+    engine's clipping norm already moved them), and (where it hosts) the other ranks' pieces of
+    the direction, in the rule's direction dtype."""
     dbytes = torch.empty(0, dtype=runtime.rule.direction_dtype(torch.float32)).element_size()
     total = 0
     for i, host in enumerate(runtime.plan.host):
         m = runtime.matrices[i]
         if host != rank:
-            total += m.local_numel(rank) * grad_bytes
+            total += 0 if runtime.pregathered else m.local_numel(rank) * grad_bytes
         else:
             total += sum(m.local_numel(r) for r in range(len(m.lengths)) if r != rank) * dbytes
     return total

@@ -770,8 +770,19 @@ def ns_dtype(d: Data) -> str:
                    "\"auto\" chose"], rows)
 
 
+def ns_batch(d: Data) -> str:
+    """bench_ns_batch: the owner's matrix step with same-shape Newton-Schulz batched vs one at a
+    time, busiest rank's thread CPU ms per DP size and ns_dtype."""
+    rows = [[r["ns_dtype"], str(r["dp"]), f"{max(x['matrices'] for x in r['ranks'])}",
+             f"{r['busiest_one_at_a_time_ms']:,.1f}", f"{r['busiest_batched_ms']:,.1f}", f"{r['batched_over_one']:.3f}"]
+            for r in d["rows"]]
+    return _table(["ns_dtype", "DP", "matrices (busiest rank)", "one at a time (ms)", "batched (ms)",
+                   "batched / one at a time"], rows)
+
+
 TABLES: dict[str, tuple[str, Callable[[Data], str]]] = {
     "ns_dtype": ("ns_dtype", ns_dtype),
+    "ns_batch": ("ns_batch", ns_batch),
     "fig3_dp": ("paper_experiments", fig3_dp),
     "fig3_tp": ("paper_experiments", fig3_tp),
     "buckets": ("paper_experiments", buckets),

@@ -201,3 +201,88 @@ def test_auto_chooses_by_the_probe(monkeypatch):
     monkeypatch.setitem(muon._probed, ("cpu", None), {"bf16": 40.0, "fp32": 1.0})
     torch.testing.assert_close(MuonRule(ns_dtype="auto").orthogonalise(G),
                                MuonRule(ns_dtype="fp32").orthogonalise(G), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- batched Newton-Schulz on the owner
+BATCH_SHAPES = [(24, 40), (24, 40), (40, 24), (24, 40), (40, 24), (7, 33), (7, 33)]
+
+
+@pytest.mark.parametrize("ns_dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("ns_method", ["standard", "gram"])
+def test_owner_batches_same_shape_matrices_bit_exact(ns_dtype, ns_method, monkeypatch):
+    """CanzonaOptimizer (the owner's path: placement -> rule_steps) runs the same-shape matrices
+    as one batched Newton-Schulz where the probe found it exact, and its parameters equal the
+    single-process reference's (one matrix at a time) bit for bit: 7x33 in fp32 is a shape
+    where MKL's batched fp32 product rounds differently from the single one on some CPUs (gram also
+    under AVX2), so there the probe must send them one at a time.  The batch must really run (counted)."""
+    from canzona_ds.optim import muon
+
+    batched = []
+    real_ns = muon.newton_schulz
+    monkeypatch.setattr(muon, "newton_schulz", lambda G, *a, **k: (batched.append(G.ndim == 3), real_ns(G, *a, **k))[1])
+    torch.manual_seed(0)
+    init = [torch.randn(s) for s in BATCH_SHAPES]
+    grads = [[torch.randn(s) for s in BATCH_SHAPES] for _ in range(3)]
+    params = dict(lr=0.02, weight_decay=0.1, ns_dtype=ns_dtype, ns_method=ns_method)
+    ours = [(f"m{i}.weight", p.clone().requires_grad_()) for i, p in enumerate(init)]
+    ref = [(f"m{i}.weight", p.clone().requires_grad_()) for i, p in enumerate(init)]
+    opt = CanzonaOptimizer(ours, CanzonaConfig.from_ds("CanzonaMuon", params))
+    ref_opt = ReferenceOptimizer(ref, CanzonaConfig.from_ds("CanzonaMuon", params))
+    _steps([p for _, p in ours], opt, grads)
+    _steps([p for _, p in ref], ref_opt, grads)
+    for (name, p), (_, r) in zip(ours, ref):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=0, atol=0, msg=name)
+    rule = opt.rule
+    exact = {s: rule.batch_is_exact(BATCH_SHAPES.count(s), s if s[0] <= s[1] else s[::-1], torch.float32,
+                                    torch.device("cpu")) for s in set(BATCH_SHAPES)}
+    assert any(exact.values()), exact  # 24x40 batches on every CPU tried: the feature is active
+    assert any(batched), "no batched Newton-Schulz ran"
+
+
+def test_ns_batch_false_runs_one_at_a_time(monkeypatch):
+    from canzona_ds.optim import muon
+
+    shapes = []
+    real_ns = muon.newton_schulz
+    monkeypatch.setattr(muon, "newton_schulz", lambda G, *a, **k: (shapes.append(tuple(G.shape)), real_ns(G, *a, **k))[1])
+    ours = [(f"m{i}.weight", torch.randn(24, 40, requires_grad=True)) for i in range(3)]
+    opt = CanzonaOptimizer(ours, CanzonaConfig.from_ds("CanzonaMuon", {"ns_batch": False}))
+    _steps([p for _, p in ours], opt, [[torch.randn(24, 40) for _ in range(3)]])
+    assert shapes == [(24, 40)] * 3
+
+
+def test_batch_probe_falls_back_where_batched_rounding_differs(monkeypatch):
+    """A batch whose probe says "not exact" runs one matrix at a time (the probe's verdict is
+    forced here, the way it comes out for MKL's fp32 bmm on 96x384 slices on an AVX512 Xeon)."""
+    from canzona_ds.optim import muon
+
+    rule = MuonRule(ns_dtype="fp32")
+    X = torch.randn(3, 24, 40)
+    monkeypatch.setattr(MuonRule, "batch_is_exact", lambda *a: False)
+    calls = []
+    real_ns = muon.newton_schulz
+    monkeypatch.setattr(muon, "newton_schulz", lambda G, *a, **k: (calls.append(G.ndim), real_ns(G, *a, **k))[1])
+    O = rule.orthogonalise_stack(X)
+    assert calls == [2, 2, 2]
+    torch.testing.assert_close(O, torch.stack([rule.orthogonalise(x) for x in X]), rtol=0, atol=0)
+
+
+def test_owner_batches_are_bounded_in_size(monkeypatch):
+    """rule_steps cuts a same-shape group into batches of at most BATCH_MAX_NUMEL elements (the
+    stacked copies a batch holds), still bit-exact against the one-at-a-time reference."""
+    from canzona_ds.optim import muon, rule
+
+    monkeypatch.setattr(rule, "BATCH_MAX_NUMEL", 2 * 24 * 40)
+    sizes = []
+    real_ns = muon.newton_schulz
+    monkeypatch.setattr(muon, "newton_schulz", lambda G, *a, **k: (sizes.append(tuple(G.shape)), real_ns(G, *a, **k))[1])
+    torch.manual_seed(0)
+    init = [torch.randn(24, 40) for _ in range(5)]
+    grads = [[torch.randn(24, 40) for _ in range(5)]]
+    ours = [(f"m{i}.weight", p.clone().requires_grad_()) for i, p in enumerate(init)]
+    ref = [(f"m{i}.weight", p.clone().requires_grad_()) for i, p in enumerate(init)]
+    _steps([p for _, p in ours], CanzonaOptimizer(ours, CanzonaConfig.from_ds("CanzonaMuon", {})), grads)
+    _steps([p for _, p in ref], ReferenceOptimizer(ref, CanzonaConfig.from_ds("CanzonaMuon", {})), grads)
+    for (name, p), (_, r) in zip(ours, ref):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=0, atol=0, msg=name)
+    assert max(s[0] for s in sizes if len(s) == 3) == 2, sizes  # 5 matrices: batches of 2, 2 and 1

@@ -155,7 +155,7 @@ def _clip(rank, dp, opt_type, offload=False):
     zero = {"offload_optimizer": {"device": "cpu"}} if offload else {}
     engine, params, rec, info = _run(rank, dp, zero3_config(dp, optimizer=opt_type, gradient_clipping=CLIP,
                                                             zero_optimization=zero))
-    return dict(params=params, replay=rec.replay(), norm=float(engine.get_global_grad_norm()))
+    return dict(params=params, replay=rec.replay(), norm=float(engine.get_global_grad_norm()), comm=info["comm"])
 
 
 def _bf16(rank, dp):
@@ -533,6 +533,14 @@ def test_clipping(opt_type):
     assert max_abs_diff(ref, _ref(2, opt_type)) > 1e-4  # clipping changed the result
     for r in res:
         assert r["norm"] > CLIP and r["replay"] in (None, 0.0)
+    # the norm's all-to-all already brought every matrix gradient to its host: the step sends
+    # only directions, one all-to-all per micro-group where the unclipped step has two
+    unclipped = _get(2, f"exact-{opt_type}")
+    for r, u in zip(res, unclipped):
+        assert len(r["comm"]) == STEPS
+        for (counted, stats, expected), (_, _, expected_u) in zip(r["comm"], u["comm"]):
+            assert counted == {"all_to_all_single": expected["all_to_all_single"]} and stats == expected, counted
+            assert 2 * expected["all_to_all_single"] == expected_u["all_to_all_single"]
 
 
 def test_bf16():

@@ -170,12 +170,21 @@ def _make_zero3_class():
             if self.clip_grad <= 0.0:
                 return super().unscale_and_clip_grads(sub_group_id, total_norm)
             grad = self.fp32_partitioned_groups_flat[sub_group_id].grad
-            if self.loss_scale != 1.0:  # a power of two: exact
-                grad.mul_(1.0 / self.loss_scale)
             norm = total_norm / self.loss_scale
             # torch.nn.utils.clip_grad_norm_'s arithmetic
             coef = torch.clamp(self.clip_grad / (norm + 1e-6), max=1.0)
-            grad.mul_(coef.to(grad.device, grad.dtype) if torch.is_tensor(coef) else coef)
+            gathered = [grad]
+            if sub_group_id == getattr(self, "_canzona_sub_group", None) and self._canzona.tp_runtime is not None:
+                # the matrix sub-group: its hosts already hold every piece of their matrices'
+                # gradients (the norm's all-to-all); the same element-wise arithmetic there makes
+                # them what the runtime's own gradient all-to-all would have delivered
+                pieces = self._canzona_norm.take_gathered()
+                gathered += [x for parts in pieces.values() for x in parts]
+                self._canzona.tp_runtime.gathered = pieces
+            for g in gathered:
+                if self.loss_scale != 1.0:  # a power of two: exact
+                    g.mul_(1.0 / self.loss_scale)
+                g.mul_(coef.to(g.device, g.dtype) if torch.is_tensor(coef) else coef)
 
         # -- checkpoints --------------------------------------------------------------
         def state_dict(self):
@@ -232,6 +241,12 @@ class TorchNorm3:
         host: norms[k] = ||cat(pieces of g_k)|| (torch's per-tensor norm);  0 elsewhere
         all_reduce(SUM) over the DP group (one non-zero term per entry: exact)
         total = vector_norm(norms in the model's parameter order)
+
+    A matrix's norm host is its rule host, so that all-to-all has already brought the host
+    every piece of the matrix's gradient: the host keeps them (:meth:`take_gathered`), the
+    clip scales them as it scales the partitions, and the runtime's step skips its own
+    gradient all-to-all (``MicroGroupRuntime.pregathered``): matrix gradients cross the wire
+    once per step, not twice.
     """
 
     def __init__(self, zopt) -> None:
@@ -265,6 +280,19 @@ class TorchNorm3:
         self.order = stack_order([("g", "fp32")] * len(self.params))
         self.lengths = [[max(0, min(p.partition_numel(), p.ds_numel - r * p.partition_numel()))
                          for r in range(self.world)] for _, _, _, p in self.params]
+        #: the matrices' gradient pieces this rank hosts, from the last total() (take_gathered)
+        self.runtime_names = set(host)
+        self.gathered: dict[str, list] | None = None
+        if runtime is not None:
+            runtime.pregathered = True
+
+    def take_gathered(self) -> dict[str, list]:
+        """This step's hosted matrices' gradient pieces (name -> one flat fp32 piece per DP rank),
+        handed over once."""
+        if self.gathered is None:
+            raise RuntimeError("ZeRO-3 clipping: the matrix sub-group is stepped without this step's gradient norm")
+        out, self.gathered = self.gathered, None
+        return out
 
     def _piece(self, i: int, j: int, p):
         """This rank's real gradient piece of ``p`` (parameter ``j`` of sub-group ``i``), flat."""
@@ -294,6 +322,7 @@ class TorchNorm3:
         chunks = list(recv.split(out_splits))
         cursors = [0] * world
         whole = []
+        self.gathered = {}
         for k in mine:
             parts = []
             for r in range(world):
@@ -301,6 +330,8 @@ class TorchNorm3:
                 parts.append(chunks[r][cursors[r]:cursors[r] + n])
                 cursors[r] += n
             whole.append(torch.cat(parts))
+            if self.params[k][0] in self.runtime_names:
+                self.gathered[self.params[k][0]] = parts
         norms = torch.zeros(len(pieces), dtype=torch.float32, device=device)
         for k, n in zip(mine, per_tensor_norms(whole)):
             norms[k] = n

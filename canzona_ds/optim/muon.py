@@ -30,6 +30,21 @@ matrix, torch's ``adjust_lr_fn`` scaling, then decoupled weight decay (tests che
             ``AUTO_SLOWDOWN`` times slower (a wide factor, not "slower at all", so that timing
             noise cannot make two processes on one kind of machine choose differently).
 
+Batching (``ns_batch``): k matrices of one shape on one rank -- the experts of a stack
+(``stack_direction`` via :func:`~canzona_ds.optim.rule.rule_step`) and the same-shape whole
+matrices a rank owns (:func:`~canzona_ds.optim.rule.rule_steps`, e.g. the q_proj of every layer)
+-- run as ONE Newton-Schulz of shape (k, m, n) instead of k of (m, n)::
+
+    updates u_1 .. u_k, each (m, n)  --stack-->  X (k, m, n)  --newton_schulz-->  O (k, m, n)
+                                                 (bmm/baddbmm: one kernel per product)
+
+but only where that is bit-identical per matrix to the one-at-a-time path on this device:
+a batched product need not round like the single one (MKL's fp32 bmm on an AVX512 Xeon differs
+for 7x33 and 96x384 slices; its bf16 path matched on every shape tried).  So
+:meth:`MuonRule.batch_is_exact` runs both on random matrices of the exact (k, m, n, input dtype,
+iteration dtype, settings, device, thread count) once per process, and a batch whose probe
+differs runs one matrix at a time.
+
 Per-head (``num_heads``, DeepSpeed's ``per_head_muon``): an attention projection of shape
 (heads * head_dim, in) is orthogonalised head by head, (heads, head_dim, in) batched, and
 the learning rate is scaled by the head's shape (DeepSpeed's semantics).
@@ -71,6 +86,8 @@ AUTO_SLOWDOWN = 4.0
 DIRECTION_DTYPE = torch.bfloat16
 
 _probed: dict[tuple[str, int | None], dict[str, float]] = {}
+#: batch_is_exact's verdicts, per process (key: everything that selects a kernel or changes the math)
+_batch_exact: dict[tuple, bool] = {}
 
 
 def probe_matmul_seconds(device: torch.device | str) -> dict[str, float]:
@@ -206,6 +223,10 @@ class MuonRule(MatrixRule):
     #: device, by a timed probe: fp32 where a bf16 product is over 4x slower, e.g. AVX2-only CPUs); the
     #: direction stays bf16. Cost and distance from bf16 in docs/optimizers.md
     ns_dtype: str = "bf16"
+    #: run the Newton-Schulz of same-shape matrices on one rank (an expert stack's experts, the whole matrices
+    #: a rank owns) as one batched iteration where a per-process probe finds it bit-identical per matrix on
+    #: that device (else one at a time); false: always one at a time (saves the stacked copy's memory)
+    ns_batch: bool = True
 
     def __post_init__(self) -> None:
         check_number("momentum", self.momentum, 0.0, 1.0, high_open=True)
@@ -220,6 +241,7 @@ class MuonRule(MatrixRule):
         check_choice("ns_method", self.ns_method, NS_METHODS)
         check_choice("adjust_lr_fn", self.adjust_lr_fn, ADJUST_LR_FNS)
         check_choice("ns_dtype", self.ns_dtype, NS_DTYPE_CHOICES)
+        check_bool("ns_batch", self.ns_batch)
 
     # ---------------------------------------------------------------- the math
     def init_state(self, info: MatrixInfo, like: Tensor) -> dict[str, Tensor]:
@@ -242,6 +264,30 @@ class MuonRule(MatrixRule):
         return newton_schulz(G, self.ns_steps, self.ns_coefficients, self.ns_eps, self.ns_method,
                              resolve_ns_dtype(self.ns_dtype, G.device)).to(DIRECTION_DTYPE)
 
+    def batch_is_exact(self, count: int, shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> bool:
+        """Is :meth:`orthogonalise` of a (count, m, n) batch of ``dtype`` on ``device`` bit-identical,
+        matrix by matrix, to orthogonalising each (m, n) alone?  Probed on random matrices once per
+        process and key (kernels are chosen by shape, dtype, device and thread count, not by values)."""
+        ns_dtype = resolve_ns_dtype(self.ns_dtype, device)
+        key = (device.type, device.index, torch.get_num_threads(), count, tuple(shape), dtype, ns_dtype,
+               self.ns_method, self.ns_steps, self.ns_coefficients, self.ns_eps)
+        if key not in _batch_exact:
+            # compared in the iteration's dtype, before the bf16 rounding of the direction: that
+            # rounding hides most fp32 differences on one input but not on every input
+            X = torch.randn(count, *shape, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+            ns = lambda G: newton_schulz(G, self.ns_steps, self.ns_coefficients, self.ns_eps,  # noqa: E731
+                                         self.ns_method, ns_dtype)
+            batched = ns(X)
+            _batch_exact[key] = all(torch.equal(batched[i], ns(X[i])) for i in range(count))
+        return _batch_exact[key]
+
+    def orthogonalise_stack(self, X: Tensor) -> Tensor:
+        """:meth:`orthogonalise` of each matrix of ``X`` (k, m, n): one batched Newton-Schulz where
+        ``ns_batch`` is on and :meth:`batch_is_exact` holds, else one matrix at a time."""
+        if self.ns_batch and X.size(0) > 1 and self.batch_is_exact(X.size(0), tuple(X.shape[1:]), X.dtype, X.device):
+            return self.orthogonalise(X)
+        return torch.stack([self.orthogonalise(x) for x in X.unbind(0)])
+
     def direction_from(self, update: Tensor, state: dict[str, Tensor], info: MatrixInfo, step: int) -> Tensor:
         rows, cols = info.shape2d
         if info.num_heads:
@@ -251,17 +297,22 @@ class MuonRule(MatrixRule):
             O = self.orthogonalise(update.reshape(rows, cols))
         return O.reshape(update.shape)
 
-    def stack_direction(self, grad: Tensor, states: list[dict[str, Tensor]], infos: list[MatrixInfo],
-                        step: int) -> Tensor:
-        """Every expert's momentum (its own buffer), then ONE batched Newton-Schulz over the stack:
-        bit-identical to :meth:`direction` per expert (the batched products are the same per-matrix
-        products; tests/test_experts.py), without E small kernel launches per step."""
-        grads, bufs = list(grad.unbind(0)), [st["momentum_buffer"] for st in states]
+    def stack_direction(self, grad: Tensor | list[Tensor], states: list[dict[str, Tensor]],
+                        infos: list[MatrixInfo], step: int) -> Tensor | None:
+        """Every matrix's momentum (its own buffer, one foreach kernel), then one
+        :meth:`orthogonalise_stack` over all of them: bit-identical to :meth:`direction` per matrix
+        (the momentum is element-wise; the batch runs only where the probe found it exact; tests in
+        tests/test_experts.py and tests/test_optim_muon.py).  ``grad``: an expert stack [E, ...] or
+        a list of same-shape gradients; per-head matrices are not batched here (None)."""
+        if infos[0].num_heads:
+            return None
+        grads = list(grad.unbind(0)) if isinstance(grad, Tensor) else list(grad)
+        bufs = [st["momentum_buffer"] for st in states]
         torch._foreach_lerp_(bufs, grads, 1 - self.momentum)
         updates = torch._foreach_lerp(grads, bufs, self.momentum) if self.nesterov else bufs
         rows, cols = infos[0].shape2d
-        O = self.orthogonalise(torch.stack(updates).reshape(len(updates), rows, cols))
-        return O.reshape(grad.shape)
+        O = self.orthogonalise_stack(torch.stack(updates).reshape(len(updates), rows, cols))
+        return O.reshape(len(updates), *grads[0].shape)
 
     def direction_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
         return DIRECTION_DTYPE  # Newton-Schulz's output: TP update shards travel at half the bytes, losslessly

@@ -135,12 +135,12 @@ class MatrixRule(ABC):
         state keys.  ``direction(g, st, ...) == direction_from(pre_direction(g, st), st, ...)``."""
         return self.direction(pre, state, info, step)
 
-    def stack_direction(self, grad: Tensor, states: list[dict[str, Tensor]], infos: list[MatrixInfo],
-                        step: int) -> Tensor | None:
-        """Directions of every expert of a stack at once (``grad``: [E, ...]; ``states[e]`` and
-        ``infos[e]``: expert e's), equal to :meth:`direction` on each expert, or None to let
-        :func:`rule_step` loop over the experts.  A rule overrides it to batch small experts
-        (Muon: one batched Newton-Schulz instead of E)."""
+    def stack_direction(self, grad: Tensor | list[Tensor], states: list[dict[str, Tensor]],
+                        infos: list[MatrixInfo], step: int) -> Tensor | None:
+        """Directions of k same-shape matrices at once (``grad``: an expert stack [E, ...] or a list
+        of k gradients of one shape, :func:`rule_steps`; ``states[i]``/``infos[i]``: matrix i's),
+        stacked [k, ...] and equal to :meth:`direction` on each matrix, or None to let the caller
+        loop.  A rule overrides it to batch (Muon: one batched Newton-Schulz instead of k)."""
         return None
 
     def direction_dtype(self, grad_dtype: torch.dtype) -> torch.dtype:
@@ -260,6 +260,48 @@ def rule_step(rule: "MatrixRule", param: Tensor, grad: Tensor, states: dict[str,
         return
     state = rule_state(states, info.name, rule, info, like=param)
     apply_rule_update(param, rule.direction(grad, state, info, step), rule, info, step, lr, weight_decay)
+
+
+#: rule_steps: most gradient elements one batch stacks (2^27: 512 MiB in fp32), so batching
+#: same-shape matrices never holds more than that in extra copies at once
+BATCH_MAX_NUMEL = 2 ** 27
+
+
+def rule_steps(rule: "MatrixRule", items: list[tuple[Tensor, Tensor, MatrixInfo]],
+               states: dict[str, dict[str, Tensor]], step: int, lr: float, weight_decay: float) -> None:
+    """:func:`rule_step` on every (param, grad, info) of ``items`` -- the whole matrices one rank
+    updates -- with the plain 2-D matrices of one (shape, dtype, device) handed to
+    ``rule.stack_direction`` together, the way an expert stack's experts are::
+
+        items:  q0 (64,256)  k0 (32,256)  q1 (64,256)  stack E (4,64,256)  q2 (64,256)
+        groups: [q0, q1, q2] -> stack_direction once  |  k0 -> rule_step  |  E -> rule_step (its own stack)
+
+    The result per matrix is the rule's ``direction`` (``stack_direction``'s contract), so the
+    updates equal :func:`rule_step` one by one; only the kernel count changes.  A group is cut
+    into batches of at most ``BATCH_MAX_NUMEL`` gradient elements.  Matrices with heads or
+    experts keep their own path."""
+    groups: dict[tuple, list[tuple[Tensor, Tensor, MatrixInfo]]] = {}
+    for param, grad, info in items:
+        if info.num_experts is not None or info.num_heads or grad.ndim != 2:
+            rule_step(rule, param, grad, states, info, step, lr, weight_decay)
+            continue
+        groups.setdefault((tuple(grad.shape), grad.dtype, grad.device), []).append((param, grad, info))
+    chunks = []
+    for members in groups.values():  # a batch stacks copies of its gradients: bounded in size
+        per = max(1, BATCH_MAX_NUMEL // members[0][1].numel())
+        chunks += [members[i:i + per] for i in range(0, len(members), per)]
+    for members in chunks:
+        D = None
+        if len(members) > 1:
+            infos = [info for _, _, info in members]
+            member_states = [rule_state(states, i.name, rule, i, like=p) for p, _, i in members]
+            D = rule.stack_direction([g for _, g, _ in members], member_states, infos, step)
+        if D is None:
+            for param, grad, info in members:
+                rule_step(rule, param, grad, states, info, step, lr, weight_decay)
+            continue
+        for (param, _, info), d in zip(members, D.unbind(0)):
+            apply_rule_update(param, d, rule, info, step, lr, weight_decay)
 
 
 def check_number(name: str, value: Any, low: float | None = None, high: float | None = None, *,

@@ -7,7 +7,8 @@ Every step of the matrix param group::
     placement.step(group, ctx)
         for (name, param, grad) in placement.items(group):       # what this rank holds
             split across TP ranks  -> collected for placement.hosted (one runtime step)
-            whole                  -> rule_step(rule, param, grad, states, infos[name], ...)
+            whole                  -> rule_steps(rule, [(param, grad, infos[name]), ...], states, ...)
+                                      (same-shape matrices batched where the rule can; optim/rule.py)
 
 ``param``/``grad`` are views of whatever holds the matrix (the real parameter, or a slice of
 ZeRO's flat fp32 partition), so the update lands in place.
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, ClassVar, Mapping
 
 from torch import Tensor
 
-from ..optim.rule import MatrixInfo, MatrixRule, rule_step
+from ..optim.rule import MatrixInfo, MatrixRule, rule_steps
 
 if TYPE_CHECKING:
     from .hosted import HostedPlacement, HostedSet
@@ -72,11 +73,13 @@ class Placement(ABC):
     def step(self, group: dict, ctx: StepContext) -> None:
         hosted = self.hosted_for(group)
         split: dict[str, tuple[Tensor, Tensor]] = {}
+        whole: list[tuple[Tensor, Tensor, MatrixInfo]] = []
         for name, param, grad in self.items(group):
             if hosted is not None and name in hosted.split:
                 split[name] = (param, grad)
                 continue
-            rule_step(ctx.rule, param, grad, ctx.states, ctx.infos[name], ctx.step, ctx.lr, ctx.weight_decay)
+            whole.append((param, grad, ctx.infos[name]))
+        rule_steps(ctx.rule, whole, ctx.states, ctx.step, ctx.lr, ctx.weight_decay)
         if hosted is not None and split:
             # every rank of the split group calls this (the same matrices, by construction); a
             # group without split matrices (an MoE expert group beside the TP-split dense one)

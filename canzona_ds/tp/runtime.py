@@ -386,6 +386,15 @@ class MicroGroupRuntime:
         #: offload on an accelerator sets the accelerator: the pieces and the rule stay on the
         #: host memory, only the exchanged buffers visit the device NCCL needs.
         self.comm_device: torch.device | None = None
+        #: True: every step's gradients reach their hosts before the step, through another
+        #: all-to-all (ZeRO-3's torch-exact clipping norm, integration/zero3.TorchNorm3, which
+        #: moves every gradient piece to its matrix's host anyway): the step skips its own
+        #: gradient all-to-all and takes :attr:`gathered` (one all-to-all per micro-group, not two)
+        self.pregathered = False
+        #: pregathered: this rank's hosted matrices' gradient pieces, name -> one flat piece per
+        #: group rank (rank order), ready for the rule (unscaled and clipped); set before each step,
+        #: consumed by it; ranks hosting nothing set {}
+        self.gathered: dict[str, list[Tensor]] | None = None
         if verify:
             from .verify import verify_same_across_group
 
@@ -413,7 +422,8 @@ class MicroGroupRuntime:
 
     def expected_collectives(self) -> dict[str, int]:
         """Collectives one ``step`` issues on this TP group, from the plan alone."""
-        return {} if self.plan is None else {"all_to_all_single": 2 * len(self.plan.groups)}
+        per_group = 1 if self.pregathered else 2
+        return {} if self.plan is None else {"all_to_all_single": per_group * len(self.plan.groups)}
 
     # ---- the step ----------------------------------------------------------------------
     def step(self, params: Sequence[Tensor], grads: Sequence[Tensor], lr: float, weight_decay: float,
@@ -428,8 +438,20 @@ class MicroGroupRuntime:
         self.stats = StepStats()
         if self.plan is None:
             return self.stats
+        if self.pregathered:
+            missing = None if self.gathered is None else [n for n in self.hosted_names() if n not in self.gathered]
+            if missing is None or missing:
+                raise RuntimeError(f"MicroGroupRuntime.pregathered is set but this step's gradients of "
+                                   f"{missing if missing else 'every hosted matrix'} were not gathered to this host "
+                                   "(the ZeRO-3 clipping norm gathers them before the step)")
+            if any(self._piecewise):
+                raise RuntimeError("pregathered gradients with element-wise state kept with the pieces: the pieces "
+                                   "would skip rule.pre_direction")
         tasks: list[Task] = [self._group_task(g, params, grads, lr, weight_decay, step) for g in self.plan.groups]
-        (run_pipelined if self.config.pipelined else run_blocking)(tasks)
+        try:
+            (run_pipelined if self.config.pipelined else run_blocking)(tasks)
+        finally:
+            self.gathered = None  # one step's gradients: never reused
         return self.stats
 
     def _outgoing(self, i: int, grad: Tensor, dtype: torch.dtype) -> Tensor:
@@ -455,32 +477,37 @@ class MicroGroupRuntime:
         by_host = [[i for i, h in group.tasks if h == r] for r in range(tp)]
         mine = by_host[me]
         send_order = [i for r in range(tp) for i in by_host[r]]
-        # stage 1: my gradient shards, grouped by destination host
+        # stage 1: my gradient shards, grouped by destination host (pregathered: already there)
         gdtype = _common_dtype([grads[i] for i, _ in group.tasks])
         device = grads[group.tasks[0][0]].device
         comm = device if self.comm_device is None else self.comm_device
-        send = torch.cat([self._outgoing(i, grads[i], gdtype) for i in send_order]).to(comm)
-        in_splits = [sum(self.matrices[i].local_numel(me) for i in by_host[r]) for r in range(tp)]
-        out_splits = [sum(self.matrices[i].local_numel(r) for i in mine) for r in range(tp)]
-        recv = torch.empty(sum(out_splits), dtype=gdtype, device=comm)
-        work = self._a2a(recv, send, out_splits, in_splits)
-        yield
-        if work is not None:
-            work.wait()
-        recv = recv.to(device)
+        if self.pregathered:
+            yield
+            shards_of = {i: [x.to(device) for x in self.gathered[self.matrices[i].name]] for i in mine}
+        else:
+            send = torch.cat([self._outgoing(i, grads[i], gdtype) for i in send_order]).to(comm)
+            in_splits = [sum(self.matrices[i].local_numel(me) for i in by_host[r]) for r in range(tp)]
+            out_splits = [sum(self.matrices[i].local_numel(r) for i in mine) for r in range(tp)]
+            recv = torch.empty(sum(out_splits), dtype=gdtype, device=comm)
+            work = self._a2a(recv, send, out_splits, in_splits)
+            yield
+            if work is not None:
+                work.wait()
+            pieces = list(recv.to(device).split(out_splits))
+            cursors = [0] * tp
+            shards_of = {}
+            for i in mine:
+                shards_of[i] = []
+                for r in range(tp):
+                    n = self.matrices[i].local_numel(r)
+                    shards_of[i].append(pieces[r][cursors[r]:cursors[r] + n])
+                    cursors[r] += n
         # stage 2: hosts rebuild full gradients (TP layout), run the rule, slice direction shards
         ddtype = self.rule.direction_dtype(gdtype)
-        pieces = list(recv.split(out_splits))
-        cursors = [0] * tp
         send2_parts: list[list[Tensor]] = [[] for _ in range(tp)]
         for i in mine:
             m = self.matrices[i]
-            shards = []
-            for r in range(tp):
-                n = m.local_numel(r)
-                shards.append(pieces[r][cursors[r]:cursors[r] + n])
-                cursors[r] += n
-            G = m.assemble(shards).to(grads[i].dtype)
+            G = m.assemble(shards_of.pop(i)).to(grads[i].dtype)
             if m.name in self._piecewise:  # G is pre_direction's result, the element-wise state is with the pieces
                 state = self.state.get(m.name)
                 if state is None:
