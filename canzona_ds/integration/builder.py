@@ -13,9 +13,11 @@ Every path runs the same steps, in this order::
     check_settings(settings)                           # refuse what cannot work, by name
     require_tp_group(...)                              # TP-tagged params need a TP group
     tag_heads(...)   if per_head_muon                  # DeepSpeed's own head resolution
+    qk_clip_refusal(...) if qk_clip                    # what QK-clip does not cover, by name
     with_grid_group(groups)  at ZeRO 1/2 with TP, unless layout="owned" (the mixed layout's grid)
     CanzonaOptimizer(named, config, groups, placement="owned" at ZeRO 1/2, "sharded" at ZeRO 3,
                      else "local")
+    opt.enable_qk_clip(models/qk_record.attach(modules), dp_group)   if qk_clip
 
 What must agree, and over which ranks: the ds_config side (optimizer type and resolved config,
 ZeRO stage, precisions, offload, clipping, accumulation, the parallel degrees) on every rank;
@@ -247,6 +249,8 @@ def build_optimizer(named: list, cfg: CanzonaConfig, groups: ParallelGroups, set
 
         for module, module_named in modules:
             tag_heads(module, module_named, groups.tp_size)
+    if cfg.qk_clip is not None:
+        qk_clip_refusal(settings, cfg, groups, bool(partitions or settings.moe))
     placement = {1: "owned", 2: "owned", 3: "sharded"}.get(settings.zero_stage, "local")
     if placement == "owned" and groups.tp_size > 1 and cfg.placement.layout != "owned":
         from .groups import with_grid_group
@@ -259,4 +263,35 @@ def build_optimizer(named: list, cfg: CanzonaConfig, groups: ParallelGroups, set
                            num_experts=num_experts)
     #: DeepSpeed MoE: the expert groups and whole-model names (gradient clipping, checkpoints)
     opt.moe = info
+    if cfg.qk_clip is not None:
+        from ..models.qk_record import attach
+
+        # names relative to each module, as ``named`` (one module: the engine's)
+        opt.enable_qk_clip(attach([(m, "") for m, _ in modules or ()]), groups.dp_group)
     return opt
+
+
+def qk_clip_refusal(s: RunSettings, cfg: CanzonaConfig, groups: ParallelGroups, moe: bool) -> None:
+    """What ``optimizer.params.qk_clip`` is not implemented (or not tested) with, named.
+
+    Implemented and tested: ZeRO stage 0, 1 and 2 (layout "owned"; "auto" resolves to owned or is
+    refused at the step if it hosts a q/k matrix), DP >= 1, gradient accumulation."""
+    name = s.optimizer_type
+    where = None
+    if s.zero_stage == 3:
+        where = "zero_optimization.stage 3 (every matrix in flat pieces over the DP group)"
+    elif groups.tp_size > 1:
+        where = f"tensor parallelism (tp_size={groups.tp_size}: q/k heads split over TP ranks)"
+    elif groups.pp_size > 1:
+        where = f"pipeline parallelism (pp_size={groups.pp_size})"
+    elif moe:
+        where = "DeepSpeed MoE (expert groups)"
+    elif cfg.placement.layout == "mixed":
+        where = "layout 'mixed' (DP-hosted matrices updated in pieces)"
+    elif s.offload_optimizer:
+        where = "offload_optimizer (untested)"
+    elif s.fp16 or s.bf16:
+        where = "fp16/bf16 (untested)"
+    if where is not None:
+        raise ValueError(f"{name} qk_clip is not implemented with {where}. QK-clip runs at ZeRO stage 0/1/2 in "
+                         "fp32, data parallelism only, layout 'owned' or 'auto' (docs/qk_clip.md).")

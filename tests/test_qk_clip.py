@@ -1,0 +1,313 @@
+"""MuonClip's QK-clip (optim/qk_clip.py, models/qk_record.py): the rule, the recording, and the
+DeepSpeed runs against a single-process reference written here from the published rule.
+
+Reference (one process): ZeRO's averaged gradient (testing.models.reference_grads, exact at
+DP <= 2), ``torch.optim.Muon`` on the 2-D projections + ``torch.optim.AdamW`` on the rest, then
+the clip computed HERE from the logits of the reference model's own forward passes (every
+micro-batch of every DP rank of the step; q and k rebuilt from each attention layer's input with
+the model's rotary tables, the full score matrix materialised, causal mask applied)::
+
+    S_h = max logit of query head h;  gamma_h = tau / S_h where S_h > tau
+    MHA: W_q[h rows] *= torch.sqrt(tau / S_h),  W_k[h rows] *= torch.sqrt(tau / S_h)
+    GQA: key head g by sqrt(min gamma of its group); query head h by sqrt(gamma_h) if it is the
+         group's minimum, else min(1, gamma_h / sqrt(gamma_min))      (docs/qk_clip.md)
+
+Bit for bit in fp32: the same kernels run on both sides (1 thread per rank and in the
+reference; the logits of the implementation's one block equal the test's full matrix at T=12).
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from canzona_ds.models.qwen3 import Qwen3Config, Qwen3ForCausalLM, apply_rope
+from canzona_ds.optim.config import CanzonaConfig
+from canzona_ds.optim.qk_clip import QKClipConfig, max_logits, qk_clip_scales
+from canzona_ds.testing.dist import run_distributed
+from canzona_ds.testing.models import HP, ds_config, max_abs_diff, params_of, reference_grads, run_engine
+
+VOCAB, T, STEPS, MICRO = 48, 12, 4, 2
+#: below the heads' logits on every step (init_std 0.3 gives logits ~1-4): most heads clip
+LOW_TAU = 0.5
+#: far above any logit this model reaches in STEPS steps: nothing clips
+HIGH_TAU = 1e4
+
+
+# ---------------------------------------------------------------------------- the rule
+def test_mha_factors_are_the_published_sqrt():
+    s = torch.tensor([3.0, 0.5, 7.25, 2.0])
+    q, k = qk_clip_scales(s, 2.0, num_kv_heads=4)
+    expect = torch.tensor([torch.sqrt(torch.tensor(2.0) / s[0]), 1.0, torch.sqrt(torch.tensor(2.0) / s[2]), 1.0])
+    assert torch.equal(q, expect) and torch.equal(k, expect)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_gqa_factors_never_raise_and_cap_every_clipped_head(seed):
+    g = torch.Generator().manual_seed(seed)
+    H, KV, tau = 12, 3, 2.0
+    s = torch.rand(H, generator=g) * 5
+    s[:4] = torch.rand(4, generator=g)  # group 0 never clips
+    q, k = qk_clip_scales(s, tau, KV)
+    factor = q * k.repeat_interleave(H // KV)      # each head's logit factor (bilinear)
+    assert (q <= 1).all() and (k <= 1).all()       # no weight grows
+    assert (factor <= 1).all()                     # no logit grows
+    assert (s * factor <= tau * (1 + 1e-6))[s > tau].all()  # every clipped head capped
+    assert torch.equal(q[:4], torch.ones(4)) and k[0] == 1  # an unclipped group untouched
+    for grp in range(1, KV):  # the group's worst head lands on tau (to rounding)
+        worst = grp * (H // KV) + int(s[grp * (H // KV):(grp + 1) * (H // KV)].argmax())
+        if s[worst] > tau:
+            assert abs(float(s[worst] * factor[worst]) - tau) < 1e-5
+
+
+def _full_max(q, k, scale, allowed):
+    rep = q.shape[1] // k.shape[1]
+    scores = (q @ k.repeat_interleave(rep, 1).transpose(-1, -2)) * scale
+    return scores.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3))
+
+
+@pytest.mark.parametrize("block", [1, 5, 256])
+def test_max_logits_blockwise_equals_the_full_matrix(block):
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 11, 8, generator=g), torch.randn(2, 2, 11, 8, generator=g)
+    causal = torch.ones(11, 11, dtype=torch.bool).tril()
+    pad = causal.clone().expand(2, 1, 11, 11).clone()
+    pad[1, :, :, :3] = False
+    additive = torch.zeros(2, 1, 11, 11).masked_fill(~pad, torch.finfo(torch.float32).min)
+    for mask, allowed, is_causal in ((None, causal, True), (pad, pad, False), (additive, pad, False)):
+        got = max_logits(q, k, 0.3, mask, causal=is_causal, block=block)
+        # one block (block >= 11) runs the same matmul shapes as the full matrix: bit for bit;
+        # smaller blocks change only which rows a matmul covers (each entry one 8-term dot product)
+        torch.testing.assert_close(got, _full_max(q, k, 0.3, allowed), rtol=0 if block == 256 else 1e-6,
+                                   atol=0 if block == 256 else 1e-6)
+
+
+def test_config_errors_name_the_value():
+    for bad, what in (({"threshold": -1}, "qk_clip.threshold=-1"), ({"threshold": "x"}, "qk_clip.threshold='x'"),
+                      ({"tau": 3}, "['tau']"), (5, "qk_clip=5")):
+        with pytest.raises((ValueError, TypeError), match=__import__("re").escape(what)):
+            CanzonaConfig.from_ds("CanzonaMuon", {"qk_clip": bad})
+    for t in ("CanzonaMuon", "CanzonaShampoo", "CanzonaSOAP"):
+        assert CanzonaConfig.from_ds(t, {"qk_clip": {"threshold": 30}}).qk_clip == QKClipConfig(30.0)
+        assert CanzonaConfig.from_ds(t, {}).qk_clip is None  # off by default
+        assert "qk_clip" not in CanzonaConfig.from_ds(t, {}).describe()
+
+
+# ---------------------------------------------------------------------------- recording
+def _hf_llama(impl: str, kv: int = 2, qwen3: bool = False):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config as HFQwen3Config, Qwen3ForCausalLM as HFQwen3
+
+    kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=kv, max_position_embeddings=64, attn_implementation=impl)
+    torch.manual_seed(0)
+    if qwen3:
+        return HFQwen3(HFQwen3Config(head_dim=8, **kw))
+    m = LlamaForCausalLM(LlamaConfig(initializer_range=0.3, **kw))
+    return m
+
+
+def _hf_reference_maxima(model, x, attention_mask):
+    """Each layer's per-head max logit, computed here from the layer's input."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    out = []
+
+    def hook(mod, args, kwargs, _):
+        h = kwargs.get("hidden_states", args[0] if args else None)
+        cos, sin = kwargs["position_embeddings"]
+        B, L, _ = h.shape
+        q = mod.q_proj(h).view(B, L, -1, mod.head_dim).transpose(1, 2)
+        k = mod.k_proj(h).view(B, L, -1, mod.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        allowed = torch.ones(L, L, dtype=torch.bool).tril().expand(B, 1, L, L)
+        if attention_mask is not None:
+            allowed = allowed & attention_mask.bool()[:, None, None, :]
+        out.append(_full_max(q.detach(), k.detach(), mod.scaling, allowed))
+
+    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in model.modules()
+               if type(m).__name__ == "LlamaAttention"]
+    with torch.no_grad():
+        model(input_ids=x, attention_mask=attention_mask)
+    for h in handles:
+        h.remove()
+    return out
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("kv", [2, 4])
+def test_hf_recorder_keeps_the_output_and_records_the_maxima(impl, kv):
+    from canzona_ds.models.qk_record import attach
+
+    model = _hf_llama(impl, kv)
+    model.train()
+    own = copy.deepcopy(model)
+    layers = attach([(model, "")])
+    assert [l.q_name for l in layers] == [f"model.layers.{i}.self_attn.q_proj.weight" for i in range(2)]
+    assert model.config._attn_implementation == f"canzona_qk_record|{impl}"
+    x = torch.randint(0, VOCAB, (2, T), generator=torch.Generator().manual_seed(3))
+    pad = torch.ones(2, T, dtype=torch.long)
+    pad[1, :4] = 0
+    for mask in (None, pad):
+        for l in layers:
+            l.running = None
+        with torch.no_grad():
+            got = model(input_ids=x, attention_mask=mask).logits
+            expect = own(input_ids=x, attention_mask=mask).logits
+        assert torch.equal(got, expect), f"the recording attention changed the {impl} output"
+        ref = _hf_reference_maxima(own, x, mask)
+        for l, r in zip(layers, ref):
+            torch.testing.assert_close(l.running, r, rtol=0, atol=0)
+    model.eval()  # evaluation forwards record nothing
+    for l in layers:
+        l.running = None
+    with torch.no_grad():
+        model(input_ids=x)
+    assert all(l.running is None for l in layers)
+
+
+def test_qk_norm_models_are_refused_by_name():
+    from canzona_ds.models.qk_record import attach
+
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn' has QK-norm \(q_norm\)"):
+        attach([(Qwen3ForCausalLM(Qwen3Config(num_layers=1)), "")])
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn' has QK-norm \(q_norm\)"):
+        attach([(_hf_llama("sdpa", qwen3=True), "")])
+
+
+# ---------------------------------------------------------------------------- DeepSpeed runs
+class LM(nn.Module):
+    """The project's model without QK-norm, taking (x, y) -> loss as the runners expect."""
+
+    def __init__(self, kv: int) -> None:
+        super().__init__()
+        cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                          num_kv_heads=kv, head_dim=8, max_seq_len=T, qk_norm=False, init_std=0.3)
+        torch.manual_seed(0)
+        self.lm = Qwen3ForCausalLM(cfg)
+
+    def forward(self, x, y):
+        return self.lm(x, y)[1]
+
+
+def _data(steps: int, dp: int, gas: int):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, VOCAB, (MICRO * dp, T), generator=g), torch.randint(0, VOCAB, (MICRO * dp, T),
+                                                                                   generator=g))
+            for _ in range(steps * gas)]
+
+
+def _params(tau):
+    return {**HP["CanzonaMuon"], "qk_clip": {"threshold": tau}}
+
+
+def _worker(rank, dp, kv, tau, stage, gas):
+    stats = []
+
+    from canzona_ds.integration.runtime_info import canzona_optimizer
+
+    def after_init(engine):
+        qk = canzona_optimizer(engine).qk_clip
+        stock = qk.row_scales
+
+        def row_scales(step, device=None):
+            out = stock(step, device)
+            stats.append((qk.stats.clipped_heads, qk.stats.max_logit))
+            return out
+
+        qk.row_scales = row_scales
+
+    cfg = ds_config(dp, micro=MICRO, gas=gas, params=_params(tau), stage=stage)
+    params, _, engine = run_engine(rank, dp, cfg, STEPS, micro=MICRO, gas=gas, model=LM(kv), after_init=after_init,
+                                   data=_data(STEPS, dp, gas))
+    return dict(params=params, stats=stats, bytes=canzona_optimizer(engine).qk_clip.collective_bytes)
+
+
+def _reference(dp, kv, tau, stage, gas):
+    """torch.optim.Muon + torch.optim.AdamW on ZeRO's averaged gradients, then the published clip."""
+    torch.set_num_threads(1)
+    model = LM(kv)
+    hp = HP["CanzonaMuon"]
+    named = list(model.named_parameters())
+    mats = [p for n, p in named if p.ndim == 2 and "embed" not in n and "lm_head" not in n]
+    rest = [p for n, p in named if not (p.ndim == 2 and "embed" not in n and "lm_head" not in n)]
+    muon = torch.optim.Muon(mats, lr=hp["lr"], weight_decay=hp["weight_decay"], momentum=hp["momentum"])
+    adamw = torch.optim.AdamW(rest, lr=hp["adam_lr"], betas=tuple(hp["betas"]), eps=hp["eps"],
+                              weight_decay=hp["weight_decay"])
+    attn = [m for m in model.modules() if type(m).__name__ == "Attention"]
+    maxima: dict[int, torch.Tensor] = {}
+
+    def hook(mod, args, _):
+        x, cos, sin = args
+        B, L, _ = x.shape
+        q = apply_rope(mod.q_proj(x).view(B, L, mod.num_heads, -1).transpose(1, 2), cos, sin)
+        k = apply_rope(mod.k_proj(x).view(B, L, mod.num_kv_heads, -1).transpose(1, 2), cos, sin)
+        m = _full_max(q.detach(), k.detach(), mod.head_dim ** -0.5, torch.ones(L, L, dtype=torch.bool).tril())
+        maxima[id(mod)] = m if id(mod) not in maxima else torch.maximum(maxima[id(mod)], m)
+
+    for m in attn:
+        m.register_forward_hook(hook)
+    data, clipped = _data(STEPS, dp, gas), []
+    for s in range(STEPS):
+        chunk = data[s * gas:(s + 1) * gas]
+        maxima.clear()
+        grads = reference_grads(model, [c[0] for c in chunk], [c[1] for c in chunk], dp, MICRO, gas, stage)
+        for n, p in named:
+            p.grad = grads[n]
+        muon.step()
+        adamw.step()
+        n_clipped = 0
+        with torch.no_grad():
+            for mod in attn:
+                S = maxima[id(mod)]
+                gamma = [float("nan")] * mod.num_heads
+                G = mod.num_heads // mod.num_kv_heads
+                d = mod.head_dim
+                gam = torch.where(S > tau, torch.tensor(tau) / S, torch.ones_like(S))
+                for g in range(mod.num_kv_heads):
+                    heads = range(g * G, (g + 1) * G)
+                    gmin = min(float(gam[h]) for h in heads)
+                    if gmin == 1.0:
+                        continue
+                    ks = torch.sqrt(gam[min(heads, key=lambda h: float(gam[h]))])
+                    mod.k_proj.weight[g * d:(g + 1) * d] *= ks
+                    for h in heads:
+                        if S[h] > tau:
+                            n_clipped += 1
+                        qs = torch.sqrt(torch.tensor(tau) / S[h]) if float(gam[h]) == gmin \
+                            else torch.clamp(gam[h] / ks, max=1.0)
+                        mod.q_proj.weight[h * d:(h + 1) * d] *= qs
+                del gamma
+        clipped.append(n_clipped)
+    return params_of(model), clipped
+
+
+CASES = {  # name: (dp, kv, stage, gas)
+    "dp1-gqa-z1": (1, 2, 1, 1),
+    "dp2-gqa-z1": (2, 2, 1, 1),
+    "dp2-mha-z2": (2, 4, 2, 1),
+    "dp2-gqa-z2-gas2": (2, 2, 2, 2),
+    "dp2-mha-z0": (2, 4, 0, 1),
+}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", list(CASES))
+def test_clipped_runs_equal_the_reference(case):
+    dp, kv, stage, gas = CASES[case]
+    for tau in (LOW_TAU, HIGH_TAU):
+        res = run_distributed(_worker, dp, kv, tau, stage, gas)
+        ref, ref_clipped = _reference(dp, kv, tau, stage, gas)
+        for r in res:
+            assert max_abs_diff(r["params"], ref) == 0.0, f"{case} tau={tau}: differs from Muon + AdamW + clip"
+            assert [c for c, _ in r["stats"]] == ref_clipped
+        if tau == LOW_TAU:  # heads really clip, on most steps, and that changes the weights
+            assert sum(c > 0 for c in ref_clipped) >= STEPS - 1, ref_clipped
+            assert max_abs_diff(ref, _reference(dp, kv, float("inf"), stage, gas)[0]) > 1e-3
+        else:  # nothing clips, so the run equals plain Muon + AdamW
+            assert ref_clipped == [0] * STEPS
+            unclipped, _ = _reference(dp, kv, float("inf"), stage, gas)
+            assert max_abs_diff(ref, unclipped) == 0.0
+        assert res[0]["stats"][0][1] > 0  # the max logit was recorded
