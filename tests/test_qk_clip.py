@@ -191,6 +191,49 @@ class LM(nn.Module):
     def forward(self, x, y):
         return self.lm(x, y)[1]
 
+    @staticmethod
+    def attention_modules(model):
+        return [m for m in model.modules() if type(m).__name__ == "Attention"]
+
+    @staticmethod
+    def q_k_scale(mod, args, kwargs):
+        """q, k (after RoPE) and the softmax scale of one forward of the project's Attention."""
+        x, cos, sin = args
+        B, L, _ = x.shape
+        q = apply_rope(mod.q_proj(x).view(B, L, mod.num_heads, -1).transpose(1, 2), cos, sin)
+        k = apply_rope(mod.k_proj(x).view(B, L, mod.num_kv_heads, -1).transpose(1, 2), cos, sin)
+        return q, k, mod.head_dim ** -0.5, mod.num_heads, mod.num_kv_heads, mod.head_dim
+
+
+class HFLM(nn.Module):
+    """A real transformers ``LlamaForCausalLM`` (SDPA), (x, y) -> loss."""
+
+    def __init__(self, kv: int) -> None:
+        super().__init__()
+        self.lm = _hf_llama("sdpa", kv)
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.lm(input_ids=x).logits.flatten(0, 1).float(), y.flatten())
+
+    @staticmethod
+    def attention_modules(model):
+        return [m for m in model.modules() if type(m).__name__ == "LlamaAttention"]
+
+    @staticmethod
+    def q_k_scale(mod, args, kwargs):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        h = kwargs.get("hidden_states", args[0] if args else None)
+        cos, sin = kwargs["position_embeddings"]
+        B, L, _ = h.shape
+        q = mod.q_proj(h).view(B, L, -1, mod.head_dim).transpose(1, 2)
+        k = mod.k_proj(h).view(B, L, -1, mod.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, mod.scaling, q.shape[1], k.shape[1], mod.head_dim
+
+
+MODELS = {"own": LM, "hf": HFLM}
+
 
 def _data(steps: int, dp: int, gas: int):
     g = torch.Generator().manual_seed(1)
@@ -203,10 +246,10 @@ def _params(tau):
     return {**HP["CanzonaMuon"], "qk_clip": {"threshold": tau}}
 
 
-def _worker(rank, dp, kv, tau, stage, gas):
-    stats = []
-
+def _worker(rank, dp, kv, tau, stage, gas, kind="own", zero_extra=None):
     from canzona_ds.integration.runtime_info import canzona_optimizer
+
+    stats = []
 
     def after_init(engine):
         qk = canzona_optimizer(engine).qk_clip
@@ -220,15 +263,17 @@ def _worker(rank, dp, kv, tau, stage, gas):
         qk.row_scales = row_scales
 
     cfg = ds_config(dp, micro=MICRO, gas=gas, params=_params(tau), stage=stage)
-    params, _, engine = run_engine(rank, dp, cfg, STEPS, micro=MICRO, gas=gas, model=LM(kv), after_init=after_init,
-                                   data=_data(STEPS, dp, gas))
+    cfg["zero_optimization"].update(zero_extra or {})
+    params, _, engine = run_engine(rank, dp, cfg, STEPS, micro=MICRO, gas=gas, model=MODELS[kind](kv),
+                                   after_init=after_init, data=_data(STEPS, dp, gas))
     return dict(params=params, stats=stats, bytes=canzona_optimizer(engine).qk_clip.collective_bytes)
 
 
-def _reference(dp, kv, tau, stage, gas):
+def _reference(dp, kv, tau, stage, gas, kind="own"):
     """torch.optim.Muon + torch.optim.AdamW on ZeRO's averaged gradients, then the published clip."""
     torch.set_num_threads(1)
-    model = LM(kv)
+    cls = MODELS[kind]
+    model = cls(kv)
     hp = HP["CanzonaMuon"]
     named = list(model.named_parameters())
     mats = [p for n, p in named if p.ndim == 2 and "embed" not in n and "lm_head" not in n]
@@ -236,19 +281,20 @@ def _reference(dp, kv, tau, stage, gas):
     muon = torch.optim.Muon(mats, lr=hp["lr"], weight_decay=hp["weight_decay"], momentum=hp["momentum"])
     adamw = torch.optim.AdamW(rest, lr=hp["adam_lr"], betas=tuple(hp["betas"]), eps=hp["eps"],
                               weight_decay=hp["weight_decay"])
-    attn = [m for m in model.modules() if type(m).__name__ == "Attention"]
+    attn = cls.attention_modules(model)
+    assert attn
     maxima: dict[int, torch.Tensor] = {}
+    shape: dict[int, tuple] = {}
 
-    def hook(mod, args, _):
-        x, cos, sin = args
-        B, L, _ = x.shape
-        q = apply_rope(mod.q_proj(x).view(B, L, mod.num_heads, -1).transpose(1, 2), cos, sin)
-        k = apply_rope(mod.k_proj(x).view(B, L, mod.num_kv_heads, -1).transpose(1, 2), cos, sin)
-        m = _full_max(q.detach(), k.detach(), mod.head_dim ** -0.5, torch.ones(L, L, dtype=torch.bool).tril())
+    def hook(mod, args, kwargs, _):
+        q, k, scale, H, KV, d = cls.q_k_scale(mod, args, kwargs)
+        L = q.shape[2]
+        m = _full_max(q.detach(), k.detach(), scale, torch.ones(L, L, dtype=torch.bool).tril())
         maxima[id(mod)] = m if id(mod) not in maxima else torch.maximum(maxima[id(mod)], m)
+        shape[id(mod)] = (H, KV, d)
 
     for m in attn:
-        m.register_forward_hook(hook)
+        m.register_forward_hook(hook, with_kwargs=True)
     data, clipped = _data(STEPS, dp, gas), []
     for s in range(STEPS):
         chunk = data[s * gas:(s + 1) * gas]
@@ -262,11 +308,11 @@ def _reference(dp, kv, tau, stage, gas):
         with torch.no_grad():
             for mod in attn:
                 S = maxima[id(mod)]
-                gamma = [float("nan")] * mod.num_heads
-                G = mod.num_heads // mod.num_kv_heads
-                d = mod.head_dim
+                H, KV, d = shape[id(mod)]
+                G = H // KV
                 gam = torch.where(S > tau, torch.tensor(tau) / S, torch.ones_like(S))
-                for g in range(mod.num_kv_heads):
+                n_clipped += int((S > tau).sum())
+                for g in range(KV):
                     heads = range(g * G, (g + 1) * G)
                     gmin = min(float(gam[h]) for h in heads)
                     if gmin == 1.0:
@@ -274,18 +320,18 @@ def _reference(dp, kv, tau, stage, gas):
                     ks = torch.sqrt(gam[min(heads, key=lambda h: float(gam[h]))])
                     mod.k_proj.weight[g * d:(g + 1) * d] *= ks
                     for h in heads:
-                        if S[h] > tau:
-                            n_clipped += 1
                         qs = torch.sqrt(torch.tensor(tau) / S[h]) if float(gam[h]) == gmin \
                             else torch.clamp(gam[h] / ks, max=1.0)
                         mod.q_proj.weight[h * d:(h + 1) * d] *= qs
-                del gamma
         clipped.append(n_clipped)
     return params_of(model), clipped
 
 
-CASES = {  # name: (dp, kv, stage, gas)
+CASES = {  # name: (dp, kv, stage, gas[, model, zero_optimization extra])
     "dp1-gqa-z1": (1, 2, 1, 1),
+    "dp2-gqa-z1-offload": (2, 2, 1, 1, "own", {"offload_optimizer": {"device": "cpu"}}),
+    "dp2-hf-llama-gqa-z1": (2, 2, 1, 1, "hf"),
+    "dp2-hf-llama-mha-z2": (2, 4, 2, 1, "hf"),
     "dp2-gqa-z1": (2, 2, 1, 1),
     "dp2-mha-z2": (2, 4, 2, 1),
     "dp2-gqa-z2-gas2": (2, 2, 2, 2),
@@ -296,18 +342,56 @@ CASES = {  # name: (dp, kv, stage, gas)
 @pytest.mark.dist
 @pytest.mark.parametrize("case", list(CASES))
 def test_clipped_runs_equal_the_reference(case):
-    dp, kv, stage, gas = CASES[case]
+    dp, kv, stage, gas, *extra = CASES[case]
     for tau in (LOW_TAU, HIGH_TAU):
-        res = run_distributed(_worker, dp, kv, tau, stage, gas)
-        ref, ref_clipped = _reference(dp, kv, tau, stage, gas)
+        res = run_distributed(_worker, dp, kv, tau, stage, gas, *extra)
+        ref, ref_clipped = _reference(dp, kv, tau, stage, gas, *extra[:1])
         for r in res:
             assert max_abs_diff(r["params"], ref) == 0.0, f"{case} tau={tau}: differs from Muon + AdamW + clip"
             assert [c for c, _ in r["stats"]] == ref_clipped
         if tau == LOW_TAU:  # heads really clip, on most steps, and that changes the weights
             assert sum(c > 0 for c in ref_clipped) >= STEPS - 1, ref_clipped
-            assert max_abs_diff(ref, _reference(dp, kv, float("inf"), stage, gas)[0]) > 1e-3
+            assert max_abs_diff(ref, _reference(dp, kv, float("inf"), stage, gas, *extra[:1])[0]) > 1e-3
         else:  # nothing clips, so the run equals plain Muon + AdamW
             assert ref_clipped == [0] * STEPS
-            unclipped, _ = _reference(dp, kv, float("inf"), stage, gas)
+            unclipped, _ = _reference(dp, kv, float("inf"), stage, gas, *extra[:1])
             assert max_abs_diff(ref, unclipped) == 0.0
         assert res[0]["stats"][0][1] > 0  # the max logit was recorded
+
+
+def _refusal_worker(rank, dp):
+    import canzona_ds  # noqa: F401
+    import deepspeed
+
+    out = {}
+    cases = {
+        "stage3": (dict(stage=3), {}, LM(2)),
+        "mixed": (dict(stage=1), {"layout": "mixed"}, LM(2)),
+        "bf16": (dict(stage=1, bf16={"enabled": True}), {}, LM(2)),
+        "qk_norm": (dict(stage=1), {}, None),
+        "adamw_q": (dict(stage=1), {"matrix_exclude": ["embed", "lm_head", "q_proj"]}, LM(2)),
+    }
+    for name, (extra, params, model) in cases.items():
+        if model is None:  # the project's default: Qwen3 with QK-norm
+            model = LM(2)
+            model.lm = Qwen3ForCausalLM(Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+                                                    num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8))
+        cfg = ds_config(dp, micro=MICRO, params={**_params(1.0), **params}, **extra)
+        try:
+            deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
+@pytest.mark.dist
+def test_what_qk_clip_does_not_cover_is_refused_by_name():
+    res = run_distributed(_refusal_worker, 1)[0]
+    expect = {"stage3": "qk_clip is not implemented with zero_optimization.stage 3",
+              "mixed": "qk_clip is not implemented with layout 'mixed'",
+              "bf16": "qk_clip is not implemented with fp16/bf16",
+              "qk_norm": "'lm.model.layers.0.self_attn' has QK-norm (q_norm)",
+              "adamw_q": "'lm.model.layers.0.self_attn.q_proj.weight' is an AdamW parameter"}
+    for name, text in expect.items():
+        assert res[name] is not None and text in res[name], (name, res[name])

@@ -275,7 +275,8 @@ def qk_clip_refusal(s: RunSettings, cfg: CanzonaConfig, groups: ParallelGroups, 
     """What ``optimizer.params.qk_clip`` is not implemented (or not tested) with, named.
 
     Implemented and tested: ZeRO stage 0, 1 and 2 (layout "owned"; "auto" resolves to owned or is
-    refused at the step if it hosts a q/k matrix), DP >= 1, gradient accumulation."""
+    refused at the step if it hosts a q/k matrix), CPU optimizer offload, DP >= 1, gradient
+    accumulation."""
     name = s.optimizer_type
     where = None
     if s.zero_stage == 3:
@@ -288,8 +289,6 @@ def qk_clip_refusal(s: RunSettings, cfg: CanzonaConfig, groups: ParallelGroups, 
         where = "DeepSpeed MoE (expert groups)"
     elif cfg.placement.layout == "mixed":
         where = "layout 'mixed' (DP-hosted matrices updated in pieces)"
-    elif s.offload_optimizer:
-        where = "offload_optimizer (untested)"
     elif s.fp16 or s.bf16:
         where = "fp16/bf16 (untested)"
     if where is not None:
