@@ -11,9 +11,9 @@ Every path runs the same steps, in this order::
     data_before_refusal    if pp > 1, MoE in a stage, use_data_before_expert_parallelism  # the same exchange
     check_agreement(what every rank must share)        # before anything a rank could wait in
     check_settings(settings)                           # refuse what cannot work, by name
+    qk_clip_refusal(...) if qk_clip                    # what QK-clip does not cover, by name
     require_tp_group(...)                              # TP-tagged params need a TP group
     tag_heads(...)   if per_head_muon                  # DeepSpeed's own head resolution
-    qk_clip_refusal(...) if qk_clip                    # what QK-clip does not cover, by name
     with_grid_group(groups)  at ZeRO 1/2 with TP, unless layout="owned" (the mixed layout's grid)
     CanzonaOptimizer(named, config, groups, placement="owned" at ZeRO 1/2, "sharded" at ZeRO 3,
                      else "local")
@@ -238,6 +238,8 @@ def build_optimizer(named: list, cfg: CanzonaConfig, groups: ParallelGroups, set
         check_moe(settings, groups, zero_config or {}, named, modules or [])
         info = moe_info(named, modules or [], groups)
     check_settings(settings, cfg)
+    if cfg.qk_clip is not None:
+        qk_clip_refusal(settings, cfg, groups, bool(partitions or settings.moe))
     if settings.zero_stage == 3 and (groups.tp_size > 1 or groups.pp_size > 1):
         kind, size = ("tensor parallelism (tp_size", groups.tp_size) if groups.tp_size > 1 else \
             ("pipeline parallelism (pp_size", groups.pp_size)
@@ -249,8 +251,6 @@ def build_optimizer(named: list, cfg: CanzonaConfig, groups: ParallelGroups, set
 
         for module, module_named in modules:
             tag_heads(module, module_named, groups.tp_size)
-    if cfg.qk_clip is not None:
-        qk_clip_refusal(settings, cfg, groups, bool(partitions or settings.moe))
     placement = {1: "owned", 2: "owned", 3: "sharded"}.get(settings.zero_stage, "local")
     if placement == "owned" and groups.tp_size > 1 and cfg.placement.layout != "owned":
         from .groups import with_grid_group
@@ -274,23 +274,20 @@ def build_optimizer(named: list, cfg: CanzonaConfig, groups: ParallelGroups, set
 def qk_clip_refusal(s: RunSettings, cfg: CanzonaConfig, groups: ParallelGroups, moe: bool) -> None:
     """What ``optimizer.params.qk_clip`` is not implemented (or not tested) with, named.
 
-    Implemented and tested: ZeRO stage 0, 1 and 2 (layout "owned"; "auto" resolves to owned or is
-    refused at the step if it hosts a q/k matrix), CPU optimizer offload, DP >= 1, gradient
-    accumulation."""
+    Implemented and tested: ZeRO stage 0, 1, 2 (layouts owned and mixed) and 3, CPU optimizer
+    offload, DP >= 1, gradient accumulation, fp32."""
     name = s.optimizer_type
     where = None
-    if s.zero_stage == 3:
-        where = "zero_optimization.stage 3 (every matrix in flat pieces over the DP group)"
-    elif groups.tp_size > 1:
+    if groups.tp_size > 1:
         where = f"tensor parallelism (tp_size={groups.tp_size}: q/k heads split over TP ranks)"
     elif groups.pp_size > 1:
         where = f"pipeline parallelism (pp_size={groups.pp_size})"
     elif moe:
         where = "DeepSpeed MoE (expert groups)"
-    elif cfg.placement.layout == "mixed":
-        where = "layout 'mixed' (DP-hosted matrices updated in pieces)"
+    elif cfg.per_head_muon:
+        where = "per_head_muon (untested)"
     elif s.fp16 or s.bf16:
         where = "fp16/bf16 (untested)"
     if where is not None:
-        raise ValueError(f"{name} qk_clip is not implemented with {where}. QK-clip runs at ZeRO stage 0/1/2 in "
-                         "fp32, data parallelism only, layout 'owned' or 'auto' (docs/qk_clip.md).")
+        raise ValueError(f"{name} qk_clip is not implemented with {where}. QK-clip runs at ZeRO stage 0-3 in "
+                         "fp32 with data parallelism only (docs/qk_clip.md).")

@@ -47,8 +47,13 @@ def attach(modules: Iterable[tuple[nn.Module, str]]) -> list[AttentionLayer]:
                 raise ValueError(f"qk_clip: attention layer {where!r} has QK-norm ({norm}): its logits do not scale "
                                  "with W_q/W_k, so QK-clip cannot cap them through those rows. Remove qk_clip, or use "
                                  "a model without QK-norm (the project's model: model_overrides qk_norm: false).")
+            ours = hasattr(mod, "qk_observer")  # the project's model
+            if not ours and not hasattr(getattr(mod, "config", None), "_attn_implementation"):
+                raise ValueError(f"qk_clip: attention layer {where!r} ({type(mod).__name__}) is neither the project's "
+                                 "Attention nor a transformers attention module (config._attn_implementation): its "
+                                 "logits cannot be recorded.")
             layer = _layer_of(mod, where)
-            if hasattr(mod, "qk_observer"):  # the project's model
+            if ours:
                 mod.qk_observer = layer
             else:
                 _wrap_hf(mod, where)

@@ -411,7 +411,6 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             # one all-reduce(MAX) per step, at the step's first matrix group (every rank of the
             # DP group steps it); the factors land on the whole matrices right after their update
             ctx.qk_scales = self.qk_clip.row_scales(group["step"], self._device())
-            ctx.qk_names = frozenset(self.qk_clip.by_name)
         self.placement.step(group, ctx)
 
     # ------------------------------------------------------------------ checkpoints

@@ -250,6 +250,13 @@ class QKClip:
                 and dist.get_world_size(self.group) > 1:
             dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self.group)
         self.reset()
+        silent = [l.q_name for l, s in zip(self.layers, flat.split([l.num_heads for l in self.layers]))
+                  if bool(torch.isneginf(s).all())]
+        if silent:
+            # (after the collective: every rank of the group sees the same maxima and raises alike)
+            raise RuntimeError(f"qk_clip: attention layer of {silent[0]!r} recorded no logit in this step on any "
+                               "data-parallel rank: its forward did not reach the recorder (a custom attention "
+                               "forward, or the layer unused), so its heads cannot be clipped.")
         out: dict[str, Tensor] = {}
         per_layer, clipped = {}, 0
         tau = self.config.threshold

@@ -9,6 +9,7 @@ Every step of the matrix param group::
             split across TP ranks  -> collected for placement.hosted (one runtime step)
             whole                  -> rule_step(rule, param, grad, states, infos[name], ...)
                                       then MuonClip's QK-clip: param rows *= ctx.qk_scales[name]
+                                      (split ones: each rank's piece, placement/hosted.py)
 
 ``param``/``grad`` are views of whatever holds the matrix (the real parameter, or a slice of
 ZeRO's flat fp32 partition), so the update lands in place.
@@ -42,8 +43,6 @@ class StepContext:
     #: QK-clip (optim/qk_clip.py): per-row factors of the q/k matrices that clip this step,
     #: applied right after their rule update on the same tensor (the whole matrix)
     qk_scales: Mapping[str, Tensor] = field(default_factory=dict)
-    #: every matrix QK-clip may scale: such a matrix must be updated whole on this rank
-    qk_names: frozenset[str] = frozenset()
 
 
 class Placement(ABC):
@@ -86,13 +85,6 @@ class Placement(ABC):
             rule_step(ctx.rule, param, grad, ctx.states, ctx.infos[name], ctx.step, ctx.lr, ctx.weight_decay)
             if name in ctx.qk_scales:
                 apply_row_scale(param, ctx.qk_scales[name])
-        if split and ctx.qk_names & split.keys():
-            # a hosted matrix is updated in pieces (TP shards, ZeRO-3 / mixed-layout flat pieces):
-            # which rows of which piece belong to a head is not implemented -- refuse, never skip
-            name = sorted(ctx.qk_names & split.keys())[0]
-            raise ValueError(f"qk_clip: {name!r} is updated in pieces on several ranks here (tensor parallelism, "
-                             "ZeRO stage 3 or the mixed ZeRO layout's hosted matrices); QK-clip needs every q/k "
-                             "projection whole on its updating rank: ZeRO stage 0/1/2 with layout 'owned', no TP.")
         if hosted is not None and split:
             # every rank of the split group calls this (the same matrices, by construction); a
             # group without split matrices (an MoE expert group beside the TP-split dense one)
