@@ -487,3 +487,30 @@ def test_what_qk_clip_does_not_cover_is_refused_by_name():
               "adamw_q": "'lm.model.layers.0.self_attn.q_proj.weight' is an AdamW parameter"}
     for name, text in expect.items():
         assert res[name] is not None and text in res[name], (name, res[name])
+
+
+@pytest.mark.dist
+def test_main_job_logs_the_max_logit_and_clipped_heads(tmp_path):
+    """configs/run_tiny_qkclip.yaml through DeepSpeed's launcher (2 ranks), its ds_config with a
+    threshold below the tiny model's first logits (~0.26) so heads clip: every step's row has
+    qk_max_logit and qk_clipped_heads, and the run folder the plot."""
+    import json
+
+    from test_train_job import launch, rows
+
+    from canzona_ds.train.metrics import have_matplotlib
+
+    from pathlib import Path
+
+    ds = json.loads((Path(__file__).resolve().parents[1] / "configs" / "ds_cpu_canzona_qkclip.json").read_text())
+    ds["optimizer"]["params"]["qk_clip"]["threshold"] = 0.2
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    r = launch(["--config", "configs/run_tiny_qkclip.yaml", "--set", "steps=4", "--set", f"log_dir={tmp_path}/run",
+                "--set", "checkpoint_every=0", "--set", "eval_every=0", "--ds-config", str(tmp_path / "ds.json")])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    m = rows(tmp_path / "run" / "metrics.jsonl")
+    assert [x["step"] for x in m] == [1, 2, 3, 4]
+    assert all(x["qk_max_logit"] > 0.2 and x["qk_clipped_heads"] > 0 for x in m), m
+    assert "qk_max_logit" in (tmp_path / "run" / "metrics.csv").read_text().splitlines()[0]
+    if have_matplotlib():
+        assert (tmp_path / "run" / "qk_logits.png").is_file()
