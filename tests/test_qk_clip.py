@@ -514,3 +514,34 @@ def test_main_job_logs_the_max_logit_and_clipped_heads(tmp_path):
     assert "qk_max_logit" in (tmp_path / "run" / "metrics.csv").read_text().splitlines()[0]
     if have_matplotlib():
         assert (tmp_path / "run" / "qk_logits.png").is_file()
+
+
+@pytest.mark.dist
+def test_pipeline_pp2_equals_the_pp1_job(tmp_path):
+    """The main job with qk_clip (threshold below the first logits) at pp=2 (2 ranks: 2 stages x
+    DP 1; each stage records, reduces and clips its own layers) against the same job at pp=1 on
+    one rank, same global batches (8 = micro 4 x accumulation 2): the clipped heads (summed over
+    stages) and the largest logit (max over stages) equal every step, the losses to one fp32 ulp
+    (train_batch averages the micro-batch losses in fp32, the pp=1 job in float64:
+    tests/test_train_pipeline.py)."""
+    import json
+    from pathlib import Path
+
+    import numpy as np
+    from test_train_job import launch, rows
+
+    ds = json.loads((Path(__file__).resolve().parents[1] / "configs" / "ds_cpu_canzona_qkclip.json").read_text())
+    ds["optimizer"]["params"]["qk_clip"]["threshold"] = 0.2
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    common = ["--config", "configs/run_tiny_qkclip.yaml", "--set", "global_batch=8", "--set", "grad_accum=null",
+              "--set", "steps=4", "--set", "checkpoint_every=0", "--set", "eval_every=0",
+              "--ds-config", str(tmp_path / "ds.json")]
+    runs = {}
+    for pp, ranks in ((2, 2), (1, 1)):
+        r = launch([*common, "--set", f"pp={pp}", "--set", f"log_dir={tmp_path}/pp{pp}"], ranks=ranks)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        runs[pp] = rows(tmp_path / f"pp{pp}" / "metrics.jsonl")
+    assert all(x["qk_clipped_heads"] > 0 for x in runs[1]), runs[1]
+    for a, b in zip(runs[2], runs[1]):
+        assert a["qk_clipped_heads"] == b["qk_clipped_heads"] and a["qk_max_logit"] == b["qk_max_logit"], (a, b)
+        assert abs(a["loss"] - b["loss"]) <= np.spacing(np.float32(b["loss"])), (a["loss"], b["loss"])

@@ -275,13 +275,12 @@ def qk_clip_refusal(s: RunSettings, cfg: CanzonaConfig, groups: ParallelGroups, 
     """What ``optimizer.params.qk_clip`` is not implemented (or not tested) with, named.
 
     Implemented and tested: ZeRO stage 0, 1, 2 (layouts owned and mixed) and 3, CPU optimizer
-    offload, DP >= 1, gradient accumulation, fp32."""
+    offload, DP >= 1, pipeline parallelism (each stage its own layers, reduced over its DP
+    group), gradient accumulation, fp32."""
     name = s.optimizer_type
     where = None
     if groups.tp_size > 1:
         where = f"tensor parallelism (tp_size={groups.tp_size}: q/k heads split over TP ranks)"
-    elif groups.pp_size > 1:
-        where = f"pipeline parallelism (pp_size={groups.pp_size})"
     elif moe:
         where = "DeepSpeed MoE (expert groups)"
     elif cfg.per_head_muon:
@@ -290,4 +289,4 @@ def qk_clip_refusal(s: RunSettings, cfg: CanzonaConfig, groups: ParallelGroups, 
         where = "fp16/bf16 (untested)"
     if where is not None:
         raise ValueError(f"{name} qk_clip is not implemented with {where}. QK-clip runs at ZeRO stage 0-3 in "
-                         "fp32 with data parallelism only (docs/qk_clip.md).")
+                         "fp32 with data and pipeline parallelism (docs/qk_clip.md).")

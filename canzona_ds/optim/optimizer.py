@@ -372,7 +372,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
 
         if self.config.qk_clip is None:
             raise ValueError("enable_qk_clip on an optimizer whose config has no qk_clip section.")
-        if not layers:
+        if not layers and self.groups.pp_size == 1:  # (a pipeline stage may hold no attention layer)
             raise ValueError("qk_clip is on but the model has no attention layer it can clip (looked for q_proj/k_proj "
                              "attention modules: the project's Qwen3Attention, transformers' Llama-style attention).")
         for layer in layers:

@@ -474,7 +474,14 @@ def qk_clip_metrics(engine) -> dict:
     qk = getattr(opt, "qk_clip", None)
     if qk is None:
         return {}
-    return {"qk_max_logit": qk.stats.max_logit, "qk_clipped_heads": qk.stats.clipped_heads}
+    max_logit, clipped = qk.stats.max_logit, qk.stats.clipped_heads
+    if opt.groups.pp_size > 1:  # each stage knows its own layers: the whole model's figures (every rank calls)
+        m = torch.tensor([max_logit], dtype=torch.float64)
+        n = torch.tensor([float(clipped)], dtype=torch.float64)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=opt.groups.pp_group)
+        dist.all_reduce(n, group=opt.groups.pp_group)
+        max_logit, clipped = float(m[0]), int(n[0])
+    return {"qk_max_logit": max_logit, "qk_clipped_heads": clipped}
 
 
 def _postfix(row: dict) -> str:
