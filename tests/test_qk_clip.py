@@ -545,6 +545,24 @@ def test_pipeline_pp2_equals_the_pp1_job(tmp_path):
         assert abs(a["loss"] - b["loss"]) <= np.spacing(np.float32(b["loss"])), (a["loss"], b["loss"])
 
 
+class Mixtral(nn.Module):
+    """A real transformers ``MixtralForCausalLM`` (Llama-style attention, experts as 3-D stacks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        torch.manual_seed(0)
+        self.lm = MixtralForCausalLM(MixtralConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+            initializer_range=0.3, attn_implementation="sdpa"))
+        self.config = self.lm.config
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.lm(input_ids=x).logits.flatten(0, 1).float(), y.flatten())
+
+
 def _mixed_precision_worker(rank, dp, kind):
     """bf16: every owner's step replayed from what it received (the rule, then this test's
     published clip from the step's reduced maxima) bit for bit, and the bf16 weights equal to the
@@ -557,10 +575,11 @@ def _mixed_precision_worker(rank, dp, kind):
     from canzona_ds.optim.rule import rule_step
     from canzona_ds.testing.models import MatrixStepRecorder
 
-    extra = {"bf16": {"enabled": True}} if kind == "bf16" else {
-        "fp16": {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000, "hysteresis": 1}}
+    extra = {"bf16": {"bf16": {"enabled": True}}, "moe": {},
+             "fp16": {"fp16": {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000,
+                               "hysteresis": 1}}}[kind]
     with allow_fp16():
-        model = LM(2)
+        model = Mixtral() if kind == "moe" else LM(2)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                           config=ds_config(dp, micro=MICRO, params=_params(LOW_TAU), **extra))
         opt = canzona_optimizer(engine)
@@ -603,7 +622,7 @@ def _mixed_precision_worker(rank, dp, kind):
             worst = max(worst, float((W - after).abs().max()))
     out["replay_max_diff"], out["replayed"] = worst, sorted({n for r in rec.steps for n in r})
     # the model's (bit16) weights are the clipped fp32 masters, cast
-    dtype = torch.bfloat16 if kind == "bf16" else torch.float16
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "moe": torch.float32}[kind]
     last = rec.steps[-1]
     out["bit16_follows"] = all(torch.equal(engine.module.get_parameter(n).detach(), last[n][2].to(dtype))
                                for n in last)
@@ -611,15 +630,19 @@ def _mixed_precision_worker(rank, dp, kind):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("kind", ["bf16", "fp16"])
-def test_mixed_precision(kind):
+@pytest.mark.parametrize("kind", ["bf16", "fp16", "moe"])
+def test_mixed_precision_and_moe_replayed(kind):
+    """bf16 / fp16 (see the worker), and a transformers MoE model (Mixtral: experts as 3-D stacks
+    beside Llama-style attention) in fp32, whose stacks the recorder replays per expert."""
     res = run_distributed(_mixed_precision_worker, 2, kind)
+    if kind == "moe":
+        assert any("experts" in n for r in res for n in r["replayed"])
     qk = [n for n in res[0]["replayed"] + res[1]["replayed"] if "q_proj" in n or "k_proj" in n]
     assert len(qk) == 4, qk  # every q/k projection (2 layers) replayed on its owner
     for r in res:
         assert r["replay_max_diff"] == 0.0
         assert r["bit16_follows"]
-    applied = STEPS if kind == "bf16" else STEPS - 1
+    applied = STEPS - 1 if kind == "fp16" else STEPS
     assert len(res[0]["clipped"]) == applied and sum(c > 0 for c in res[0]["clipped"]) >= applied - 1
     if kind == "fp16":  # the skipped step reached no optimizer step and left no maxima behind
         assert res[0]["skipped"] == 1 and all(m is None for m in res[0]["after_skip_running"])
