@@ -224,6 +224,7 @@ class HFLM(nn.Module):
     def __init__(self, kv: int) -> None:
         super().__init__()
         self.lm = _hf_llama("sdpa", kv)
+        self.config = self.lm.config  # (DeepSpeed's per-head resolution reads the root's config)
 
     def forward(self, x, y):
         return F.cross_entropy(self.lm(input_ids=x).logits.flatten(0, 1).float(), y.flatten())
@@ -459,7 +460,6 @@ def _refusal_worker(rank, dp):
 
     out = {}
     cases = {
-        "per_head": (dict(stage=1), {"per_head_muon": True}, LM(2)),
         "qk_norm": (dict(stage=1), {}, None),
         "adamw_q": (dict(stage=1), {"matrix_exclude": ["embed", "lm_head", "q_proj"]}, LM(2)),
     }
@@ -480,7 +480,7 @@ def _refusal_worker(rank, dp):
 @pytest.mark.dist
 def test_what_qk_clip_does_not_cover_is_refused_by_name():
     res = run_distributed(_refusal_worker, 1)[0]
-    expect = {"per_head": "qk_clip is not implemented with per_head_muon",
+    expect = {
               "qk_norm": "'lm.model.layers.0.self_attn' has QK-norm (q_norm)",
               "adamw_q": "'lm.model.layers.0.self_attn.q_proj.weight' is an AdamW parameter"}
     for name, text in expect.items():
@@ -575,13 +575,14 @@ def _mixed_precision_worker(rank, dp, kind):
     from canzona_ds.optim.rule import rule_step
     from canzona_ds.testing.models import MatrixStepRecorder
 
-    extra = {"bf16": {"bf16": {"enabled": True}}, "moe": {},
+    extra = {"bf16": {"bf16": {"enabled": True}}, "moe": {}, "per_head": {},
              "fp16": {"fp16": {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000,
                                "hysteresis": 1}}}[kind]
     with allow_fp16():
-        model = Mixtral() if kind == "moe" else LM(2)
+        model = Mixtral() if kind == "moe" else HFLM(2) if kind == "per_head" else LM(2)
+        params = {**_params(LOW_TAU), "per_head_muon": kind == "per_head"}
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                          config=ds_config(dp, micro=MICRO, params=_params(LOW_TAU), **extra))
+                                          config=ds_config(dp, micro=MICRO, params=params, **extra))
         opt = canzona_optimizer(engine)
         rec = MatrixStepRecorder(opt)
         maxima, stock = [], opt.qk_clip.row_scales
@@ -622,7 +623,8 @@ def _mixed_precision_worker(rank, dp, kind):
             worst = max(worst, float((W - after).abs().max()))
     out["replay_max_diff"], out["replayed"] = worst, sorted({n for r in rec.steps for n in r})
     # the model's (bit16) weights are the clipped fp32 masters, cast
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "moe": torch.float32}[kind]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(kind, torch.float32)
+    out["per_head_infos"] = sorted(n for n, i in opt.infos.items() if i.num_heads is not None)
     last = rec.steps[-1]
     out["bit16_follows"] = all(torch.equal(engine.module.get_parameter(n).detach(), last[n][2].to(dtype))
                                for n in last)
@@ -630,13 +632,17 @@ def _mixed_precision_worker(rank, dp, kind):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("kind", ["bf16", "fp16", "moe"])
-def test_mixed_precision_and_moe_replayed(kind):
-    """bf16 / fp16 (see the worker), and a transformers MoE model (Mixtral: experts as 3-D stacks
-    beside Llama-style attention) in fp32, whose stacks the recorder replays per expert."""
+@pytest.mark.parametrize("kind", ["bf16", "fp16", "moe", "per_head"])
+def test_mixed_precision_moe_per_head_replayed(kind):
+    """bf16 / fp16 (see the worker); a transformers MoE model (Mixtral: experts as 3-D stacks
+    beside Llama-style attention) in fp32, whose stacks the recorder replays per expert; and
+    per_head_muon (a transformers Llama, heads tagged by DeepSpeed's resolution), whose per-head
+    updates the replay reruns with the same MatrixInfo, then the clip."""
     res = run_distributed(_mixed_precision_worker, 2, kind)
     if kind == "moe":
         assert any("experts" in n for r in res for n in r["replayed"])
+    if kind == "per_head":
+        assert any("q_proj" in n for n in res[0]["per_head_infos"]), res[0]["per_head_infos"]
     qk = [n for n in res[0]["replayed"] + res[1]["replayed"] if "q_proj" in n or "k_proj" in n]
     assert len(qk) == 4, qk  # every q/k projection (2 layers) replayed on its owner
     for r in res:
