@@ -12,11 +12,12 @@ Plain torch (``torch.distributed`` for the one collective), no DeepSpeed.  Three
   the data-parallel group (one ``all_reduce(MAX)`` of ``sum(num_heads)`` fp32 values per step)
   and turns them into one per-row factor vector per clipped matrix.
 
-Where a matrix is scaled: by whoever updates it, right after its rule update, on the same tensor
-(``placement.base.Placement.step``): the ZeRO-1/2 owner's fp32 master slice (DeepSpeed then
-copies it into the bit16 weight and all-gathers), the stage-0 parameter itself.  Layouts where a
-q/k matrix is updated in pieces (TP-split, ZeRO-3, the mixed layout's DP-hosted matrices) are
-refused by name (``Placement.step`` and integration/builder.py).
+Where a matrix is scaled: by whoever updates it, right after its rule update, on the same tensor:
+a whole matrix (``placement.base.Placement.step``: the ZeRO-1/2 owner's fp32 master slice, which
+DeepSpeed then copies into the bit16 weight and all-gathers; the stage-0 parameter) by its rows,
+a matrix updated in pieces (ZeRO-3, the mixed layout's hosted matrices) piece by piece
+(``placement.hosted.scale_piece``).  Tensor parallelism and DeepSpeed MoE are refused by name
+(integration/builder.py).
 
 Row layout of the projections (HF / the project's model; ``d`` = head_dim)::
 
