@@ -361,11 +361,15 @@ CASES = {  # name: (dp, kv, stage, gas[, model, zero_optimization extra])
 }
 
 
+NEVER_CLIP_CASES = ("dp2-gqa-z1", "dp2-hf-llama-mha-z2")
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("case", list(CASES))
 def test_clipped_runs_equal_the_reference(case):
     dp, kv, stage, gas, *extra = CASES[case]
-    for tau in (LOW_TAU, HIGH_TAU):
+    # the never-clipping threshold on two cases only (suite time): one per model
+    for tau in (LOW_TAU, HIGH_TAU) if case in NEVER_CLIP_CASES else (LOW_TAU,):
         res = run_distributed(_worker, dp, kv, tau, stage, gas, *extra)
         ref, ref_clipped = _reference(dp, kv, tau, stage, gas, *extra[:1])
         for r in res:
