@@ -780,9 +780,34 @@ def ns_batch(d: Data) -> str:
                    "batched / one at a time"], rows)
 
 
+def qk_clip_overhead(d: Data) -> str:
+    """bench_qk_clip: median step time with / without qk_clip, interleaved in one run, and the collective."""
+    o = d["overhead"]
+    return "\n".join([
+        f"| | qk_clip off | qk_clip on (threshold {o['threshold']:g}: heads clip on {o['steps_with_clipped_heads']} "
+        f"of {o['steps']} steps) |", "|---|---|---|",
+        f"| median ms per step (steps {o['warmup_excluded'] + 1}-{o['steps']}) | {o['median_step_ms_off']:.0f} "
+        f"| {o['median_step_ms_on']:.0f} (x{o['ratio_on_over_off']:.3f}) |",
+        f"| collective per step | none | one all-reduce(MAX) of {o['collective_bytes_per_step']} bytes "
+        "(fp32, one per query head and layer) |"])
+
+
+def qk_clip_growth(d: Data) -> str:
+    """bench_qk_clip: the largest logit per step at a high lr, recorded only vs clipped."""
+    g = d["growth"]
+    out = [f"| run (muon_lr {g['muon_lr']:g}, {len(next(iter(g['runs'].values()))['max_logit'])} steps) | max logit "
+           "step 1 | peak | last step | final loss |", "|---|---|---|---|---|"]
+    for name, r in g["runs"].items():
+        m = r["max_logit"]
+        out.append(f"| {name} | {m[0]:.3g} | {max(m):.3g} | {m[-1]:.3g} | {r['loss'][-1]:.3f} |")
+    return "\n".join(out)
+
+
 TABLES: dict[str, tuple[str, Callable[[Data], str]]] = {
     "ns_dtype": ("ns_dtype", ns_dtype),
     "ns_batch": ("ns_batch", ns_batch),
+    "qk_clip_overhead": ("qk_clip", qk_clip_overhead),
+    "qk_clip_growth": ("qk_clip", qk_clip_growth),
     "fig3_dp": ("paper_experiments", fig3_dp),
     "fig3_tp": ("paper_experiments", fig3_tp),
     "buckets": ("paper_experiments", buckets),

@@ -281,8 +281,8 @@ def _has_gpu() -> bool:
 def _final_report(cfg, result) -> None:
     from pathlib import Path
 
-    from canzona_ds.train.metrics import (MATPLOTLIB_MISSING, have_matplotlib, plot_loss, plot_rank_load,
-                                          read_metrics, summary_table)
+    from canzona_ds.train.metrics import (MATPLOTLIB_MISSING, have_matplotlib, plot_loss, plot_qk_logits,
+                                          plot_rank_load, read_metrics, summary_table)
 
     if not result.trained:  # a resume with nothing left to train: it said so; nothing to report
         return
@@ -294,6 +294,9 @@ def _final_report(cfg, result) -> None:
         artifacts["loss_png"] = str(plot_loss({result.name: read_metrics(result.metrics_path)}, log_dir / "loss.png",
                                               f"{cfg.model} on {cfg.corpus}"))
         artifacts["rank_load_png"] = str(plot_rank_load(result.plan_summary, log_dir / "rank_load.png"))
+        rows = read_metrics(result.metrics_path)
+        if any(r.get("qk_max_logit") is not None for r in rows):  # optimizer.params.qk_clip on
+            artifacts["qk_logits_png"] = str(plot_qk_logits({result.name: rows}, log_dir / "qk_logits.png"))
     else:
         print(MATPLOTLIB_MISSING, flush=True)
     if result.checkpoint_dir:

@@ -411,6 +411,19 @@ def install() -> None:
             return stock_save_moe(self, save_dir, tag, client_state=client_state,
                                   exclude_frozen_parameters=exclude_frozen_parameters)
 
+    stock_take_step = Engine._take_model_step
+
+    def _take_model_step(self, lr_kwargs):
+        try:
+            return stock_take_step(self, lr_kwargs)
+        finally:
+            # QK-clip's maxima belong to one step, applied or skipped (fp16 overflow): a skipped
+            # step clips nothing and its logits do not leak into the next step's maximum
+            opt = canzona_optimizer(self)
+            if opt is not None and opt.qk_clip is not None:
+                opt.qk_clip.reset()
+
+    Engine._take_model_step = _take_model_step
     Engine._save_moe_checkpoint = _save_moe_checkpoint
     Engine.load_checkpoint = load_checkpoint
     Engine.clip_fp32_gradients = clip_fp32_gradients

@@ -2,7 +2,8 @@
 
     tokens -> embed_tokens -> N x [ x + Attn(RMSNorm(x)),  x + SwiGLU(RMSNorm(x)) ] -> norm -> lm_head
 
-    Attn:  q = q_norm(Wq x) per head, k = k_norm(Wk x) per head   (Qwen3's per-head RMSNorm)
+    Attn:  q = q_norm(Wq x) per head, k = k_norm(Wk x) per head   (Qwen3's per-head RMSNorm;
+           qk_norm=false: q = Wq x, k = Wk x, Llama-style -- what MuonClip's QK-clip needs)
            RoPE on q, k;  GQA: num_heads query heads share num_kv_heads k/v heads
            causal softmax attention, output o_proj
     SwiGLU: down_proj(silu(gate_proj x) * up_proj x)
@@ -48,6 +49,9 @@ class Qwen3Config:
     tie_word_embeddings: bool = False
     #: std of the normal init of every weight matrix
     init_std: float = 0.02
+    #: Qwen3's per-head RMSNorm of q and k (q_norm/k_norm); false: Llama-style attention without
+    #: it, whose logits the q/k projections control (optimizer.params.qk_clip needs that)
+    qk_norm: bool = True
 
     def __post_init__(self) -> None:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -59,8 +63,9 @@ class Qwen3Config:
             raise ValueError(f"Invalid num_kv_heads={self.num_kv_heads}: must divide num_heads={self.num_heads} (GQA).")
         if self.head_dim % 2:
             raise ValueError(f"Invalid head_dim={self.head_dim}. Must be even (RoPE rotates pairs).")
-        if not isinstance(self.tie_word_embeddings, bool):
-            raise TypeError(f"Invalid tie_word_embeddings={self.tie_word_embeddings!r}. Must be a bool.")
+        for f in ("tie_word_embeddings", "qk_norm"):
+            if not isinstance(getattr(self, f), bool):
+                raise TypeError(f"Invalid {f}={getattr(self, f)!r}. Must be a bool.")
         for f in ("rope_theta", "rms_norm_eps", "init_std"):
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
@@ -141,15 +146,28 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        #: the softmax scale SDPA applies by default (its logits are (q . k) * scaling)
+        self.scaling = self.head_dim ** -0.5
+        #: QK-clip's recorder of this layer's per-head max logit (optim/qk_clip.AttentionLayer;
+        #: set by models/qk_record.attach when optimizer.params.qk_clip is on; training forwards only)
+        self.qk_observer = None
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.qk_observer is not None and self.training:
+            self.qk_observer.observe(q, k, self.scaling, causal=True)
         # GQA: each kv head serves num_heads // num_kv_heads consecutive query heads
         group = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)

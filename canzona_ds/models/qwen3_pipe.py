@@ -52,10 +52,10 @@ def _param_shapes(cfg: Qwen3Config) -> list[tuple[str, tuple[int, ...]]]:
                 (p + "self_attn.q_proj.weight", (cfg.num_heads * hd, H)),
                 (p + "self_attn.k_proj.weight", (cfg.num_kv_heads * hd, H)),
                 (p + "self_attn.v_proj.weight", (cfg.num_kv_heads * hd, H)),
-                (p + "self_attn.o_proj.weight", (H, cfg.num_heads * hd)),
-                (p + "self_attn.q_norm.weight", (hd,)),
-                (p + "self_attn.k_norm.weight", (hd,)),
-                (p + "post_attention_layernorm.weight", (H,)),
+                (p + "self_attn.o_proj.weight", (H, cfg.num_heads * hd))]
+        if cfg.qk_norm:
+            out += [(p + "self_attn.q_norm.weight", (hd,)), (p + "self_attn.k_norm.weight", (hd,))]
+        out += [(p + "post_attention_layernorm.weight", (H,)),
                 (p + "mlp.gate_proj.weight", (I, H)),
                 (p + "mlp.up_proj.weight", (I, H)),
                 (p + "mlp.down_proj.weight", (H, I))]

@@ -33,6 +33,7 @@ from ..planning.dp import ATOMIC_DP_PLANNERS, DEFAULT_BUCKET_NUMEL, DEFAULT_DP_P
 from ..planning.params import DEFAULT_EXCLUDE, is_matrix, matrix_experts
 from ..planning.tp import DEFAULT_TP_SCHEDULER, TP_SCHEDULERS
 from . import OPTIMIZER_TYPES, rule_class
+from .qk_clip import QKClipConfig
 from .rule import MatrixRule, check_bool, check_choice, check_int, check_number
 
 #: largest learning rate accepted (a guard against typos such as 2e2 for 2e-2)
@@ -193,6 +194,8 @@ class CommonKeys:
     weight_decay: float = 0.0
     #: Muon only: orthogonalise attention projections head by head (DeepSpeed's per_head_muon)
     per_head_muon: bool = False
+    #: MuonClip's QK-clip, an object {"threshold": tau} (keys below, docs/qk_clip.md); absent: off
+    qk_clip: QKClipConfig | None = None
 
 
 def _field_names(cls) -> set[str]:
@@ -217,6 +220,8 @@ class CanzonaConfig:
     per_head_muon: bool = False
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     tp: TPConfig = field(default_factory=TPConfig)
+    #: QK-clip (None: off)
+    qk_clip: QKClipConfig | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.rule, MatrixRule):
@@ -230,6 +235,7 @@ class CanzonaConfig:
         check_bool("per_head_muon", self.per_head_muon)
         if self.per_head_muon and self.rule.name != "muon":
             raise ValueError(f"per_head_muon=true is a Muon setting; optimizer {self.rule.name!r} has no per-head mode.")
+        object.__setattr__(self, "qk_clip", QKClipConfig.from_value(self.qk_clip))
 
     # ------------------------------------------------------------------ parsing
     @classmethod
@@ -321,6 +327,8 @@ class CanzonaConfig:
         out = {"rule": self.rule.describe(), "lr": self.lr, "adam_lr": self.adam_lr,
                "adam_betas": list(self.adam_betas), "adam_eps": self.adam_eps, "weight_decay": self.weight_decay,
                "per_head_muon": self.per_head_muon}
+        if self.qk_clip is not None:  # (absent when off: fingerprints of runs without it unchanged)
+            out["qk_clip"] = self.qk_clip.describe()
         for sub in ("placement", "tp"):
             obj = getattr(self, sub)
             out[sub] = {f.name: (list(v) if isinstance(v := getattr(obj, f.name), tuple) else v) for f in fields(obj)}
@@ -400,6 +408,10 @@ def markdown() -> str:
              "## `optimizer.params`: keys of every type", "",
              "| key | default | meaning |", "|---|---|---|"]
     for d in field_docs(CommonKeys) + field_docs(PlacementConfig):
+        lines.append(f"| `{d.key}` | `{_fmt(d.default)}` | {d.doc} |")
+    lines += ["", "### `optimizer.params.qk_clip`: MuonClip's QK-clip (every type; `canzona_ds/optim/qk_clip.py`)", "",
+              "| key | default | meaning |", "|---|---|---|"]
+    for d in field_docs(QKClipConfig):
         lines.append(f"| `{d.key}` | `{_fmt(d.default)}` | {d.doc} |")
     # the package's own rules only: a rule registered by user code (or a test) is not part of
     # the shipped reference, so the generated file does not depend on what was imported first

@@ -211,6 +211,8 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         #: every rule-state key's matrix: the infos, with each stack replaced by its experts
         self.state_infos: dict[str, MatrixInfo] = {i.name: i for info in self.infos.values()
                                                    for i in info.state_infos()}
+        #: MuonClip's QK-clip (optim/qk_clip.QKClip; None: off): set by :meth:`enable_qk_clip`
+        self.qk_clip = None
         self.placement = HOLDING[placement](self.matrix_names)
         if placement == "local":
             self.placement.track(ordered_matrices)
@@ -360,6 +362,32 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         """The rule-state keys of :meth:`handled_names` (an expert stack's: one per expert)."""
         return [i.name for n in self.handled_names() for i in self.infos[n].state_infos()]
 
+    def enable_qk_clip(self, layers: list, group=None) -> None:
+        """Turn on ``config.qk_clip`` for ``layers`` (:class:`~canzona_ds.optim.qk_clip.AttentionLayer`,
+        whose ``observe`` the model's forward calls), reduced over ``group`` (the DP group).
+
+        Every q/k projection must be a matrix of the rule (AdamW's flat pieces are not head
+        rows) and an expert-free 2-D parameter of this optimizer."""
+        from .qk_clip import QKClip
+
+        if self.config.qk_clip is None:
+            raise ValueError("enable_qk_clip on an optimizer whose config has no qk_clip section.")
+        if not layers and self.groups.pp_size == 1:  # (a pipeline stage may hold no attention layer)
+            raise ValueError("qk_clip is on but the model has no attention layer it can clip (looked for q_proj/k_proj "
+                             "attention modules: the project's Qwen3Attention, transformers' Llama-style attention).")
+        for layer in layers:
+            for n, rows in ((layer.q_name, layer.num_heads * layer.head_dim),
+                            (layer.k_name, layer.num_kv_heads * layer.head_dim)):
+                if n not in self.infos:
+                    why = "an AdamW parameter (matrix_exclude)" if n in self.shapes else "not a trainable parameter"
+                    raise ValueError(f"qk_clip: {n!r} is {why}; QK-clip scales the head rows of q/k projections "
+                                     "updated by the matrix rule.")
+                info = self.infos[n]
+                if info.num_experts is not None or len(info.shape) != 2 or info.shape[0] != rows:
+                    raise ValueError(f"qk_clip: {n!r} has shape {list(info.shape)}, not ({rows}, hidden) as its "
+                                     f"attention layer's {layer.num_heads} heads x {layer.head_dim} imply.")
+        self.qk_clip = QKClip(self.config.qk_clip, layers, group)
+
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure=None):
@@ -378,8 +406,12 @@ class CanzonaOptimizer(torch.optim.Optimizer):
 
     def _matrix_step(self, group: dict) -> None:
         group["step"] += 1
-        self.placement.step(group, StepContext(self.rule, self.infos, self.matrix_state, group["step"], group["lr"],
-                                               group["weight_decay"]))
+        ctx = StepContext(self.rule, self.infos, self.matrix_state, group["step"], group["lr"], group["weight_decay"])
+        if self.qk_clip is not None:
+            # one all-reduce(MAX) per step, at the step's first matrix group (every rank of the
+            # DP group steps it); the factors land on the whole matrices right after their update
+            ctx.qk_scales = self.qk_clip.row_scales(group["step"], self._device())
+        self.placement.step(group, ctx)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:

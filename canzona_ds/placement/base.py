@@ -9,6 +9,8 @@ Every step of the matrix param group::
             split across TP ranks  -> collected for placement.hosted (one runtime step)
             whole                  -> rule_steps(rule, [(param, grad, infos[name]), ...], states, ...)
                                       (same-shape matrices batched where the rule can; optim/rule.py)
+                                      then MuonClip's QK-clip: param rows *= ctx.qk_scales[name]
+                                      (split ones: each rank's piece, placement/hosted.py)
 
 ``param``/``grad`` are views of whatever holds the matrix (the real parameter, or a slice of
 ZeRO's flat fp32 partition), so the update lands in place.
@@ -16,11 +18,12 @@ ZeRO's flat fp32 partition), so the update lands in place.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Mapping
 
 from torch import Tensor
 
+from ..optim.qk_clip import apply_row_scale
 from ..optim.rule import MatrixInfo, MatrixRule, rule_steps
 
 if TYPE_CHECKING:
@@ -38,6 +41,9 @@ class StepContext:
     step: int
     lr: float
     weight_decay: float
+    #: QK-clip (optim/qk_clip.py): per-row factors of the q/k matrices that clip this step,
+    #: applied right after their rule update on the same tensor (the whole matrix)
+    qk_scales: Mapping[str, Tensor] = field(default_factory=dict)
 
 
 class Placement(ABC):
@@ -73,13 +79,17 @@ class Placement(ABC):
     def step(self, group: dict, ctx: StepContext) -> None:
         hosted = self.hosted_for(group)
         split: dict[str, tuple[Tensor, Tensor]] = {}
-        whole: list[tuple[Tensor, Tensor, MatrixInfo]] = []
+        whole: list[tuple[str, Tensor, Tensor]] = []
         for name, param, grad in self.items(group):
             if hosted is not None and name in hosted.split:
                 split[name] = (param, grad)
                 continue
-            whole.append((param, grad, ctx.infos[name]))
-        rule_steps(ctx.rule, whole, ctx.states, ctx.step, ctx.lr, ctx.weight_decay)
+            whole.append((name, param, grad))
+        rule_steps(ctx.rule, [(p, g, ctx.infos[n]) for n, p, g in whole], ctx.states, ctx.step, ctx.lr,
+                   ctx.weight_decay)
+        for name, param, _ in whole:  # after the update of its own matrix (matrices are independent)
+            if name in ctx.qk_scales:
+                apply_row_scale(param, ctx.qk_scales[name])
         if hosted is not None and split:
             # every rank of the split group calls this (the same matrices, by construction); a
             # group without split matrices (an MoE expert group beside the TP-split dense one)

@@ -6,6 +6,8 @@ Per micro-group (planned by ``planning/tp.py`` from the rule's cost; the runtime
 
     shards --all_to_all_single--> host: G = cat(shards); D = rule.direction(G, state, info, step)
     host --all_to_all_single--> shards of D;  every rank: apply_rule_update(shard, D_r, ...)
+    QK-clip (optim/qk_clip.py): every rank scales its shard by its piece of the whole matrix's
+    per-row factors, cut by the same ``split.piece`` that cut D
 
 The group is any process group: the TP group for TP shards; the DP group for the matrices the
 mixed ZeRO-1/2 layout cuts at chunk boundaries (:class:`~canzona_ds.tp.runtime.FlatSplit`
@@ -78,6 +80,18 @@ class HostedPlacement:
         order = [m.name for m in self.runtime.matrices]
         self.runtime.step([held[n][0] for n in order], [held[n][1] for n in order], lr=ctx.lr,
                           weight_decay=ctx.weight_decay, step=ctx.step)
+        for n in order:
+            if n in ctx.qk_scales:
+                scale_piece(held[n][0], self.split[n], ctx.qk_scales[n], self.runtime.tp_rank)
+
+
+def scale_piece(piece: Tensor, split, row_scale: Tensor, rank: int) -> None:
+    """``piece`` (rank ``rank``'s flat or shard piece of ``split``'s matrix) *= its part of the
+    whole matrix's per-row factors ``row_scale`` (rows,): the factors are laid out as the whole
+    matrix (one transient whole-matrix tensor) and cut by ``split.piece``, as the update was."""
+    full = tuple(split.info.shape)
+    whole = row_scale.to(device=piece.device, dtype=piece.dtype).view(-1, *([1] * (len(full) - 1))).expand(full)
+    piece.mul_(split.piece(whole, rank).reshape(piece.shape))
 
 
 class HostedSet:

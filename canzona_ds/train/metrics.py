@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 STEP_FIELDS = ("step", "loss", "val_loss", "lr_mult", "tokens", "step_ms", "tokens_per_s",
-               "fwd_bwd_ms", "grad_reduce_ms", "optimizer_ms", "allgather_ms")
+               "fwd_bwd_ms", "grad_reduce_ms", "optimizer_ms", "allgather_ms", "qk_max_logit", "qk_clipped_heads")
 
 
 class MetricsWriter:
@@ -157,6 +157,27 @@ def loss_figure(curves: dict[str, list[dict]], title: str = "training loss", das
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
     return fig
+
+
+def plot_qk_logits(curves: dict[str, list[dict]], out: Path, threshold: float | None = None,
+                   title: str = "largest attention logit per step") -> Path:
+    """QK-clip's ``qk_max_logit`` per step, one line per run (rows without it are skipped), the
+    threshold dashed."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8.5, 4.2))
+    for name, rows in curves.items():
+        pts = [(r["step"], r["qk_max_logit"]) for r in rows if r.get("qk_max_logit") is not None]
+        if pts:
+            ax.plot(*zip(*pts), lw=1.6, label=name)
+    if threshold is not None:
+        ax.axhline(threshold, color="black", ls="--", lw=1, label=f"threshold {threshold:g}")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("max pre-softmax logit (all layers, heads)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
+    fig.tight_layout()
+    return _save(fig, out)
 
 
 def plot_rank_load(plan_summary: dict, out: Path) -> Path:

@@ -394,6 +394,7 @@ def train(cfg: RunConfig, name: str | None = None, progress: bool = True) -> Run
             step_ms = (time.perf_counter() - t0) * 1e3
             loss_mean = _global_mean(loss_sum, accum)
         times = tap.drain()
+        times.update(qk_clip_metrics(engine))
         done = step + 1
         val = None
         if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
@@ -469,6 +470,25 @@ def _loader_for(opt_type: str, pp: int = 1, world: int | None = None):
                 "ds_config it was written with, or start a new run (another log_dir).", path)
         return engine.load_checkpoint(load_dir, tag=tag, **kw)
     return load
+
+
+def qk_clip_metrics(engine) -> dict:
+    """The step's QK-clip figures (optimizer.params.qk_clip on; else none): the largest
+    pre-softmax logit over every layer and head of the global batch, and the heads clipped."""
+    from canzona_ds.integration.runtime_info import canzona_optimizer
+
+    opt = canzona_optimizer(engine)
+    qk = getattr(opt, "qk_clip", None)
+    if qk is None:
+        return {}
+    max_logit, clipped = qk.stats.max_logit, qk.stats.clipped_heads
+    if opt.groups.pp_size > 1:  # each stage knows its own layers: the whole model's figures (every rank calls)
+        m = torch.tensor([max_logit], dtype=torch.float64)
+        n = torch.tensor([float(clipped)], dtype=torch.float64)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=opt.groups.pp_group)
+        dist.all_reduce(n, group=opt.groups.pp_group)
+        max_logit, clipped = float(m[0]), int(n[0])
+    return {"qk_max_logit": max_logit, "qk_clipped_heads": clipped}
 
 
 def _postfix(row: dict) -> str:
