@@ -25,6 +25,7 @@ checks trip over it (e.g. ``params`` given as a list).
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -352,6 +353,14 @@ def install() -> None:
 
     def load_unverified(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+        # the one comparison first: a checkpoint whose index says it was written at another ZeRO
+        # stage is filled by the index loop (integration/ckpt_index.py)
+        if load_optimizer_states and not load_module_only and custom_load_fn is None:
+            from . import ckpt_index
+
+            index = ckpt_index.index_route(self, load_dir, tag)
+            if index is not None:
+                return ckpt_index.load(self, load_dir, tag, index, load_module_strict, load_lr_scheduler_states)
         # a Canzona checkpoint written at another DP/TP size (or with another plan) resumes
         # through integration/elastic.py; everything else is DeepSpeed's own load
         if load_optimizer_states and not load_module_only and custom_load_fn is None \
@@ -390,6 +399,14 @@ def install() -> None:
         if canzona_optimizer(self) is not None and engine_hooks_on():
             return checkpoint_hooks.save_checkpoint(self, stock_save, save_dir, tag, client_state, save_latest,
                                                     exclude_frozen_parameters)
+        if canzona_optimizer(self) is not None and not checkpoint_hooks._no_manifest_reason(self):
+            # inside canzona_ds.checkpoint.save (a .partial tag it publishes itself): the index too
+            tag = str(tag if tag is not None else f"global_step{self.global_steps}")
+            out = checkpoint_hooks.write_tag(self, stock_save, save_dir, tag, client_state, exclude_frozen_parameters)
+            if save_latest and self.global_rank == 0:  # as DeepSpeed's save would
+                with open(os.path.join(save_dir, "latest"), "w") as fd:
+                    fd.write(tag)
+            return out
         return stock_save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     stock_save_moe = Engine._save_moe_checkpoint
