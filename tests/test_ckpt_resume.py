@@ -151,3 +151,286 @@ def test_resume_across_layouts(saved, tmp_path, s0, n, s1, m, opt_type):
     ref = _reference(n, m, opt_type)
     for k in ref:
         np.testing.assert_array_equal(res[0]["params"][k], ref[k], err_msg=k)
+
+
+# ------------------------------------------------------------------------------ role changes
+def _resume_roles(rank, dp, ckpt, stage, include, reinit, out):
+    """Load with another matrix selection; returns the refusal (buffers checked untouched) or saves."""
+    import deepspeed
+
+    import canzona_ds  # noqa: F401
+    from canzona_ds.ckpt import CheckpointIndexError
+
+    cfg = _cfg(dp, stage, "CanzonaMuon")
+    cfg["optimizer"]["params"]["matrix_include"] = include
+    cfg["canzona_checkpoint"] = {"reinit_changed_roles": reinit}
+    model = make_model(0)
+    engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+    before = _params(engine, stage)
+    try:
+        engine.load_checkpoint(ckpt, tag="saved")
+    except CheckpointIndexError as e:
+        after = _params(engine, stage)
+        assert all(np.array_equal(before[k], after[k]) for k in before), "a refused load changed the weights"
+        return str(e)
+    engine.save_checkpoint(out, tag="reloaded")
+    return None
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_changed_matrix_selection_is_refused_or_reinitialised(saved, tmp_path, stage):
+    from canzona_ds.ckpt import Index, Reader
+
+    ckpt = saved(1, 2, "CanzonaMuon")
+    out = str(tmp_path / "out")
+    refused = run_distributed(_resume_roles, 2, ckpt, stage, ["lm_head"], False, out)
+    for msg in refused:  # every rank, by name, with the way out
+        assert msg is not None and "'lm_head.weight' (adamw -> matrix)" in msg and "reinit_changed_roles" in msg
+    assert run_distributed(_resume_roles, 2, ckpt, stage, ["lm_head"], True, out) == [None, None]
+    a_dir, b_dir = os.path.join(ckpt, "saved"), os.path.join(out, "reloaded")
+    a, b = Index.read(a_dir), Index.read(b_dir)
+    assert a.meta["roles"]["lm_head.weight"] == "adamw" and b.meta["roles"]["lm_head.weight"] == "matrix"
+    dropped = {("lm_head.weight", "exp_avg"), ("lm_head.weight", "exp_avg_sq")}
+    assert set(a.by_key()) - dropped == set(b.by_key())  # exactly its AdamW moments re-initialised
+    ra, rb = Reader(a_dir, a), Reader(b_dir, b)
+    for name, state in b.by_key():
+        assert torch.equal(ra.whole(name, state), rb.whole(name, state)), (name, state)
+
+
+# ------------------------------------------------------------------------------ save faults
+def _save_failing(rank, dp, ckpt, fail_rank):
+    """Save 'good'; one more step; save 'bad' with ``fail_rank``'s torch.save hitting a full disk."""
+    import errno
+
+    from canzona_ds import checkpoint as ck
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    engine = _engine(dp, 1, "CanzonaMuon")
+    _train(engine, rank, _data(dp, BEFORE, 1))
+    engine.save_checkpoint(ckpt, tag="good")
+    _train(engine, rank, _data(dp, 1, 3))
+    stock = TorchCheckpointEngine.save
+
+    def full_disk(self, state_dict, path):
+        if rank == fail_rank and "optim_states" in str(path):
+            with open(path, "wb") as f:
+                f.write(b"\0" * 100)  # a partly written file, as a real full disk leaves
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return stock(self, state_dict, path)
+
+    TorchCheckpointEngine.save = full_disk
+    try:
+        engine.save_checkpoint(ckpt, tag="bad")
+    except ck.CheckpointError as e:
+        return str(e)
+    finally:
+        TorchCheckpointEngine.save = stock
+    return None
+
+
+def test_full_disk_is_named_on_every_rank_and_keeps_the_previous_tag(tmp_path):
+    from canzona_ds import checkpoint as ck
+
+    ckpt = str(tmp_path / "ckpt")
+    msgs = run_distributed(_save_failing, 2, ckpt, 1)
+    for msg in msgs:
+        assert msg is not None and "No space left on device" in msg and "rank 1" in msg
+        assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in msg
+    bad = os.path.join(ckpt, "bad")
+    assert not [f for f in os.listdir(bad) if ".tmp" in f] and not os.path.exists(
+        os.path.join(bad, "zero_pp_rank_1_mp_rank_00_optim_states.pt"))  # no temp file, no half-written file
+    assert open(os.path.join(ckpt, "latest")).read() == "good"
+    with pytest.raises(ck.CheckpointError, match=r"incomplete save.*zero_pp_rank_1_mp_rank_00_optim_states.pt.*"
+                                                 r"No space left on device"):
+        ck.verify(ckpt, "bad")
+    ck.verify(ckpt, "good")
+    out = str(tmp_path / "out")
+    res = run_distributed(_resume_good, 2, ckpt, out)
+    assert res[0] == "good"
+    assert_same_state(os.path.join(ckpt, "good"), os.path.join(out, "reloaded"))
+
+
+def _resume_good(rank, dp, ckpt, out):
+    engine = _engine(dp, 1, "CanzonaMuon")
+    path, _ = engine.load_checkpoint(ckpt)  # `latest`
+    engine.save_checkpoint(out, tag="reloaded")
+    return os.path.basename(path.rstrip("/"))
+
+
+KILL_SCRIPT = r"""
+import os, signal, sys
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+import torch, torch.distributed as dist
+torch.set_num_threads(1)
+dist.init_process_group("gloo", rank=0, world_size=1)
+sys.path.insert(0, sys.argv[3])
+import test_ckpt_resume as t
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+engine = t._engine(1, 1, "CanzonaMuon")
+t._train(engine, 0, t._data(1, t.BEFORE, 1))
+engine.save_checkpoint(sys.argv[1], tag="good")
+t._train(engine, 0, t._data(1, 1, 3))
+stock = TorchCheckpointEngine.save
+def killed(self, state_dict, path):
+    if "optim_states" in str(path):
+        with open(path, "wb") as f:
+            f.write(b"PK\3\4 half a file")
+        os.kill(os.getpid(), signal.SIGKILL)
+    return stock(self, state_dict, path)
+TorchCheckpointEngine.save = killed
+engine.save_checkpoint(sys.argv[1], tag="bad")
+"""
+
+
+def test_save_killed_mid_write_is_reported_incomplete(tmp_path):
+    import subprocess
+    import sys
+
+    from canzona_ds import checkpoint as ck
+    from canzona_ds.testing.dist import free_port
+
+    ckpt = str(tmp_path / "ckpt")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", KILL_SCRIPT, ckpt, str(free_port()), os.path.dirname(__file__)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    with pytest.raises(ck.CheckpointError, match=r"incomplete save.*missing \['zero_pp_rank_0_mp_rank_00_optim_states"
+                                                 r"\.pt', 'canzona_index\.json', 'canzona_manifest\.json'\]") as e:
+        ck.verify(ckpt, "bad")
+    assert e.value.problems[0] == ("zero_pp_rank_0_mp_rank_00_optim_states.pt", "missing")
+    assert open(os.path.join(ckpt, "latest")).read() == "good"
+    out = str(tmp_path / "out")
+    assert run_distributed(_resume_good, 1, ckpt, out) == ["good"]
+    assert_same_state(os.path.join(ckpt, "good"), os.path.join(out, "reloaded"))
+    # the incomplete tag asked for by name is refused by the engine too, naming what is missing
+    assert "incomplete save" in run_distributed(_load_refused, 1, ckpt, "bad")[0]
+
+
+def _load_refused(rank, dp, ckpt, tag):
+    from canzona_ds import checkpoint as ck
+
+    engine = _engine(dp, 1, "CanzonaMuon")
+    try:
+        engine.load_checkpoint(ckpt, tag=tag)
+    except ck.CheckpointError as e:
+        return str(e)
+    return None
+
+
+def test_damaged_index_is_refused_by_name(saved, tmp_path):
+    import shutil
+
+    from canzona_ds import checkpoint as ck
+
+    src = saved(1, 2, "CanzonaMuon")
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(src, ckpt)
+    index = os.path.join(ckpt, "saved", ck.INDEX)
+    with open(index, "r+b") as f:
+        f.truncate(100)  # a damaged (cut) index
+    # the manifest names it first ...
+    with pytest.raises(ck.CheckpointError, match="canzona_index.json: size mismatch"):
+        ck.verify(ckpt, "saved")
+    # ... and with verification off the index's own check does
+    msgs = run_distributed(_load_other_stage, 1, ckpt)
+    assert "canzona_index.json: not valid JSON" in msgs[0] and "damaged" in msgs[0], msgs[0]
+
+
+def _load_other_stage(rank, dp, ckpt):
+    import deepspeed
+
+    import canzona_ds  # noqa: F401
+    from canzona_ds.ckpt import CheckpointIndexError
+
+    cfg = _cfg(dp, 3, "CanzonaMuon")
+    cfg["canzona_checkpoint"] = {"verify": "off"}
+    model = make_model(0)
+    engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+    try:
+        engine.load_checkpoint(ckpt, tag="saved")
+    except CheckpointIndexError as e:
+        return str(e)
+    return None
+
+
+# ------------------------------------------------------------------------------ canzona-ckpt
+def test_canzona_ckpt_inspect_verify_convert(saved, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from canzona_ds.ckpt import Index, Reader
+    from canzona_ds.cli.ckpt import main
+
+    ckpt = saved(3, 2, "CanzonaSOAP")
+    assert main(["inspect", ckpt, "--tag", "saved"]) == 0
+    text = capsys.readouterr().out
+    assert "ZeRO stage 3, DP=2 TP=1 PP=1" in text and "rule 'soap' on 4 matrices" in text and "rank 1:" in text
+    assert main(["verify", ckpt, "--tag", "saved"]) == 0
+    assert "chunks agree with their files" in capsys.readouterr().out
+    out = str(tmp_path / "conv")
+    assert main(["convert", ckpt, out, "--tag", "saved"]) == 0
+    folder = os.path.join(ckpt, "saved")
+    index = Index.read(folder)
+    reader = Reader(folder, index)
+    weights = load_file(os.path.join(out, "model.safetensors"))
+    assert sorted(weights) == sorted(index.names)
+    for n, w in weights.items():
+        assert torch.equal(w, reader.whole(n)), n
+    opt = torch.load(os.path.join(out, "optimizer.pt"), weights_only=False)
+    assert opt["rule"] == "soap" and torch.equal(opt["state"]["fc1.weight"]["exp_avg"], reader.whole("fc1.weight", "exp_avg"))
+    assert torch.equal(opt["state"]["embed.weight"]["exp_avg"], reader.whole("embed.weight", "exp_avg"))
+    assert main(["inspect", ckpt, "--tag", "nope"]) == 2
+    assert "nope does not exist" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ pipeline size
+PIPE_GAS = 2
+
+
+def _pipe_cfg(dp: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": PIPE_GAS,
+            "train_batch_size": MICRO * PIPE_GAS * dp,
+            "optimizer": {"type": "CanzonaSOAP", "params": dict(HP["CanzonaSOAP"])},
+            "zero_optimization": {"stage": 1}, "gradient_clipping": CLIP, "steps_per_print": 10 ** 9}
+
+
+def _pipe(rank, world, pp, ckpt, out):
+    """PP=pp x DP=1 (world = pp), the tied tiny decoder: ``out`` None: one step, save to ``ckpt``.
+    Else load ``ckpt`` (written at another PP size), save to ``out`` at once, one more step."""
+    import deepspeed
+
+    import canzona_ds  # noqa: F401
+    from canzona_ds.testing.models import params_of
+    from canzona_ds.testing.pipeline import build_pipe, canonical_name, dataset, rank_micro_batches
+
+    module = build_pipe(pp, True, 0)
+    engine = deepspeed.initialize(model=module, model_parameters=list(module.parameters()), config=_pipe_cfg(1))[0]
+    x, y = dataset(2 * PIPE_GAS * MICRO, 1)
+    batches = rank_micro_batches(x, y, 1, 0, MICRO)
+    if out is None:
+        engine.train_batch(iter(batches))
+        engine.save_checkpoint(ckpt, tag="saved")
+        return None
+    engine.load_checkpoint(ckpt, tag="saved")
+    engine.save_checkpoint(out, tag="reloaded")
+    engine.train_batch(iter(batches[PIPE_GAS:]))
+    return {"params": {canonical_name(n): v for n, v in params_of(module).items()}, "steps": engine.global_steps}
+
+
+@pytest.mark.parametrize("before,after", [(2, 1), (1, 2)], ids=["pp2-to-pp1", "pp1-to-pp2"])
+def test_resume_at_another_pipeline_size(tmp_path, before, after):
+    from canzona_ds.optim.config import CanzonaConfig
+    from canzona_ds.optim.reference import ReferenceOptimizer
+    from canzona_ds.testing.pipeline import merge_stages, run_pipe_reference
+
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+    run_distributed(_pipe, before, before, ckpt, None)
+    res = run_distributed(_pipe, after, after, ckpt, out)
+    assert_same_state(os.path.join(ckpt, "saved"), os.path.join(out, "reloaded"))
+    assert all(r["steps"] == 2 for r in res)
+    cfg = CanzonaConfig.from_ds("CanzonaSOAP", dict(HP["CanzonaSOAP"]))
+    ref = run_pipe_reference(2, 1, PIPE_GAS, lambda named: ReferenceOptimizer(named, cfg), micro=MICRO, tied=True,
+                             clip=CLIP)["params"]
+    got = merge_stages(res)
+    for k in ref:
+        np.testing.assert_array_equal(got[k], ref[k], err_msg=k)

@@ -285,6 +285,8 @@ class IndexSource:
         adam = index.meta.get("adam_step")
         self.adam_step = 0.0 if adam is None else adam
         self.roles = index.meta.get("roles", {})
+        #: parameters whose role changed, opted in to re-initialise (``reinit_changed_roles``)
+        self.changed: set[str] = set()
         self.engine_state, self.client_state = self._engine_state()
         self.zero_scalars = self._zero_scalars()
 
@@ -319,10 +321,13 @@ class IndexSource:
     def flat_range(self, name: str, key: str, start: int, stop: int, tp_layout=None, tp_rank: int = 0) -> Tensor:
         if tp_layout is not None:
             raise CheckpointIndexError(f"{name!r}: the index loop reads no TP layout (this run is TP-split).")
+        if name in self.changed and key != MASTER:  # a matrix that became AdamW: its moments start at zero
+            return torch.zeros(stop - start, dtype=torch.float32)
         return self.reader.region(name, key, start, stop)
 
     def state_names(self) -> list[str]:
-        return sorted({n for (n, s) in self.index.by_key() if s != MASTER and self.roles.get(n) != ADAM})
+        return sorted({n for (n, s) in self.index.by_key()
+                       if s != MASTER and self.roles.get(n) != ADAM and n not in self.changed})
 
     def state_shapes(self, name: str) -> dict[str, tuple[int, ...]]:
         return {k: v for k, v in self.index.states_of(name).items() if k != MASTER}
@@ -337,16 +342,14 @@ class IndexSource:
         return self.state_of(name)
 
 
-def _check_roles(engine, opt, src: IndexSource, folder: str, reinit: bool) -> list[str]:
+def _check_roles(engine, opt, index: Index, folder: str, reinit: bool) -> list[str]:
     """Parameters whose role (matrix rule <-> AdamW) differs between the checkpoint and this run:
     refused by name, or (``reinit``) returned to be re-initialised."""
-    here = {}
-    for g, names in zip(opt.param_groups, opt.group_names):
-        for n in names:
-            here[opt.global_name(n)] = MATRIX if g["canzona_role"] == MATRIX else ADAM
-    changed = sorted(n for n, r in here.items() if n in src.roles and src.roles[n] != r)
+    here = _roles_here(opt)
+    saved = index.meta.get("roles", {})
+    changed = sorted(n for n, r in here.items() if n in saved and saved[n] != r)
     if changed and not reinit:
-        what = ", ".join(f"{n!r} ({src.roles[n]} -> {here[n]})" for n in changed[:6])
+        what = ", ".join(f"{n!r} ({saved[n]} -> {here[n]})" for n in changed[:6])
         raise CheckpointIndexError(
             f"{folder}: the optimizer role of {len(changed)} parameter(s) changed since the save: {what}. Their "
             "saved optimizer state cannot serve the new role, and nothing restarts silently. Restore the matrix "
@@ -380,14 +383,14 @@ def fill_zero3(engine, opt, src: IndexSource, changed: set) -> None:
     zopt = engine.optimizer
     rank = _dp_rank(zopt)
     names_of = {id(p): n for n, p in zopt.module.named_parameters()}
+    here = _roles_here(opt)
     with torch.no_grad():
         for i, group in enumerate(zopt.fp16_groups):
             flat = zopt.fp32_partitioned_groups_flat[i]
             names = [names_of[id(p)] for p in group]
             zopt.optimizer.state.pop(flat, None)
             sources = {MASTER: flat}
-            adam = [n for n in names if src.roles.get(n) == ADAM and n not in changed]
-            if adam and all(src.reader.has(n, "exp_avg") for n in adam):
+            if any(here.get(n) == ADAM for n in names):  # an AdamW sub-group in this run
                 state = {"step": torch.tensor(float(src.adam_step), dtype=torch.float32),
                          "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
                 zopt.optimizer.state[flat] = state
@@ -454,9 +457,19 @@ def index_route(engine, load_dir: str, tag: str | None) -> Index | None:
         return None
     folder = os.path.join(load_dir, str(tag))
     index = read_index(folder)
-    if index is None or index.meta.get("stage") == engine.zero_optimization_stage():
+    if index is None:
         return None
-    return index
+    if index.meta.get("stage") != engine.zero_optimization_stage() or _roles_here(opt) != index.meta.get("roles"):
+        return index
+    return None
+
+
+def _roles_here(opt) -> dict[str, str]:
+    here = {}
+    for g, names in zip(opt.param_groups, opt.group_names):
+        for n in names:
+            here[opt.global_name(n)] = MATRIX if g["canzona_role"] == MATRIX else ADAM
+    return here
 
 
 def load(engine, load_dir: str, tag: str | None, index: Index, load_module_strict: bool = True,
@@ -471,15 +484,19 @@ def load(engine, load_dir: str, tag: str | None, index: Index, load_module_stric
     opt = canzona_optimizer(engine)
     stage = engine.zero_optimization_stage()
     saved = f"ZeRO stage {index.meta.get('stage')} (DP={index.meta.get('dp')})"
+    reinit = bool(checkpoint_config(engine).reinit_changed_roles)
+    changed = set(_check_roles(engine, opt, index, folder, reinit))
+    todo = (f"ZeRO stage {index.meta.get('stage')} -> {stage}" if index.meta.get("stage") != stage
+            else f"re-initialising {sorted(changed)[:4]}")
     if index.chunks is None:
         raise CheckpointIndexError(f"{folder} was saved at {saved} with {index.meta.get('no_chunks')}, whose index "
-                                   f"describes no chunks: it resumes at ZeRO stage {index.meta.get('stage')} only "
-                                   f"(this run is at stage {stage}).")
+                                   f"describes no chunks, so {todo} cannot be done; resume it at ZeRO stage "
+                                   f"{index.meta.get('stage')} with the matrix selection it was saved with.")
     why = supported_here(engine)
     if why is not None:
-        raise CheckpointIndexError(f"{folder}: a checkpoint saved at {saved} resumes at ZeRO stage {stage} through "
-                                   f"the checkpoint index, which does not fill {why} yet. Resume at stage "
-                                   f"{index.meta.get('stage')}.")
+        raise CheckpointIndexError(f"{folder} (saved at {saved}): {todo} goes through the checkpoint index, which "
+                                   f"does not fill {why} yet; resume it at ZeRO stage {index.meta.get('stage')} "
+                                   "with the matrix selection it was saved with.")
     src = IndexSource(folder, index)
     if src.rule != opt.rule.name:
         raise CheckpointIndexError(f"{folder} holds {src.rule!r} state; this engine runs {opt.rule.name!r}.")
@@ -492,21 +509,15 @@ def load(engine, load_dir: str, tag: str | None, index: Index, load_module_stric
         shape = tuple(getattr(p, "ds_shape", p.shape))
         if tuple(src.full_shape(n)) != shape:
             raise CheckpointIndexError(f"{folder}: {n!r} is {tuple(src.full_shape(n))} in the checkpoint, {shape} here.")
-    reinit = bool(checkpoint_config(engine).reinit_changed_roles)
-    changed = set(_check_roles(engine, opt, src, folder, reinit))
     for n in sorted(changed):
         logger.warning("canzona_ds: %s: %r changed role (%s -> %s); its optimizer state is re-initialised "
                        "(reinit_changed_roles)", folder, n, src.roles[n],
                        MATRIX if src.roles[n] == ADAM else ADAM)
-    if changed:
-        src.roles = {n: r for n, r in src.roles.items() if n not in changed}
+    src.changed = changed
     if stage == 0:
         fill_stage0(engine, opt, src, changed)
     elif stage == 3:
         fill_zero3(engine, opt, src, changed)
     else:
-        if changed:
-            raise CheckpointIndexError(f"{folder}: re-initialising changed roles at ZeRO stage {stage} is not "
-                                       "implemented on this path.")
         write(engine, src)
     return folder, _apply_engine_state(engine, src, load_lr_scheduler_states)
