@@ -157,9 +157,11 @@ def save_checkpoint(engine, stock_save, save_dir, tag=None, client_state={}, sav
     try:
         out = write_tag(engine, stock_save, save_dir, tag, client_state, exclude_frozen_parameters)
     except ck.CheckpointError as e:
+        error = str(e)
+
         def note():  # the record names why the save failed (it stays: the tag is incomplete)
             try:
-                ck.write_atomic(record, json.dumps({"tag": tag, "expected": expected, "error": str(e)}))
+                ck.write_atomic(record, json.dumps({"tag": tag, "expected": expected, "error": error}))
             except OSError:
                 pass  # a full disk may refuse even this; the record written at the start remains
         ck._on_rank0(note)

@@ -18,7 +18,8 @@ Save (every rank, after DeepSpeed wrote its files; :func:`emit`)::
 
 A layout that has no emitter yet (tensor or pipeline parallelism, DeepSpeed MoE, a bf16/fp16
 model at stage 0) writes the index with ``chunks: null`` and the reason; such tags are resumed
-by the per-layout readers (integration/elastic.py, zero3.resize_load) as before.
+by the per-layout readers (integration/elastic.py) as before.  A ZeRO-3 tag written before the
+index gets one built from its layout records (:func:`legacy_zero3_index`).
 
 Load (:func:`load`, when the index says the checkpoint's ZeRO stage differs from the run's)::
 
@@ -53,8 +54,6 @@ def _layout_without_emitter(engine, opt) -> str | None:
     """Why this run's layout emits no chunks (None: it does)."""
     if opt.tp_size > 1:
         return "tensor parallelism (TP layout frames are read by integration/elastic.py)"
-    if opt.groups.pp_size > 1:
-        return "pipeline parallelism"
     if opt.moe is not None and getattr(opt.moe, "active", False):
         return "DeepSpeed MoE expert groups"
     stage = engine.zero_optimization_stage()
@@ -224,6 +223,13 @@ def emit(engine) -> tuple[list[Chunk] | None, dict]:
     return chunks, meta
 
 
+def layout_fingerprint(engine) -> str | None:
+    """This rank's ZeRO layout fingerprint (the plan and padded layout at ZeRO 1/2, the hosting
+    plan at ZeRO 3; None at stage 0, where every rank holds everything)."""
+    meta = getattr(engine.optimizer, "canzona_layout_meta", None)
+    return meta().get("fingerprint") if callable(meta) else None
+
+
 def _engine_files(engine) -> tuple[str, dict | None]:
     """The model-states file with the engine counters (DP rank 0's), and the loss-scaler record."""
     name = os.path.basename(engine._get_ckpt_name("", ""))
@@ -243,7 +249,7 @@ def gather_index(engine, tag: str, directory: str) -> Index | None:
 
     chunks, meta = emit(engine)
     meta["engine_file"], meta["scalars"] = _engine_files(engine)
-    payload = None if chunks is None else [c.to_json() for c in chunks]
+    payload = (None if chunks is None else [c.to_json() for c in chunks], meta["roles"], layout_fingerprint(engine))
     if tdist.is_initialized():
         parts: list = [None] * tdist.get_world_size()
         tdist.all_gather_object(parts, payload)
@@ -251,6 +257,10 @@ def gather_index(engine, tag: str, directory: str) -> Index | None:
         parts = [payload]
     if tdist.is_initialized() and tdist.get_rank() != 0:
         return None
+    # every rank's roles (a pipeline stage knows its own parameters only) and layout fingerprint
+    meta["roles"] = {n: r for _, roles, _ in parts for n, r in roles.items()}
+    meta["fingerprints"] = [fp for _, _, fp in parts]
+    parts = [c for c, _, _ in parts]
     files = sorted(f for f in _list(directory))
     if any(p is None for p in parts):
         all_chunks = None
@@ -273,6 +283,83 @@ def read_index(folder: str) -> Index | None:
     return Index.read(folder)
 
 
+def legacy_zero3_index(folder: str) -> Index | None:
+    """The index of a ZeRO-3 tag written before the index existed, built from the layout record
+    each optimizer file carries (``canzona_layout``, ``kind: "zero3"``: every sub-group's
+    parameters in flat order, their element counts, the DP size) and the shapes DeepSpeed's
+    model-states file records; None where the tag is not such a checkpoint.  Each parameter of
+    ``n`` elements was saved as ``dp`` pieces of ``P = ceil(n / dp)`` (the last one short), piece
+    ``r`` at its offset of rank ``r``'s flat sub-group::
+
+        rank r file: fp32_flat_groups[s] = | a[rP:rP+n_r] pad | b[rP:rP+n_r] pad | ...
+    """
+    from .elastic import OPTIM_FILE, _load
+
+    if not os.path.isdir(folder):
+        return None
+    files = sorted((int(m.group(1)), f) for f in os.listdir(folder) if (m := OPTIM_FILE.search(f))
+                   and int(m.group(2)) == 0)
+    if not files:
+        return None
+    first = _load(os.path.join(folder, files[0][1]), mmap=True)["optimizer_state_dict"]
+    if (first.get("canzona_layout") or {}).get("kind") != "zero3":
+        return None
+    tops = [first] + [_load(os.path.join(folder, f), mmap=True)["optimizer_state_dict"] for _, f in files[1:]]
+    metas = [t.get("canzona_layout") or {} for t in tops]
+    if any(m.get("kind") != "zero3" or "sub_groups" not in m for m in metas):
+        return None
+    meta0 = metas[0]
+    dp = int(meta0["world_size"])
+    if [r for r, _ in files] != list(range(dp)):
+        return None  # the files of another DP size, or some missing: the manifest names them
+    model_file = "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    shapes = {}
+    for group in _load(os.path.join(folder, model_file), mmap=True).get("param_shapes") or []:
+        shapes.update({n: tuple(s) for n, s in group.items()})
+    numels = meta0["numels"]
+    inner = [t["optimizer_state_dict"] for t in tops]
+    idx_of, k = {}, 0  # sub-group -> torch state index (param group order, sub-groups within)
+    for g in range(len(inner[0]["param_groups"])):
+        for sg, pg in enumerate(meta0["sub_group_param_group"]):
+            if pg == g:
+                idx_of[sg], k = k, k + 1
+    chunks = []
+    for r, (_, file) in enumerate(files):
+        state = inner[r]["state"]
+        for sg, names in enumerate(meta0["sub_groups"]):
+            off = 0
+            st = state.get(idx_of[sg]) or {}
+            for name in names:
+                n_all = int(numels[name])
+                P = -(-n_all // dp)
+                n = max(0, min(P, n_all - r * P))
+                if n:
+                    key = ("optimizer_state_dict", "fp32_flat_groups", sg)
+                    chunks.append(Chunk(name, MASTER, shapes[name], r * P, n, file, key, off, None, r))
+                    for sk in ("exp_avg", "exp_avg_sq"):
+                        if sk in st:
+                            chunks.append(Chunk(name, sk, shapes[name], r * P, n, file, ("optimizer_state_dict",
+                                          "optimizer_state_dict", "state", idx_of[sg], sk), off, None, r))
+                off += P
+        for name, st in ((inner[r].get("canzona") or {}).get("matrix_state") or {}).items():
+            for sk, v in st.items():
+                chunks.append(Chunk(name, sk, tuple(v.shape), 0, v.numel(), file, ("optimizer_state_dict",
+                              "optimizer_state_dict", "canzona", "matrix_state", name, sk), 0, None, r))
+    matrices = set(meta0["matrix_names"])
+    groups = inner[0]["param_groups"]
+    adam_step = next((float(st["step"]) for st in inner[0]["state"].values() if "step" in st), None)
+    meta = {"stage": 3, "dp": dp, "tp": 1, "pp": 1, "world_size": dp, "rule": meta0["rule"],
+            "roles": {n: (MATRIX if n in matrices else ADAM) for n in numels},
+            "matrix_step": next((int(g["step"]) for g in groups if g.get("canzona_role") == MATRIX), 0),
+            "adam_step": adam_step, "engine_file": model_file,
+            "scalars": {"file": files[0][1], "key": ["optimizer_state_dict"]},
+            "fingerprints": [m.get("fingerprint") for m in metas], "adapted_from": "canzona_layout (zero3)"}
+    listing = sorted(f for f in os.listdir(folder) if os.path.isfile(os.path.join(folder, f)))
+    index = Index(os.path.basename(folder.rstrip("/")), meta, listing, chunks)
+    index.validate(f"{folder} (index built from its ZeRO-3 layout records)")
+    return index
+
+
 class IndexSource:
     """What ``elastic.write`` (and the stage-0 and ZeRO-3 fills here) read through, answered
     from the index: regions by whole-model name, rule state whole, scalars."""
@@ -287,6 +374,8 @@ class IndexSource:
         self.roles = index.meta.get("roles", {})
         #: parameters whose role changed, opted in to re-initialise (``reinit_changed_roles``)
         self.changed: set[str] = set()
+        #: under pipeline parallelism: this stage's parameters (what ``write`` may ask for)
+        self.only: set[str] | None = None
         self.engine_state, self.client_state = self._engine_state()
         self.zero_scalars = self._zero_scalars()
 
@@ -313,7 +402,7 @@ class IndexSource:
     # the source protocol of elastic.write
     @property
     def names(self) -> list[str]:
-        return self.index.names
+        return [n for n in self.index.names if self.only is None or n in self.only]
 
     def full_shape(self, name: str) -> tuple[int, ...]:
         return self.index.shape(name)
@@ -326,8 +415,8 @@ class IndexSource:
         return self.reader.region(name, key, start, stop)
 
     def state_names(self) -> list[str]:
-        return sorted({n for (n, s) in self.index.by_key()
-                       if s != MASTER and self.roles.get(n) != ADAM and n not in self.changed})
+        return sorted({n for (n, s) in self.index.by_key() if s != MASTER and self.roles.get(n) != ADAM
+                       and n not in self.changed and (self.only is None or n in self.only)})
 
     def state_shapes(self, name: str) -> dict[str, tuple[int, ...]]:
         return {k: v for k, v in self.index.states_of(name).items() if k != MASTER}
@@ -442,10 +531,16 @@ def supported_here(engine) -> str | None:
 
 
 def index_route(engine, load_dir: str, tag: str | None) -> Index | None:
-    """The one comparison: the checkpoint's index when this run must be filled by the index loop
-    (its ZeRO stage differs from the checkpoint's), else None (the same fingerprint: DeepSpeed's
-    stock load; another size at the same stage: the per-layout readers, which predate the index).
-    Every rank reads the same JSON, so every rank takes the same branch."""
+    """The one comparison.  The checkpoint's index against this run: the same ZeRO stage, DP,
+    TP and PP size, world size, every rank's layout fingerprint and every parameter's role ->
+    None (DeepSpeed's stock load); anything else -> the index, for the index loop, where the
+    index describes its chunks and the loop fills this run's layout, or where a role or the
+    ZeRO stage changed (the loop then refuses by name what it cannot do).  Otherwise None: a
+    tag without an index (written before it), or a resize of a layout whose chunks are not
+    described yet (TP, MoE), goes to the per-layout readers as before.  The verdicts are
+    all-gathered, so every rank takes the same branch."""
+    import torch.distributed as tdist
+
     from .elastic import latest_tag
     from .runtime_info import canzona_optimizer
 
@@ -458,10 +553,32 @@ def index_route(engine, load_dir: str, tag: str | None) -> Index | None:
     folder = os.path.join(load_dir, str(tag))
     index = read_index(folder)
     if index is None:
+        index = legacy_zero3_index(folder)  # a ZeRO-3 tag written before the index
+    if index is None:
         return None
-    if index.meta.get("stage") != engine.zero_optimization_stage() or _roles_here(opt) != index.meta.get("roles"):
+    m = index.meta
+    rank = tdist.get_rank() if tdist.is_initialized() else 0
+    world = tdist.get_world_size() if tdist.is_initialized() else 1
+    here = (engine.zero_optimization_stage(), opt.groups.dp_size, opt.tp_size, opt.groups.pp_size, world)
+    saved_fps = m.get("fingerprints") or []
+    mine = layout_fingerprint(engine)
+    same = (here == (m.get("stage"), m.get("dp"), m.get("tp"), m.get("pp"), m.get("world_size"))
+            and rank < len(saved_fps) and saved_fps[rank] == mine)
+    roles_here = _roles_here(opt)
+    changed = any(n in m.get("roles", {}) and m["roles"][n] != r for n, r in roles_here.items())
+    verdict = (same, changed)
+    if tdist.is_initialized():
+        verdicts: list = [None] * world
+        tdist.all_gather_object(verdicts, verdict)
+    else:
+        verdicts = [verdict]
+    if all(v[0] for v in verdicts) and not any(v[1] for v in verdicts):
+        return None  # the same fingerprint: DeepSpeed's stock load
+    if any(v[1] for v in verdicts) or m.get("stage") != engine.zero_optimization_stage():
+        return index  # the loop fills it, or refuses by name (DeepSpeed's load would crash)
+    if index.chunks is not None and supported_here(engine) is None:
         return index
-    return None
+    return None  # the per-layout readers (they refuse by name what they cannot read)
 
 
 def _roles_here(opt) -> dict[str, str]:
@@ -486,8 +603,10 @@ def load(engine, load_dir: str, tag: str | None, index: Index, load_module_stric
     saved = f"ZeRO stage {index.meta.get('stage')} (DP={index.meta.get('dp')})"
     reinit = bool(checkpoint_config(engine).reinit_changed_roles)
     changed = set(_check_roles(engine, opt, index, folder, reinit))
-    todo = (f"ZeRO stage {index.meta.get('stage')} -> {stage}" if index.meta.get("stage") != stage
-            else f"re-initialising {sorted(changed)[:4]}")
+    todo = "; ".join(t for t in (
+        f"ZeRO stage {index.meta.get('stage')} -> {stage}" if index.meta.get("stage") != stage else "",
+        f"PP {index.meta.get('pp')} -> {opt.groups.pp_size}" if index.meta.get("pp") != opt.groups.pp_size else "",
+        f"re-initialising {sorted(changed)[:4]}" if changed else "") if t) or "another layout"
     if index.chunks is None:
         raise CheckpointIndexError(f"{folder} was saved at {saved} with {index.meta.get('no_chunks')}, whose index "
                                    f"describes no chunks, so {todo} cannot be done; resume it at ZeRO stage "
@@ -500,8 +619,17 @@ def load(engine, load_dir: str, tag: str | None, index: Index, load_module_stric
     src = IndexSource(folder, index)
     if src.rule != opt.rule.name:
         raise CheckpointIndexError(f"{folder} holds {src.rule!r} state; this engine runs {opt.rule.name!r}.")
-    here = {opt.global_name(n) for names in opt.group_names for n in names}
-    missing, extra = sorted(here - set(src.names)), sorted(set(src.names) - here)
+    import torch.distributed as tdist
+
+    local = {opt.global_name(n) for names in opt.group_names for n in names}
+    here = set(local)
+    if opt.groups.pp_size > 1:  # each stage holds its own parameters: the model is every stage's
+        parts: list = [None] * tdist.get_world_size()
+        tdist.all_gather_object(parts, sorted(local))
+        here = {n for part in parts for n in part}
+        src.only = local
+    saved_names = set(index.names)
+    missing, extra = sorted(here - saved_names), sorted(saved_names - here)
     if missing or extra:
         raise CheckpointIndexError(f"{folder}: the checkpoint's parameters differ from the model's: missing "
                                    f"{missing[:5]}, unexpected {extra[:5]}.")

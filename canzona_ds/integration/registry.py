@@ -85,7 +85,7 @@ def elastic_needed(engine, load_dir, tag) -> bool:
 
     opt = canzona_optimizer(engine)
     if opt is not None and engine.zero_optimization_stage() == 3:
-        return False  # another DP size at stage 3: zero3_resize_needed
+        return False  # another DP size at stage 3: the checkpoint index (ckpt_index.index_route)
     if opt is None or engine.zero_optimization_stage() not in (1, 2):
         return False
     tag = latest_tag(load_dir) if tag is None else tag
@@ -132,6 +132,22 @@ def elastic_needed(engine, load_dir, tag) -> bool:
     return True
 
 
+def _refuse_foreign_optimizer(engine, load_dir, tag) -> None:
+    """A Canzona checkpoint (it has a checkpoint index) opened with its optimizer state by an
+    engine running another optimizer: DeepSpeed would fail with a misleading layout or
+    param-group error; refused by name with the way out instead."""
+    from ..ckpt.index import INDEX
+    from .elastic import latest_tag
+
+    tag = latest_tag(load_dir) if tag is None else tag
+    if tag is None or not os.path.isfile(os.path.join(str(load_dir), str(tag), INDEX)):
+        return
+    raise ValueError(f"{os.path.join(str(load_dir), str(tag))} was written by a Canzona optimizer; this engine runs "
+                     f"{type(engine.optimizer).__name__}, which cannot read its optimizer state. Load the weights only "
+                     "(load_module_only=True), or consolidate it with `canzona-ckpt convert "
+                     f"{load_dir} OUT --tag {tag}` (OUT/model.safetensors, OUT/optimizer.pt by parameter name).")
+
+
 def micro_group_section(ds: dict, zero_stage: int):
     """The ds_config's ``canzona_tp`` section (the micro-group runtime); at ZeRO stage 3, where
     the runtime hosts every matrix over the DP group, the load it balances defaults to the
@@ -140,28 +156,6 @@ def micro_group_section(ds: dict, zero_stage: int):
     if zero_stage != 3 or (section is not None and not isinstance(section, dict)):
         return section
     return {"cost": "flops", **(section or {})}
-
-
-def zero3_resize_needed(engine, load_dir, tag) -> bool:
-    """True when ``engine`` runs a Canzona optimizer at ZeRO stage 3 and the checkpoint was written
-    at another DP size (from its file names: the same verdict on every rank)."""
-    from .elastic import latest_tag
-    from .runtime_info import canzona_optimizer
-    from .zero3 import saved_dp_size, saved_zero3_fingerprint
-
-    opt = canzona_optimizer(engine)
-    if opt is None or engine.zero_optimization_stage() != 3:
-        return False
-    tag = latest_tag(load_dir) if tag is None else tag
-    if tag is None:
-        return False
-    dp = saved_dp_size(load_dir, tag)
-    if dp is None:
-        return False
-    if dp != opt.groups.dp_size:
-        return True
-    # same size: another hosting plan (e.g. other canzona_tp settings) moves rule state too
-    return saved_zero3_fingerprint(load_dir, tag) not in (None, engine.optimizer.canzona_layout_meta()["fingerprint"])
 
 
 def _named_parameters(engine, model_parameters) -> list:
@@ -363,11 +357,6 @@ def install() -> None:
                 return ckpt_index.load(self, load_dir, tag, index, load_module_strict, load_lr_scheduler_states)
         # a Canzona checkpoint written at another DP/TP size (or with another plan) resumes
         # through integration/elastic.py; everything else is DeepSpeed's own load
-        if load_optimizer_states and not load_module_only and custom_load_fn is None \
-                and zero3_resize_needed(self, load_dir, tag):
-            from .zero3 import resize_load
-
-            return resize_load(self, stock_load, load_dir, tag, load_module_strict, load_lr_scheduler_states)
         if (load_optimizer_states and not load_module_only and custom_load_fn is None
                 and elastic_needed(self, load_dir, tag)):
             from . import elastic
@@ -388,6 +377,8 @@ def install() -> None:
         kwargs = dict(load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
                       load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
                       custom_load_fn=custom_load_fn)
+        if canzona_optimizer(self) is None and load_optimizer_states and not load_module_only:
+            _refuse_foreign_optimizer(self, load_dir, tag)
         # verified first (canzona_ds.checkpoint.load turns this off: it has just verified)
         if canzona_optimizer(self) is not None and engine_hooks_on():
             return checkpoint_hooks.load_checkpoint(self, load_unverified, load_dir, tag, **kwargs)
