@@ -1,7 +1,9 @@
-"""Resume through the checkpoint index: one scenario table (saved layout x running layout).
+"""Resume through the checkpoint index: one scenario table (saved layout x running layout), then
+the index's guarantees (role changes, save faults, a damaged index, canzona-ckpt, another PP
+size, a ZeRO-3 tag from before the index, another optimizer).
 
 Each scenario saves (real gloo processes, gradient clipping that clips on every step), loads
-at another ZeRO stage (and DP size) through the plain ``engine.load_checkpoint``, and checks:
+at another ZeRO stage and/or DP size through the plain ``engine.load_checkpoint``, and checks:
 
   * lossless: right after the load the engine saves again; every (whole-model name, state key)
     the first index holds (fp32 master, AdamW moments, every rule-state entry) reads back bit
@@ -99,12 +101,13 @@ def _reference(n: int, m: int, opt_type: str) -> dict:
     return params_of(model)
 
 
-def assert_same_state(a_dir: str, b_dir: str) -> int:
-    """Every (name, state) of checkpoint ``a_dir``'s index equals ``b_dir``'s, bit for bit, read
-    through each one's own index (whatever layout wrote it); returns how many were compared."""
+def assert_same_state(a_dir: str, b_dir: str, a=None) -> int:
+    """Every (name, state) of checkpoint ``a_dir``'s index (or ``a``) equals ``b_dir``'s, bit for
+    bit, read through each one's own index (whatever layout wrote it); returns how many were
+    compared."""
     from canzona_ds.ckpt import Index, Reader
 
-    a, b = Index.read(a_dir), Index.read(b_dir)
+    a, b = Index.read(a_dir) if a is None else a, Index.read(b_dir)
     ra, rb = Reader(a_dir, a), Reader(b_dir, b)
     assert set(a.by_key()) == set(b.by_key()), sorted(set(a.by_key()) ^ set(b.by_key()))[:5]
     for name, state in a.by_key():
@@ -115,10 +118,13 @@ def assert_same_state(a_dir: str, b_dir: str) -> int:
     return len(a.by_key())
 
 
-#: (saved stage, saved DP, running stage, running DP, optimizer)
+#: (saved stage, saved DP, running stage, running DP, optimizer): ZeRO stage changes at the same
+#: and at another DP size, then DP resizes at the same stage (what tests/test_elastic.py and
+#: tests/test_zero3.py checked per combination before)
 SCENARIOS = [
     (1, 2, 3, 2, "CanzonaMuon"), (3, 2, 1, 2, "CanzonaSOAP"), (2, 2, 0, 2, "CanzonaShampoo"), (0, 2, 3, 2, "CanzonaMuon"),
     (1, 2, 3, 1, "CanzonaMuon"), (3, 1, 1, 2, "CanzonaSOAP"), (2, 2, 0, 1, "CanzonaShampoo"), (0, 1, 3, 2, "CanzonaMuon"),
+    (1, 2, 1, 1, "CanzonaMuon"), (1, 1, 1, 2, "CanzonaShampoo"), (2, 2, 2, 1, "CanzonaSOAP"), (3, 2, 3, 1, "CanzonaSOAP"),
 ]
 
 
@@ -149,6 +155,28 @@ def test_resume_across_layouts(saved, tmp_path, s0, n, s1, m, opt_type):
     for r in res:
         assert (r["steps_at_load"], r["steps"]) == (BEFORE, BEFORE + AFTER)
     ref = _reference(n, m, opt_type)
+    for k in ref:
+        np.testing.assert_array_equal(res[0]["params"][k], ref[k], err_msg=k)
+
+
+def test_zero3_tag_written_before_the_index_is_adapted(saved, tmp_path):
+    """A ZeRO-3 tag without an index (as canzona-ds wrote it before the index) resumes at another
+    DP size through an index built from its layout records, bit for bit."""
+    import shutil
+
+    from canzona_ds import checkpoint as ck
+    from canzona_ds.integration.ckpt_index import legacy_zero3_index
+
+    ckpt = str(tmp_path / "old")
+    shutil.copytree(saved(3, 2, "CanzonaSOAP"), ckpt)
+    for name in (ck.INDEX, ck.MANIFEST):
+        os.remove(os.path.join(ckpt, "saved", name))
+    adapted = legacy_zero3_index(os.path.join(ckpt, "saved"))
+    assert adapted is not None and adapted.meta["adapted_from"]
+    out = str(tmp_path / "out")
+    res = run_distributed(_resume, 1, ckpt, 3, "CanzonaSOAP", out)
+    assert assert_same_state(os.path.join(ckpt, "saved"), os.path.join(out, "reloaded"), adapted) >= 19
+    ref = _reference(2, 1, "CanzonaSOAP")
     for k in ref:
         np.testing.assert_array_equal(res[0]["params"][k], ref[k], err_msg=k)
 

@@ -442,19 +442,6 @@ def saved_pipeline_stages(ckpt_dir: str | Path) -> int:
     return max(1, len(list(d.glob("mp_rank_*_model_states.pt"))))
 
 
-def _index_describes_chunks(path: str) -> bool:
-    """True when the tag's checkpoint index describes every chunk (docs/checkpoints.md): such a
-    checkpoint resumes at another PP, DP or world size through ``engine.load_checkpoint``."""
-    from ..ckpt.index import INDEX, CheckpointIndexError, Index
-
-    if not os.path.isfile(os.path.join(path, INDEX)):
-        return False
-    try:
-        return Index.read(path).chunks is not None
-    except CheckpointIndexError:
-        return False  # the load itself names the damage
-
-
 def _loader_for(opt_type: str, pp: int = 1, world: int | None = None):
     """``checkpoint.load``'s loader: DeepSpeed's load, but a checkpoint written with another
     optimizer type, or with another number of pipeline stages (or, under a pipeline, another
@@ -464,9 +451,7 @@ def _loader_for(opt_type: str, pp: int = 1, world: int | None = None):
         path = os.path.join(load_dir, tag)
         saved_pp = saved_pipeline_stages(path)
         saved_world = (manifest or {}).get("world_size") if isinstance(manifest, dict) else None
-        if _index_describes_chunks(path):
-            pass  # written with the checkpoint index: any PP and world size (engine.load_checkpoint)
-        elif saved_pp != pp or (pp > 1 and world is not None and saved_world not in (None, world)):
+        if saved_pp != pp or (pp > 1 and world is not None and saved_world not in (None, world)):
             raise checkpoint.CheckpointError(
                 f"checkpoint {path} was written with pp={saved_pp} on {saved_world} ranks; this run has pp={pp} on "
                 f"{world} ranks. A pipeline checkpoint resumes only at the same pp and world size.", path)
