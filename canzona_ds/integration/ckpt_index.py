@@ -637,11 +637,16 @@ def load(engine, load_dir: str, tag: str | None, index: Index, load_module_stric
         shape = tuple(getattr(p, "ds_shape", p.shape))
         if tuple(src.full_shape(n)) != shape:
             raise CheckpointIndexError(f"{folder}: {n!r} is {tuple(src.full_shape(n))} in the checkpoint, {shape} here.")
+    from .elastic import _check_state
+
+    src.changed = changed
+    for name in src.state_names():  # every rule state fits this run's settings (shapes only)
+        if name in opt.state_infos:
+            _check_state(opt.rule, opt.state_infos[name], src.state_shapes(name))
     for n in sorted(changed):
         logger.warning("canzona_ds: %s: %r changed role (%s -> %s); its optimizer state is re-initialised "
                        "(reinit_changed_roles)", folder, n, src.roles[n],
                        MATRIX if src.roles[n] == ADAM else ADAM)
-    src.changed = changed
     if stage == 0:
         fill_stage0(engine, opt, src, changed)
     elif stage == 3:
