@@ -90,6 +90,7 @@ def test_reader_reads_regions_from_the_files(tmp_path):
     r = Reader(str(tmp_path), idx)
     assert torch.equal(r.whole("w"), w)
     assert torch.equal(r.region("w", "param", 6, 11), w.view(-1)[6:11])
+    assert r.region("w", "param", 7, 7).numel() == 0  # an empty region (a rank's empty piece)
     # a file that disagrees with its index
     bad = Index("t", {}, ["a.pt"], [_chunk(0, 20, at=3)])
     with pytest.raises(CheckpointIndexError, match=r"'a.pt' 'flat' has 11 elements.*disagree"):

@@ -392,10 +392,11 @@ def _replan_worker(rank, world, ckpt, params):
 
 @pytest.mark.dist
 def test_pipeline_resize_with_a_stage_without_matrices_is_refused_on_every_rank(tmp_path):
-    """Another plan (fc2 moved to AdamW) needs the elastic path, which a stage running DeepSpeed's
-    own ZeRO (no matrices) cannot take: every rank refuses, naming the stage; none hangs."""
+    """Another plan (fc2 moved to AdamW) changes fc2's optimizer role: every rank refuses, naming
+    the parameter and the role change (the checkpoint index's check, before the elastic path that
+    a stage running DeepSpeed's own ZeRO, without matrices, could not take); none hangs."""
     run_distributed(_replan_worker, 4, str(tmp_path), None)
     params = dict(HP["CanzonaMuon"], matrix_exclude=["embed", "lm_head", "output_layer", "wte", "wpe", "fc2"])
     msgs = run_distributed(_replan_worker, 4, str(tmp_path), params, timeout=120)
     for m in msgs:
-        assert m is not None and "pipeline stage(s) [3] hold no matrices" in m, m
+        assert m is not None and "'1.fc2.weight' (matrix -> adamw)" in m and "reinit_changed_roles" in m, m

@@ -308,6 +308,8 @@ class Reader:
         cs = self.index.by_key().get((name, state))
         if not cs:
             raise CheckpointIndexError(f"{self.folder}: the checkpoint index has no {state!r} for {name!r}.")
+        if stop <= start:  # an empty region (e.g. a rank's empty piece of a mixed-layout matrix)
+            return out if out is not None else torch.empty(0, dtype=self.stored(cs[0]).dtype)
         plan = overlaps(cs, start, stop)
         framed = [c for c, *_ in plan if c.frame is not None]
         if framed:

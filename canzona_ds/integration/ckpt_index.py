@@ -220,7 +220,8 @@ def emit(engine) -> tuple[list[Chunk] | None, dict]:
         chunks = _emit_zero3(engine, opt, rank)
     else:
         chunks = _emit_zero12(engine, opt, rank)
-    return chunks, meta
+    # (a mixed layout's piece can be empty on a rank: nothing to describe)
+    return [c for c in chunks if c.length > 0], meta
 
 
 def layout_fingerprint(engine) -> str | None:
