@@ -302,7 +302,9 @@ class Reader:
         return (name, state) in self.index.by_key()
 
     def region(self, name: str, state: str, start: int, stop: int, out=None):
-        """Elements ``[start, stop)`` of the flat global ``state`` of ``name`` (into ``out`` if given)."""
+        """Elements ``[start, stop)`` of the flat global ``state`` of ``name``: copied into ``out`` if
+        given; else a region inside one chunk is a view of the memory-mapped file (read-only in
+        spirit: copy what you keep), one across chunks a new tensor."""
         import torch
 
         cs = self.index.by_key().get((name, state))
@@ -315,6 +317,9 @@ class Reader:
         if framed:
             raise CheckpointIndexError(f"{self.folder}: {name!r} {state} is stored in frame {framed[0].frame!r}; "
                               "the index reader reads the global frame only.")
+        if out is None and len(plan) == 1:  # one chunk: a view of the mapped file, no copy (callers copy
+            c, src, _, n = plan[0]             # what they keep, as from any memory-mapped checkpoint)
+            return self.stored(c)[src:src + n]
         if out is None:
             out = torch.empty(stop - start, dtype=self.stored(plan[0][0]).dtype)
         for c, src, dst, n in plan:

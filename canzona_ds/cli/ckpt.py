@@ -114,11 +114,11 @@ def _consolidated(path: str) -> tuple[dict, dict, dict]:
         index = Index.read(path)
         if index.chunks is not None:
             reader = Reader(path, index)
-            weights = {n: reader.whole(n, MASTER) for n in index.names}
+            weights = {n: reader.whole(n, MASTER).clone() for n in index.names}  # (views of the files otherwise)
             state: dict[str, dict] = defaultdict(dict)
             for name, key in index.by_key():
                 if key != MASTER:
-                    state[name][key] = reader.whole(name, key)
+                    state[name][key] = reader.whole(name, key).clone()
             info = {k: index.meta.get(k) for k in ("stage", "dp", "tp", "pp", "rule", "roles", "matrix_step",
                                                    "adam_step")}
             return weights, dict(state), info

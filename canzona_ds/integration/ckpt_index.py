@@ -435,7 +435,13 @@ class IndexSource:
 def _check_roles(engine, opt, index: Index, folder: str, reinit: bool) -> list[str]:
     """Parameters whose role (matrix rule <-> AdamW) differs between the checkpoint and this run:
     refused by name, or (``reinit``) returned to be re-initialised."""
+    import torch.distributed as tdist
+
     here = _roles_here(opt)
+    if opt.groups.pp_size > 1 and tdist.is_initialized():  # every stage's, so every rank names them all
+        parts: list = [None] * tdist.get_world_size()
+        tdist.all_gather_object(parts, here)
+        here = {n: r for part in parts for n, r in part.items()}
     saved = index.meta.get("roles", {})
     changed = sorted(n for n, r in here.items() if n in saved and saved[n] != r)
     if changed and not reinit:
@@ -461,8 +467,8 @@ def fill_stage0(engine, opt, src: IndexSource, changed: set) -> None:
                     continue
                 if src.reader.has(name, "exp_avg"):
                     opt.state[p] = {"step": torch.tensor(float(src.adam_step), dtype=torch.float32),
-                                    "exp_avg": src.reader.whole(name, "exp_avg").view(p.shape).to(p.device),
-                                    "exp_avg_sq": src.reader.whole(name, "exp_avg_sq").view(p.shape).to(p.device)}
+                                    **{k: src.reader.whole(name, k).view(p.shape).to(p.device, copy=True)
+                                       for k in ("exp_avg", "exp_avg_sq")}}
         frozen = [n for n, p in names.items() if not p.requires_grad]
         for n in frozen:
             names[n].data.copy_(src.reader.whole(n, MASTER).view(names[n].shape))
@@ -501,7 +507,8 @@ def fill_zero3(engine, opt, src: IndexSource, changed: set) -> None:
 
 def _fill_rule_state(opt, src: IndexSource, changed: set) -> None:
     handled = set(opt.handled_state_names())
-    states = {n: src.state_of(n) for n in src.state_names() if n in handled and n not in changed}
+    states = {n: {k: v.clone() for k, v in src.state_of(n).items()}  # owned, not views of the files
+              for n in src.state_names() if n in handled and n not in changed}
     opt.matrix_state.clear()
     opt.load_matrix_state(states)
     opt.load_piece_state({})
