@@ -80,6 +80,12 @@ import time
 from dataclasses import dataclass, field
 
 MANIFEST = "canzona_manifest.json"
+#: written by rank 0 into a tag before an engine save starts, removed once its index and manifest
+#: are on disk: a tag that still has it is an incomplete save (it names the files expected and,
+#: when the save failed, why)
+SAVING = "canzona_saving.json"
+#: the checkpoint index (canzona_ds/ckpt/index.py), written by every Canzona engine save
+INDEX = "canzona_index.json"
 FORMAT = "canzona_ds.checkpoint/1"
 PARTIAL = ".partial"
 REPLACED = ".replaced"
@@ -223,11 +229,16 @@ def write_atomic(path: str, data: str | bytes) -> None:
     """Write ``path`` so that a reader sees the old content or the new one, never a mix:
     temp file in the same directory, fsync, ``os.replace``, fsync the directory."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # a full disk must not leave the temp file behind
+            os.remove(tmp)
+        raise
     _fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
@@ -245,7 +256,7 @@ def _list_files(root: str) -> list[str]:
         dirnames.sort()
         for name in filenames:
             rel = os.path.relpath(os.path.join(dirpath, name), root).replace(os.sep, "/")
-            if rel != MANIFEST:
+            if rel not in (MANIFEST, SAVING):
                 out.append(rel)
     return sorted(out)
 
@@ -380,6 +391,7 @@ def read_manifest(save_dir: str, tag: str) -> dict:
     if not os.path.isdir(path):
         what = "is not a directory" if os.path.lexists(path) else "does not exist"
         raise CheckpointError(f"checkpoint {path} {what}", path, [(".", f"checkpoint directory {what}")])
+    incomplete_save(path)
     mpath = os.path.join(path, MANIFEST)
     if not os.path.isfile(mpath):
         raise _corrupt(path, [(MANIFEST, "missing (the save was interrupted, or the checkpoint was not written by "
@@ -400,6 +412,28 @@ def read_manifest(save_dir: str, tag: str) -> dict:
     if manifest.get("tag") != str(tag):
         raise _corrupt(path, [(MANIFEST, f"belongs to tag {manifest.get('tag')!r}, not {str(tag)!r}")])
     return manifest
+
+
+def incomplete_save(path: str) -> None:
+    """Raise :class:`CheckpointError` if ``path`` is a tag whose engine save never finished (its
+    :data:`SAVING` record is still there), naming the files that are missing and, where the
+    save failed with an error, the error."""
+    record_path = os.path.join(path, SAVING)
+    if not os.path.lexists(record_path):
+        return
+    try:
+        with open(record_path, encoding="utf-8") as f:
+            record = json.load(f)
+    except (OSError, ValueError) as e:
+        record = {"error": f"(its {SAVING} is unreadable: {e})"}
+    present = set(_list_files(path))
+    expected = list(record.get("expected", [])) + [INDEX, MANIFEST]
+    missing = [f for f in expected if f not in present]
+    problems = [(f, "missing") for f in missing] or [(SAVING, "present")]
+    cause = f"; the save failed: {record['error']}" if record.get("error") else ""
+    raise CheckpointError(f"checkpoint {path} is an incomplete save (started by canzona-ds, never finished: "
+                          f"{SAVING} is still there; missing {missing}{cause}). Load an earlier tag; a tag is "
+                          f"complete once its {INDEX} and {MANIFEST} are written.", path, problems)
 
 
 def _structure_problems(path: str, manifest: dict) -> list:
@@ -463,6 +497,8 @@ def verify_collective(load_dir: str, tag: str, mode: str = "sha256", missing_man
     path = os.path.join(load_dir, tag)
 
     def structure():
+        if os.path.isdir(path):
+            incomplete_save(path)
         if missing_manifest_ok and os.path.isdir(path) and not os.path.lexists(os.path.join(path, MANIFEST)):
             return None
         manifest = read_manifest(load_dir, tag)

@@ -181,7 +181,7 @@ def test_save_publishes_atomically_with_manifest(scen):
     man = json.loads((root / "base" / "step2" / ck.MANIFEST).read_text())
     assert man["format"] == ck.FORMAT and man["tag"] == "step2" and man["world_size"] == 2
     assert man["dp_world_size"] == 2 and man["global_steps"] == 2
-    assert [f["path"] for f in man["files"]] == [MODEL, OPT0, OPT1]
+    assert [f["path"] for f in man["files"]] == [ck.INDEX, MODEL, OPT0, OPT1]
     for f in man["files"]:
         assert ck.sha256_file(root / "base" / "step2" / f["path"]) == (f["bytes"], f["sha256"])
     assert man["created_unix_ns"] > json.loads((root / "base" / "step1" / ck.MANIFEST).read_text())["created_unix_ns"]

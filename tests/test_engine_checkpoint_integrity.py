@@ -209,9 +209,9 @@ def test_round_trip_through_engine_methods_is_bit_exact(tmp_path):
         for n in r["saved"]:
             np.testing.assert_array_equal(r["resumed"][n], r["saved"][n], err_msg=n)
             np.testing.assert_array_equal(r["b"][n], r["a"][n], err_msg=n)
-    # the manifest describes exactly DeepSpeed's files, and `latest` names the tag
+    # the manifest describes exactly DeepSpeed's files and the checkpoint index, and `latest` names the tag
     man = ck.verify(root, "t2")
-    assert [f["path"] for f in man["files"]] == [MODEL, OPT0, OPT1]
+    assert [f["path"] for f in man["files"]] == [ck.INDEX, MODEL, OPT0, OPT1]
     assert man["tag"] == "t2" and man["world_size"] == 2 and man["global_steps"] == 2
     assert (root / "latest").read_text() == "t2"
     assert json.loads((root / "t2" / ck.MANIFEST).read_text()) == man

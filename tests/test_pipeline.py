@@ -363,9 +363,15 @@ def _refuse_worker(rank, world, ckpt):
 
 
 @pytest.mark.dist
-def test_pipeline_resume_at_another_pipeline_size_is_refused(tmp_path):
-    """A PP=2 checkpoint at PP=1 (its two stages' files would read as two TP shards): refused."""
+def test_pipeline_resume_at_another_pipeline_size_without_an_index_is_refused(tmp_path):
+    """A PP=2 checkpoint without its checkpoint index (written before the index existed) at PP=1
+    (its two stages' files would read as two TP shards): refused by name.  With the index it
+    resumes (tests/test_ckpt_resume.py, test_resume_at_another_pipeline_size)."""
+    from canzona_ds import checkpoint as ck
+
     run_distributed(_elastic_worker, 2, 2, None, str(tmp_path))
+    for name in (ck.INDEX, ck.MANIFEST):  # as an older canzona-ds wrote it (unverified: no manifest)
+        os.remove(tmp_path / "t" / name)
     msgs = run_distributed(_refuse_worker, 2, str(tmp_path))
     for m in msgs:
         assert m is not None and "saved with PP=2; this run has PP=1" in m and "may change the DP size only" in m, m
@@ -386,10 +392,12 @@ def _replan_worker(rank, world, ckpt, params):
 
 @pytest.mark.dist
 def test_pipeline_resize_with_a_stage_without_matrices_is_refused_on_every_rank(tmp_path):
-    """Another plan (fc2 moved to AdamW) needs the elastic path, which a stage running DeepSpeed's
-    own ZeRO (no matrices) cannot take: every rank refuses, naming the stage; none hangs."""
+    """Another plan (fc2 moved to AdamW) changes fc2's optimizer role: every rank refuses, naming
+    the parameter and the role change (the checkpoint index's check, before the elastic path that
+    a stage running DeepSpeed's own ZeRO, without matrices, could not take); none hangs."""
     run_distributed(_replan_worker, 4, str(tmp_path), None)
     params = dict(HP["CanzonaMuon"], matrix_exclude=["embed", "lm_head", "output_layer", "wte", "wpe", "fc2"])
     msgs = run_distributed(_replan_worker, 4, str(tmp_path), params, timeout=120)
     for m in msgs:
-        assert m is not None and "pipeline stage(s) [3] hold no matrices" in m, m
+        assert m is not None and "reinit_changed_roles" in m, m
+        assert all(f"'{i}.fc2.weight' (matrix -> adamw)" in m for i in range(1, 5)), m  # every stage's, on every rank

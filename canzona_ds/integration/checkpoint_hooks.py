@@ -58,9 +58,84 @@ def _no_manifest_reason(engine) -> str | None:
     return None
 
 
+def _write_error(exc: BaseException, path: str) -> str:
+    """``exc`` (raised writing ``path``) as a sentence that names the cause: torch reports a full
+    disk as ``enforce fail at inline_container.cc ... unexpected pos``, so the free space of the
+    filesystem is checked too."""
+    import errno
+
+    cause = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, OSError) and exc.errno is not None:
+        cause = f"{os.strerror(exc.errno)} ({errno.errorcode.get(exc.errno, exc.errno)}): {exc}"
+    elif not (isinstance(exc, OSError) and exc.errno == errno.ENOSPC):
+        try:
+            st = os.statvfs(os.path.dirname(path) or ".")
+            if st.f_bavail * st.f_frsize < (1 << 20):
+                cause = f"No space left on device ({st.f_bavail * st.f_frsize} bytes free; torch: {exc})"
+        except OSError:
+            pass
+    return f"{cause} (writing {path})"
+
+
+def write_tag(engine, stock_save, save_dir, tag: str, client_state, exclude_frozen_parameters) -> bool:
+    """DeepSpeed's save of ``save_dir/tag`` (without ``latest``), then the checkpoint index
+    (integration/ckpt_index.py), written by rank 0.  A file that cannot be written (a full disk,
+    a permission) is removed and the error kept, so DeepSpeed's own collectives still run on
+    every rank; then every rank raises the same :class:`CheckpointError` naming the cause, the
+    path and the rank.  Every rank calls it."""
+    from ..ckpt.index import INDEX
+    from .ckpt_index import gather_index
+
+    directory = os.path.join(str(save_dir), tag)
+    ce = engine.checkpoint_engine
+    errors: list[str] = []
+    stock_write = ce.save
+
+    def guarded(state_dict, path):
+        try:
+            stock_write(state_dict, path)
+        except Exception as e:  # noqa: BLE001 - reported on every rank below
+            errors.append(_write_error(e, str(path)))
+            try:
+                os.remove(path)  # never leave a half-written file
+            except OSError:
+                pass
+
+    ce.save = guarded
+    try:
+        out = stock_save(engine, save_dir, tag, client_state, False, exclude_frozen_parameters)
+    finally:
+        del ce.save  # the class's method again
+    failed = [(r, e) for r, errs in enumerate(ck._all_gather(errors)) for e in errs]
+    if failed:
+        msg = "; ".join(f"rank {r}: {e}" for r, e in failed)
+        raise ck.CheckpointError(f"saving checkpoint {directory} failed: {msg}", directory,
+                                 [(directory, e) for _, e in failed])
+    index = gather_index(engine, tag, directory)
+    ck._on_rank0(lambda: ck.write_atomic(os.path.join(directory, INDEX), index.dumps()),
+                 f"writing the checkpoint index of {directory}")
+    return out
+
+
+def _expected_files(engine, save_dir, tag: str) -> list[str]:
+    """The DeepSpeed files every rank will write into the tag (all-gathered)."""
+    mine = []
+    if engine.save_zero_checkpoint and engine.zero_optimization_stage() > 0:
+        mine.append(os.path.basename(engine._get_zero_ckpt_name(save_dir, tag)))
+    if engine.save_non_zero_checkpoint and not engine.has_moe_layers:
+        mine.append(os.path.basename(engine._get_ckpt_name(save_dir, tag)))
+    return sorted({f for part in ck._all_gather(mine) for f in part})
+
+
 def save_checkpoint(engine, stock_save, save_dir, tag=None, client_state={}, save_latest=True,  # noqa: B006
                     exclude_frozen_parameters=False):
-    """DeepSpeed's ``save_checkpoint`` (same arguments and return value) plus the manifest."""
+    """DeepSpeed's ``save_checkpoint`` (same arguments and return value) plus the index and the
+    manifest: rank 0 first records the save as started (``canzona_saving.json``: the files
+    expected), then every rank writes; the index, the manifest, the record's removal and
+    ``latest`` follow in that order, so a tag is complete exactly when the record is gone."""
+    import json
+    import time
+
     reason = _no_manifest_reason(engine)
     if reason is not None:
         if ck._rank_world()[0] == 0:
@@ -70,13 +145,33 @@ def save_checkpoint(engine, stock_save, save_dir, tag=None, client_state={}, sav
     if tag is None:
         tag = f"global_step{engine.global_steps}"  # DeepSpeed's default, resolved here to name the directory
     tag = str(tag)
-    # `latest` is written below, after the manifest
-    out = stock_save(engine, save_dir, tag, client_state, False, exclude_frozen_parameters)
     directory = os.path.join(str(save_dir), tag)
+    expected = _expected_files(engine, save_dir, tag)
+    record = os.path.join(directory, ck.SAVING)
+
+    def start():
+        os.makedirs(directory, exist_ok=True)
+        ck.write_atomic(record, json.dumps({"tag": tag, "started_unix_ns": time.time_ns(), "expected": expected}))
+
+    ck._on_rank0(start, f"starting the save of {directory}")
+    try:
+        out = write_tag(engine, stock_save, save_dir, tag, client_state, exclude_frozen_parameters)
+    except ck.CheckpointError as e:
+        error = str(e)
+
+        def note():  # the record names why the save failed (it stays: the tag is incomplete)
+            try:
+                ck.write_atomic(record, json.dumps({"tag": tag, "expected": expected, "error": error}))
+            except OSError:
+                pass  # a full disk may refuse even this; the record written at the start remains
+        ck._on_rank0(note)
+        raise
     files = ck.hash_files(directory)
 
     def publish():
         ck.write_manifest(engine, directory, tag, files)
+        os.remove(record)
+        ck._fsync_dir(directory)
         if save_latest:
             ck.write_atomic(os.path.join(str(save_dir), ck.LATEST), tag)
 

@@ -44,12 +44,12 @@ stage, and each stage's ranks read their own stage's files only (``_stage_file_r
 ``SavedCheckpoint(mp_ranks=...)``; at ZeRO 0 the stage's expp_rank files): another DP size or
 ``ep_size`` at the same PP size; the converter and the mixed layout are refused there.
 
-``engine.load_checkpoint`` of a Canzona engine takes this path by itself when the
-checkpoint's DP or TP size differs from the engine's (integration/registry.py), and
-``canzona_ds.checkpoint.load`` verifies the files first.  The offline converter writes the
-universal form to one file, like DeepSpeed's ``ds_to_universal``::
-
-    python -m canzona_ds.integration.elastic convert CKPT_DIR TAG OUT.pt
+``engine.load_checkpoint`` of a Canzona engine takes this path by itself for the layouts the
+checkpoint index does not describe yet (tensor parallelism, DeepSpeed MoE) and for ZeRO 1/2
+tags written before the index, when the checkpoint's DP or TP size differs from the engine's
+(integration/registry.py); every other layout change goes through the index
+(integration/ckpt_index.py).  ``canzona-ckpt convert`` reads through ``read`` where the index
+describes no chunks.
 
 Memory: ``load`` never builds the ``Universal``.  It opens every file memory-mapped
 (``SavedCheckpoint``: ``torch.load(mmap=True)`` reads the pickled structure, no tensor data)
@@ -71,7 +71,7 @@ from __future__ import annotations
 import copy
 import os
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -1056,46 +1056,3 @@ def load_stage0_moe(engine, stock_load, ckpt_dir: str, tag: str | None, load_mod
 
 
 #: format marker of a file written by ``convert``
-UNIVERSAL_FORMAT = "canzona-universal-1"
-
-
-def save_universal_file(uni: Universal, path: str) -> None:
-    torch.save({"format": UNIVERSAL_FORMAT, **{f.name: getattr(uni, f.name) for f in fields(Universal)}}, path)
-
-
-def load_universal_file(engine, path: str) -> dict:
-    """Resume ``engine`` from a file written by ``convert``."""
-    data = _load(path, mmap=True)  # each rank copies out its share (a TP-resharded parameter whole)
-    if not isinstance(data, dict) or data.pop("format", None) != UNIVERSAL_FORMAT:
-        raise ElasticError(f"{path} is not a canzona universal checkpoint (written by `python -m "
-                           "canzona_ds.integration.elastic convert`).")
-    for key in ("zero_scalars", "engine_state", "client_state"):
-        data[key] = _owned(data[key])
-    return write(engine, Universal(**data))
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import sys
-
-    ap = argparse.ArgumentParser(prog="python -m canzona_ds.integration.elastic",
-                                 description="Write a DP/TP-size-independent copy of a Canzona checkpoint.")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("convert", help="CKPT_DIR TAG OUT.pt")
-    c.add_argument("ckpt_dir")
-    c.add_argument("tag")
-    c.add_argument("out")
-    args = ap.parse_args(argv)
-    try:
-        uni = read(args.ckpt_dir, args.tag)
-    except (ElasticError, OSError) as err:
-        print(f"elastic: error: {err}", file=sys.stderr)
-        return 2
-    save_universal_file(uni, args.out)
-    print(f"wrote {args.out}: {len(uni.params)} parameters, {len(uni.rule_state)} matrices with {uni.rule} state, "
-          f"saved at DP={uni.source['dp']} TP={uni.source['tp']}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

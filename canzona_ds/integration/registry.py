@@ -27,6 +27,7 @@ checks trip over it (e.g. ``params`` given as a list).
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -86,7 +87,7 @@ def elastic_needed(engine, load_dir, tag) -> bool:
 
     opt = canzona_optimizer(engine)
     if opt is not None and engine.zero_optimization_stage() == 3:
-        return False  # another DP size at stage 3: zero3_resize_needed
+        return False  # another DP size at stage 3: the checkpoint index (ckpt_index.index_route)
     if opt is None or engine.zero_optimization_stage() not in (1, 2):
         return False
     tag = latest_tag(load_dir) if tag is None else tag
@@ -133,6 +134,22 @@ def elastic_needed(engine, load_dir, tag) -> bool:
     return True
 
 
+def _refuse_foreign_optimizer(engine, load_dir, tag) -> None:
+    """A Canzona checkpoint (it has a checkpoint index) opened with its optimizer state by an
+    engine running another optimizer: DeepSpeed would fail with a misleading layout or
+    param-group error; refused by name with the way out instead."""
+    from ..ckpt.index import INDEX
+    from .elastic import latest_tag
+
+    tag = latest_tag(load_dir) if tag is None else tag
+    if tag is None or not os.path.isfile(os.path.join(str(load_dir), str(tag), INDEX)):
+        return
+    raise ValueError(f"{os.path.join(str(load_dir), str(tag))} was written by a Canzona optimizer; this engine runs "
+                     f"{type(engine.optimizer).__name__}, which cannot read its optimizer state. Load the weights only "
+                     "(load_module_only=True), or consolidate it with `canzona-ckpt convert "
+                     f"{load_dir} OUT --tag {tag}` (OUT/model.safetensors, OUT/optimizer.pt by parameter name).")
+
+
 def micro_group_section(ds: dict, zero_stage: int):
     """The ds_config's ``canzona_tp`` section (the micro-group runtime); at ZeRO stage 3, where
     the runtime hosts every matrix over the DP group, the load it balances defaults to the
@@ -141,28 +158,6 @@ def micro_group_section(ds: dict, zero_stage: int):
     if zero_stage != 3 or (section is not None and not isinstance(section, dict)):
         return section
     return {"cost": "flops", **(section or {})}
-
-
-def zero3_resize_needed(engine, load_dir, tag) -> bool:
-    """True when ``engine`` runs a Canzona optimizer at ZeRO stage 3 and the checkpoint was written
-    at another DP size (from its file names: the same verdict on every rank)."""
-    from .elastic import latest_tag
-    from .runtime_info import canzona_optimizer
-    from .zero3 import saved_dp_size, saved_zero3_fingerprint
-
-    opt = canzona_optimizer(engine)
-    if opt is None or engine.zero_optimization_stage() != 3:
-        return False
-    tag = latest_tag(load_dir) if tag is None else tag
-    if tag is None:
-        return False
-    dp = saved_dp_size(load_dir, tag)
-    if dp is None:
-        return False
-    if dp != opt.groups.dp_size:
-        return True
-    # same size: another hosting plan (e.g. other canzona_tp settings) moves rule state too
-    return saved_zero3_fingerprint(load_dir, tag) not in (None, engine.optimizer.canzona_layout_meta()["fingerprint"])
 
 
 def _named_parameters(engine, model_parameters) -> list:
@@ -357,13 +352,16 @@ def install() -> None:
 
     def load_unverified(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+        # the one comparison first: a checkpoint whose index says it was written at another ZeRO
+        # stage is filled by the index loop (integration/ckpt_index.py)
+        if load_optimizer_states and not load_module_only and custom_load_fn is None:
+            from . import ckpt_index
+
+            index = ckpt_index.index_route(self, load_dir, tag)
+            if index is not None:
+                return ckpt_index.load(self, load_dir, tag, index, load_module_strict, load_lr_scheduler_states)
         # a Canzona checkpoint written at another DP/TP size (or with another plan) resumes
         # through integration/elastic.py; everything else is DeepSpeed's own load
-        if load_optimizer_states and not load_module_only and custom_load_fn is None \
-                and zero3_resize_needed(self, load_dir, tag):
-            from .zero3 import resize_load
-
-            return resize_load(self, stock_load, load_dir, tag, load_module_strict, load_lr_scheduler_states)
         if (load_optimizer_states and not load_module_only and custom_load_fn is None
                 and elastic_needed(self, load_dir, tag)):
             from . import elastic
@@ -384,6 +382,8 @@ def install() -> None:
         kwargs = dict(load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
                       load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
                       custom_load_fn=custom_load_fn)
+        if canzona_optimizer(self) is None and load_optimizer_states and not load_module_only:
+            _refuse_foreign_optimizer(self, load_dir, tag)
         # verified first (canzona_ds.checkpoint.load turns this off: it has just verified)
         if canzona_optimizer(self) is not None and engine_hooks_on():
             return checkpoint_hooks.load_checkpoint(self, load_unverified, load_dir, tag, **kwargs)
@@ -395,6 +395,14 @@ def install() -> None:
         if canzona_optimizer(self) is not None and engine_hooks_on():
             return checkpoint_hooks.save_checkpoint(self, stock_save, save_dir, tag, client_state, save_latest,
                                                     exclude_frozen_parameters)
+        if canzona_optimizer(self) is not None and not checkpoint_hooks._no_manifest_reason(self):
+            # inside canzona_ds.checkpoint.save (a .partial tag it publishes itself): the index too
+            tag = str(tag if tag is not None else f"global_step{self.global_steps}")
+            out = checkpoint_hooks.write_tag(self, stock_save, save_dir, tag, client_state, exclude_frozen_parameters)
+            if save_latest and self.global_rank == 0:  # as DeepSpeed's save would
+                with open(os.path.join(save_dir, "latest"), "w") as fd:
+                    fd.write(tag)
+            return out
         return stock_save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     stock_save_moe = Engine._save_moe_checkpoint

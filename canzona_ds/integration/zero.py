@@ -416,8 +416,8 @@ def _make_zero_class():
         def _load_universal_checkpoint(self, checkpoint_folder, load_optimizer_states, load_from_fp32_weights):
             raise ValueError("Canzona optimizers do not load DeepSpeed universal checkpoints (ds_to_universal drops "
                              "per-matrix optimizer state); engine.load_checkpoint() of a Canzona checkpoint resumes at "
-                             "another DP/TP size directly, and `python -m canzona_ds.integration.elastic convert` writes "
-                             "a size-independent copy (docs/checkpoints.md).")
+                             "another DP/TP size or ZeRO stage directly, and `canzona-ckpt convert` writes consolidated "
+                             "files by parameter name (docs/checkpoints.md).")
 
     return CanzonaZeroOptimizer
 

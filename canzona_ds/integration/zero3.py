@@ -32,18 +32,16 @@ offload and the loss scaler are DeepSpeed's.  Further overrides, each small:
 * ``state_dict`` / ``load_state_dict`` - record the DP size, the hosting plan and the
   sub-groups' parameters, and refuse a checkpoint written with another plan at the same size.
 
-A checkpoint written at another DP size resumes through :func:`resize_load` (the registry's
-``load_checkpoint`` sends it there): DeepSpeed's own load without optimizer state (module, lr
-scheduler, counters, client state), then this rank's new piece of every fp32 parameter and AdamW
-moment read from the saved pieces it overlaps, and every matrix's rule state handed to its new
-host by name.
+A checkpoint written at another DP size, plan or ZeRO stage resumes through the checkpoint
+index (integration/ckpt_index.py): this rank's new piece of every fp32 parameter and AdamW
+moment read from the saved chunks it overlaps, every matrix's rule state handed to its new host
+by name (a tag written before the index gets one built from the layout records above).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import math
-import os
 from typing import Any
 
 import torch
@@ -348,167 +346,3 @@ def zero3_optimizer_class():
     if _ZERO3_CLASS is None:
         _ZERO3_CLASS = _make_zero3_class()
     return _ZERO3_CLASS
-
-
-# ---------------------------------------------------------------------------- resume at another DP size
-def saved_dp_size(load_dir: str, tag: str) -> int | None:
-    """The DP size a ZeRO checkpoint was written at (from its file names; None: not found)."""
-    from .elastic import ElasticError, checkpoint_size
-
-    if not os.path.isdir(os.path.join(load_dir, tag)):
-        return None
-    try:
-        return checkpoint_size(load_dir, tag)[0]
-    except ElasticError:
-        return None
-
-
-def saved_zero3_fingerprint(load_dir: str, tag: str) -> str | None:
-    """The hosting-plan fingerprint DP rank 0's optimizer file records (None: none recorded)."""
-    from .elastic import OPTIM_FILE, _load
-
-    folder = os.path.join(load_dir, tag)
-    first = sorted(f for f in os.listdir(folder) if OPTIM_FILE.search(f))
-    if not first:
-        return None
-    meta = _load(os.path.join(folder, first[0]), mmap=True)["optimizer_state_dict"].get(LAYOUT_KEY) or {}
-    return meta.get("fingerprint") if meta.get("kind") == "zero3" else None
-
-
-def _slice(flats: list, off: int, n: int, dp: int, start: int, length: int) -> torch.Tensor:
-    """Elements ``[start, start + length)`` of a parameter of ``n`` elements that was saved as
-    ``dp`` pieces (``ceil(n / dp)`` each, padding tail excluded) at offset ``off`` of every rank's
-    flat partition ``flats[r]``; only the overlapping pieces are read (memory-mapped files stay
-    on disk elsewhere)."""
-    P = -(-n // dp)
-    parts = []
-    for r in range(dp):
-        lo, hi = max(start, r * P), min(start + length, n, (r + 1) * P)
-        if lo < hi:
-            parts.append(flats[r].narrow(0, off + lo - r * P, hi - lo))
-    return torch.cat(parts) if parts else flats[0].new_empty(0)
-
-
-def resize_load(engine, stock_load, load_dir: str, tag: str | None, load_module_strict: bool = True,
-                load_lr_scheduler_states: bool = True):
-    """Resume a ZeRO-3 Canzona checkpoint written at another DP size (module docstring)."""
-    import deepspeed.runtime.engine as engine_mod
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-    from .elastic import OPTIM_FILE, _load, resolve_tag
-
-    tag = resolve_tag(load_dir, tag)
-    folder = os.path.join(load_dir, tag)
-    files = sorted(((int(m.group(1)), f) for f in os.listdir(folder) if (m := OPTIM_FILE.search(f))
-                    and int(m.group(2)) == 0))
-    saved = [_load(os.path.join(folder, f), mmap=True)["optimizer_state_dict"] for _, f in files]
-    metas = [sd.get(LAYOUT_KEY) or {} for sd in saved]
-    zopt = engine.optimizer
-    opt = zopt._canzona
-    if any(m.get("kind") != "zero3" or "sub_groups" not in m for m in metas):
-        raise ValueError(f"{folder} was not written by a Canzona optimizer at ZeRO stage 3 with the layout record a "
-                         "resize needs; resume it at the DP size it was saved at.")
-    meta = metas[0]
-    old_dp = int(meta["world_size"])
-    if len(saved) != old_dp or meta["rule"] != opt.rule.name or meta["matrix_names"] != list(opt.matrix_names):
-        raise ValueError(f"{folder}: {len(saved)} optimizer files for DP={old_dp}, rule {meta['rule']!r} over "
-                         f"{len(meta['matrix_names'])} matrices; this run has {opt.rule.name!r} over "
-                         f"{len(opt.matrix_names)} matrices. Resume with the optimizer that wrote it.")
-    # 1. DeepSpeed's own load without optimizer state: module (fp32 weights consolidated from the
-    #    partitions of THIS tag; DeepSpeed's call would read `latest`), lr scheduler, counters
-    #    and every rank reads DP rank 0's model-states file (at stage 3 each DP rank wrote one, with
-    #    the same scheduler, counters and client state; a rank beyond the saved size has none)
-    stock_fp32 = engine_mod.get_fp32_state_dict_from_zero_checkpoint
-    engine_mod.get_fp32_state_dict_from_zero_checkpoint = \
-        lambda d, *a, **k: get_fp32_state_dict_from_zero_checkpoint(d, tag, *a, **k)
-
-    def rank0_model_states(path, t):
-        import glob
-
-        return sorted(glob.glob(engine._get_ckpt_name(path, t, mp_placeholder="*", pp_placeholder="0")))
-
-    engine._get_all_ckpt_names = rank0_model_states
-    try:
-        load_path, client = stock_load(engine, load_dir, tag, load_module_strict=load_module_strict,
-                                       load_optimizer_states=False, load_lr_scheduler_states=load_lr_scheduler_states,
-                                       load_module_only=False, custom_load_fn=None)
-    finally:
-        engine_mod.get_fp32_state_dict_from_zero_checkpoint = stock_fp32
-        del engine._get_all_ckpt_names  # the class's method again
-    if load_path is None:
-        return load_path, client
-    # 2. fp32 master pieces and AdamW moments: this rank's share of every parameter, read from the
-    #    saved pieces it overlaps
-    numels = meta["numels"]
-    base = [sd["optimizer_state_dict"] for sd in saved]
-    flat_index = {}  # saved sub-group -> index of its flat in the saved torch state (param group order)
-    for g, group in enumerate(base[0]["param_groups"]):
-        subs = [s for s, pg in enumerate(meta["sub_group_param_group"]) if pg == g]
-        for s, idx in zip(subs, group["params"]):
-            flat_index[s] = idx
-    where = {}  # parameter name -> (saved sub-group, offset in its flats)
-    for s, names in enumerate(meta["sub_groups"]):
-        off = 0
-        for name in names:
-            where[name] = (s, off)
-            off += -(-numels[name] // old_dp)
-
-    def flats(key: str, s: int) -> list | None:
-        if key == "param":
-            return [sd["fp32_flat_groups"][s] for sd in saved]
-        idx = flat_index.get(s)
-        if idx is None or not base[0]["state"].get(idx):
-            return None  # no AdamW state saved for this sub-group (the matrices', or before step 1)
-        return [b["state"][idx][key] for b in base]
-
-    rank = dist_rank(zopt)
-    names_of = {id(p): n for n, p in zopt.module.named_parameters()}
-    with torch.no_grad():
-        for i, group in enumerate(zopt.fp16_groups):
-            flat = zopt.fp32_partitioned_groups_flat[i]
-            names = [names_of[id(p)] for p in group]
-            sources = {"param": flat}
-            first = where[names[0]][0]
-            if flats("exp_avg", first) is not None:
-                saved_state = base[0]["state"][flat_index[first]]
-                state = {"step": saved_state["step"].clone(), "exp_avg": torch.zeros_like(flat),
-                         "exp_avg_sq": torch.zeros_like(flat)}
-                zopt.optimizer.state[flat] = state
-                sources.update(exp_avg=state["exp_avg"], exp_avg_sq=state["exp_avg_sq"])
-            off = 0
-            for name, p in zip(names, group):
-                P = p.partition_numel()
-                n = max(0, min(P, p.ds_numel - rank * P))
-                s, saved_off = where[name]
-                for key, dst in sources.items():
-                    src = flats(key, s)
-                    if src is None:
-                        raise ValueError(f"{folder}: {name!r} has no saved {key} (its sub-group's AdamW state is "
-                                         "missing); cannot resume it at another DP size.")
-                    dst.narrow(0, off, P).zero_()
-                    dst.narrow(0, off, n).copy_(_slice(src, saved_off, numels[name], old_dp, rank * P, n))
-                off += P
-            zopt.fp16_partitioned_groups_flat[i].data.copy_(flat.data)
-            zopt._unflatten_partitioned_parameters(i)
-    # 3. every matrix's rule state to its new host (by name), the matrix group's step count
-    hosted = set(opt.handled_state_names())  # an expert stack's: one per expert, "<stack>[e]"
-    states = {}
-    for b in base:
-        for name, st in ((b.get("canzona") or {}).get("matrix_state") or {}).items():
-            if name in hosted:
-                states[name] = {key: (v.clone() if torch.is_tensor(v) else v) for key, v in st.items()}
-    opt.matrix_state.clear()
-    opt.load_matrix_state(states)
-    for g, sg in zip(opt.param_groups, base[0]["param_groups"]):
-        if "step" in sg and g.get("canzona_role") == "matrix":
-            g["step"] = sg["step"]
-    zopt.loss_scaler = saved[0]["loss_scaler"]
-    zopt.dynamic_loss_scale = saved[0]["dynamic_loss_scale"]
-    zopt.overflow = saved[0]["overflow"]
-    return load_path, client
-
-
-def dist_rank(zopt) -> int:
-    from deepspeed import comm as dist
-
-    return dist.get_rank(group=zopt.dp_process_group)

@@ -151,10 +151,15 @@ class CheckpointConfig:
     #: when the requested checkpoint fails verification, load the newest intact tag of the same
     #: directory instead of raising (needs verify "sha256" or "size")
     fallback: bool = False
+    #: a parameter whose optimizer role changed since the save (matrix rule <-> AdamW, e.g.
+    #: matrix_include changed) is refused by name at load; true re-initialises exactly those
+    #: parameters' optimizer state instead (each logged by name), keeping their weights
+    reinit_changed_roles: bool = False
 
     def __post_init__(self) -> None:
         check_choice("canzona_checkpoint.verify", self.verify, CHECKPOINT_VERIFY)
         check_bool("canzona_checkpoint.fallback", self.fallback)
+        check_bool("canzona_checkpoint.reinit_changed_roles", self.reinit_changed_roles)
         if self.fallback and self.verify == "off":
             raise ValueError("Invalid canzona_checkpoint.fallback=true with verify='off': falling back needs "
                              "verification to tell an intact checkpoint from a corrupt one. Set verify to "

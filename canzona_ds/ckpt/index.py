@@ -1,0 +1,331 @@
+"""The checkpoint index: every piece of optimizer state a save wrote, described by its writer.
+
+A tag written by canzona-ds holds DeepSpeed's files unchanged plus ``canzona_index.json``,
+written by rank 0 after every rank's files are on disk (and before the sha256 manifest, which
+covers it).  The index is the commit mark: a tag without it was never finished.  It says, for
+every whole-model parameter and every state key (``param`` = the fp32 master weight, AdamW's
+``exp_avg`` / ``exp_avg_sq``, every rule-state entry such as Muon's ``momentum_buffer`` or
+SOAP's ``L``), which stored tensors hold which elements::
+
+    whole-model view of one state (row-major, global shape)     fc1.weight / exp_avg, 640 elements
+        [0 ...................... 320 ..................... 640)
+         \\_________ chunk A _______/ \\________ chunk B _________/
+              file zero_pp_rank_0_mp_rank_00_optim_states.pt      key optimizer_state_dict/.../state/1/exp_avg
+              offset 0, length 320, at 216                        (element 216 of that stored flat tensor)
+                                       file zero_pp_rank_1_..., offset 320, length 320, at 0
+
+    Chunk(name, state, shape, offset, length, file, key, at, frame)
+
+A load asks for a *region* (``name``, ``state``, ``[start, stop)`` of the global flat) and
+:func:`overlaps` intersects it with the chunks that exist (torch.distributed.checkpoint's
+model: the writer describes, the reader intersects); :class:`Reader` copies the overlapping
+pieces out of the memory-mapped files, so a rank touches only the bytes it needs.
+
+``frame`` is ``None`` for a chunk in the global row-major frame; a chunk cut in another frame
+(a TP layout, a permutation) records it there, and :class:`Reader` refuses it by name until a
+reader for that frame exists (the old per-layout readers still serve those layouts).
+
+This module imports no DeepSpeed (torch only for :class:`Reader`'s memory-mapped reads).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+INDEX = "canzona_index.json"
+FORMAT = "canzona_ds.ckpt.index/1"
+#: the state key of a parameter's fp32 master weight; AdamW's moments are "exp_avg", "exp_avg_sq"
+MASTER = "param"
+
+
+class CheckpointIndexError(ValueError):
+    """An index that is damaged, inconsistent, or does not match the files (the message says which)."""
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Elements ``[offset, offset + length)`` of the row-major flat of state ``state`` of the
+    whole-model parameter ``name`` (global shape ``shape``), stored in ``file`` under ``key``
+    (a path of dict keys / list positions into ``torch.load(file)``), starting at element
+    ``at`` of that stored tensor's flat view."""
+
+    name: str
+    state: str
+    shape: tuple[int, ...]
+    offset: int
+    length: int
+    file: str
+    key: tuple
+    at: int = 0
+    frame: Any = None
+    rank: int = -1
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def stop(self) -> int:
+        return self.offset + self.length
+
+    def to_json(self) -> dict:
+        d = {"name": self.name, "state": self.state, "shape": list(self.shape), "offset": self.offset,
+             "length": self.length, "file": self.file, "key": list(self.key), "at": self.at}
+        if self.frame is not None:
+            d["frame"] = self.frame
+        if self.rank >= 0:
+            d["rank"] = self.rank
+        return d
+
+    @classmethod
+    def from_json(cls, d: Any, where: str = "chunk") -> "Chunk":
+        if not isinstance(d, dict):
+            raise CheckpointIndexError(f"{where}: expected an object, got {type(d).__name__}.")
+        need = {"name": str, "state": str, "shape": list, "offset": int, "length": int, "file": str, "key": list}
+        for k, t in need.items():
+            if k not in d:
+                raise CheckpointIndexError(f"{where}: missing field {k!r} (a chunk has {sorted(need)}, optional at, frame).")
+            if not isinstance(d[k], t) or isinstance(d[k], bool):
+                raise CheckpointIndexError(f"{where}: field {k!r} is {d[k]!r}; expected {t.__name__}.")
+        if not all(isinstance(s, int) and s >= 0 for s in d["shape"]):
+            raise CheckpointIndexError(f"{where}: shape {d['shape']!r} is not a list of non-negative integers.")
+        if not all(isinstance(k, (str, int)) for k in d["key"]):
+            raise CheckpointIndexError(f"{where}: key {d['key']!r} is not a list of strings and integers.")
+        at = d.get("at", 0)
+        if not isinstance(at, int) or at < 0:
+            raise CheckpointIndexError(f"{where}: at={at!r}; expected an integer >= 0.")
+        return cls(d["name"], d["state"], tuple(d["shape"]), d["offset"], d["length"], d["file"], tuple(d["key"]),
+                   at, d.get("frame"), int(d.get("rank", -1)))
+
+
+@dataclass
+class Index:
+    """What one save wrote.
+
+    ``meta``: the saving run (``stage``, ``dp``, ``tp``, ``pp``, ``world_size``, ``rule``,
+    ``fingerprint``, ``roles`` (name -> ``"matrix"`` or ``"adamw"``), ``matrix_step``,
+    ``adam_step``, ``engine_file`` (the model-states file with the engine counters, lr scheduler
+    and client state), ``scalars`` (file and key of the ZeRO loss-scaler record, or None));
+    ``files``: every file of the tag the save wrote (the index itself and the manifest aside);
+    ``chunks``: every chunk, or None where this layout does not describe its chunks yet
+    (``meta["no_chunks"]`` says why; such a tag is resumed by the per-layout readers)."""
+
+    tag: str
+    meta: dict
+    files: list[str]
+    chunks: list[Chunk] | None = None
+    _by_key: dict = field(default=None, repr=False, compare=False)
+
+    # ------------------------------------------------------------------ queries
+    def by_key(self) -> dict[tuple[str, str], list[Chunk]]:
+        """(name, state) -> its chunks sorted by offset."""
+        if self._by_key is None:
+            out: dict[tuple[str, str], list[Chunk]] = {}
+            for c in self.chunks or ():
+                out.setdefault((c.name, c.state), []).append(c)
+            for v in out.values():
+                v.sort(key=lambda c: (c.offset, -c.length))
+            self._by_key = out
+        return self._by_key
+
+    @property
+    def names(self) -> list[str]:
+        """Every parameter with an fp32 master weight, in first-seen order."""
+        seen: dict[str, None] = {}
+        for c in self.chunks or ():
+            if c.state == MASTER:
+                seen.setdefault(c.name, None)
+        return list(seen)
+
+    def states_of(self, name: str) -> dict[str, tuple[int, ...]]:
+        """state key -> global shape, for one parameter (``param`` included)."""
+        return {s: cs[0].shape for (n, s), cs in self.by_key().items() if n == name}
+
+    def shape(self, name: str, state: str = MASTER) -> tuple[int, ...]:
+        cs = self.by_key().get((name, state))
+        if not cs:
+            raise CheckpointIndexError(f"the checkpoint index has no {state!r} for {name!r}.")
+        return cs[0].shape
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "tag": self.tag, "meta": self.meta, "files": sorted(self.files),
+                "chunks": None if self.chunks is None else [c.to_json() for c in self.chunks]}
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, d: Any, where: str = INDEX) -> "Index":
+        if not isinstance(d, dict):
+            raise CheckpointIndexError(f"{where}: not a JSON object.")
+        if d.get("format") != FORMAT:
+            raise CheckpointIndexError(f"{where}: format {d.get('format')!r}; this canzona-ds reads {FORMAT!r}.")
+        for k, t in (("tag", str), ("meta", dict), ("files", list)):
+            if not isinstance(d.get(k), t):
+                raise CheckpointIndexError(f"{where}: field {k!r} is {d.get(k)!r}; expected {t.__name__}.")
+        chunks = d.get("chunks")
+        if chunks is not None and not isinstance(chunks, list):
+            raise CheckpointIndexError(f"{where}: 'chunks' is {type(chunks).__name__}; expected a list or null.")
+        parsed = None if chunks is None else [Chunk.from_json(c, f"{where} chunk {i}") for i, c in enumerate(chunks)]
+        return cls(d["tag"], d["meta"], list(d["files"]), parsed)
+
+    @classmethod
+    def loads(cls, text: str, where: str = INDEX) -> "Index":
+        try:
+            d = json.loads(text)
+        except ValueError as e:
+            raise CheckpointIndexError(f"{where}: not valid JSON ({e}); the index is damaged.") from None
+        return cls.from_json(d, where)
+
+    @classmethod
+    def read(cls, folder: str) -> "Index":
+        path = os.path.join(folder, INDEX)
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except FileNotFoundError:
+            raise CheckpointIndexError(f"{folder}: no {INDEX} (the save did not finish, or the tag predates the index).") from None
+        index = cls.loads(text, path)
+        index.validate(path)
+        return index
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, where: str = INDEX) -> None:
+        """Every chunk inside its global shape; the chunks of one (name, state) agree on the shape
+        and together cover every element; every file a chunk names is in ``files``."""
+        files = set(self.files)
+        for c in self.chunks or ():
+            if c.offset < 0 or c.length <= 0 or c.stop > c.numel:
+                raise CheckpointIndexError(f"{where}: {c.name!r} {c.state} chunk [{c.offset}, {c.stop}) lies outside its "
+                                  f"{c.numel} elements (shape {list(c.shape)}).")
+            if c.file not in files:
+                raise CheckpointIndexError(f"{where}: {c.name!r} {c.state} is in {c.file!r}, which the index's file list "
+                                  f"does not name.")
+        for (name, state), cs in self.by_key().items():
+            shapes = {c.shape for c in cs}
+            if len(shapes) > 1:
+                raise CheckpointIndexError(f"{where}: the chunks of {name!r} {state} disagree on its shape: {sorted(shapes)}.")
+            gaps = missing(cs, 0, cs[0].numel)
+            if gaps:
+                raise CheckpointIndexError(f"{where}: {name!r} {state} is not covered: elements {gaps[:3]} of "
+                                  f"{cs[0].numel} are in no chunk.")
+        if self.chunks is not None:
+            no_master = sorted({n for n, _ in self.by_key()} - set(self.names))
+            if no_master:
+                raise CheckpointIndexError(f"{where}: {no_master[:5]} have optimizer state but no fp32 master weight.")
+
+
+def missing(chunks: Iterable[Chunk], start: int, stop: int) -> list[tuple[int, int]]:
+    """The sub-ranges of ``[start, stop)`` that no chunk covers."""
+    gaps, pos = [], start
+    for c in sorted(chunks, key=lambda c: c.offset):
+        if c.offset > pos:
+            gaps.append((pos, min(c.offset, stop)))
+        pos = max(pos, c.stop)
+        if pos >= stop:
+            break
+    if pos < stop:
+        gaps.append((pos, stop))
+    return [g for g in gaps if g[0] < g[1]]
+
+
+def overlaps(chunks: Iterable[Chunk], start: int, stop: int) -> list[tuple[Chunk, int, int, int]]:
+    """How to fill region ``[start, stop)`` from ``chunks`` (one (name, state)): a list of
+    ``(chunk, src, dst, n)``, element ``src`` of the chunk's stored flat tensor onwards to
+    element ``dst`` of the region onwards, ``n`` elements; every region element exactly once
+    (where chunks overlap, e.g. replicas, the first by offset wins).  Raises if a part of the
+    region is in no chunk."""
+    out, pos = [], start
+    for c in sorted(chunks, key=lambda c: (c.offset, -c.length)):
+        if c.stop <= pos or c.offset >= stop:
+            continue
+        if c.offset > pos:
+            break
+        b = min(stop, c.stop)
+        out.append((c, c.at + pos - c.offset, pos - start, b - pos))
+        pos = b
+        if pos >= stop:
+            break
+    if pos < stop:
+        some = next(iter(chunks), None)
+        what = f"{some.name!r} {some.state}" if some is not None else "the region"
+        raise CheckpointIndexError(f"{what}: elements [{pos}, {stop}) are in no chunk of the checkpoint index.")
+    return out
+
+
+class Reader:
+    """Regions of a checkpoint read through its index, every file opened memory-mapped once."""
+
+    def __init__(self, folder: str, index: Index) -> None:
+        if index.chunks is None:
+            raise CheckpointIndexError(f"{folder}: this checkpoint's index describes no chunks "
+                              f"({index.meta.get('no_chunks', 'layout without an emitter')}).")
+        self.folder, self.index = folder, index
+        self._files: dict[str, Any] = {}
+
+    def _file(self, name: str) -> Any:
+        import torch
+
+        if name not in self._files:
+            path = os.path.join(self.folder, name)
+            if not os.path.isfile(path):
+                raise CheckpointIndexError(f"{self.folder}: the index names {name!r}, which is not in the checkpoint.")
+            self._files[name] = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        return self._files[name]
+
+    def stored(self, c: Chunk):
+        """The stored tensor a chunk lies in, flattened."""
+        import torch
+
+        obj = self._file(c.file)
+        for k in c.key:
+            try:
+                obj = obj[k]
+            except (KeyError, IndexError, TypeError):
+                raise CheckpointIndexError(f"{self.folder}: {c.file!r} has no {'/'.join(map(str, c.key))!r} (chunk of "
+                                  f"{c.name!r} {c.state}); the files disagree with the index.") from None
+        if not torch.is_tensor(obj):
+            raise CheckpointIndexError(f"{self.folder}: {c.file!r} {'/'.join(map(str, c.key))!r} is not a tensor; the files "
+                              "disagree with the index.")
+        flat = obj.reshape(-1)
+        if c.at + c.length > flat.numel():
+            raise CheckpointIndexError(f"{self.folder}: {c.file!r} {'/'.join(map(str, c.key))!r} has {flat.numel()} elements; "
+                              f"the index places {c.name!r} {c.state} at [{c.at}, {c.at + c.length}). The files "
+                              "disagree with the index.")
+        return flat
+
+    def has(self, name: str, state: str) -> bool:
+        return (name, state) in self.index.by_key()
+
+    def region(self, name: str, state: str, start: int, stop: int, out=None):
+        """Elements ``[start, stop)`` of the flat global ``state`` of ``name``: copied into ``out`` if
+        given; else a region inside one chunk is a view of the memory-mapped file (read-only in
+        spirit: copy what you keep), one across chunks a new tensor."""
+        import torch
+
+        cs = self.index.by_key().get((name, state))
+        if not cs:
+            raise CheckpointIndexError(f"{self.folder}: the checkpoint index has no {state!r} for {name!r}.")
+        if stop <= start:  # an empty region (e.g. a rank's empty piece of a mixed-layout matrix)
+            return out if out is not None else torch.empty(0, dtype=self.stored(cs[0]).dtype)
+        plan = overlaps(cs, start, stop)
+        framed = [c for c, *_ in plan if c.frame is not None]
+        if framed:
+            raise CheckpointIndexError(f"{self.folder}: {name!r} {state} is stored in frame {framed[0].frame!r}; "
+                              "the index reader reads the global frame only.")
+        if out is None and len(plan) == 1:  # one chunk: a view of the mapped file, no copy (callers copy
+            c, src, _, n = plan[0]             # what they keep, as from any memory-mapped checkpoint)
+            return self.stored(c)[src:src + n]
+        if out is None:
+            out = torch.empty(stop - start, dtype=self.stored(plan[0][0]).dtype)
+        for c, src, dst, n in plan:
+            out[dst:dst + n].copy_(self.stored(c)[src:src + n])
+        return out
+
+    def whole(self, name: str, state: str = MASTER):
+        shape = self.index.shape(name, state)
+        return self.region(name, state, 0, math.prod(shape)).view(shape)

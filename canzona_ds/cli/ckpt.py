@@ -1,0 +1,187 @@
+"""``canzona-ckpt``: look into, check and consolidate a canzona-ds checkpoint.
+
+    canzona-ckpt inspect DIR [--tag T]            tag, integrity, layout, optimizer, sizes, what each rank holds
+    canzona-ckpt verify  DIR [--tag T] [--mode sha256|size]
+                                                  the manifest (every file's bytes), the index (its own
+                                                  consistency) and every chunk against the file that holds it
+    canzona-ckpt convert DIR OUT [--tag T]        OUT/model.safetensors (fp32 weights by whole-model name),
+                                                  OUT/optimizer.pt (every state by whole-model name),
+                                                  OUT/info.json (what was converted, from where)
+
+``--tag`` defaults to the one ``DIR/latest`` names.  Exit status: 0 ok, 2 a problem (the
+message names it).  ``convert`` reads through the checkpoint index; a tag whose index describes
+no chunks (tensor or pipeline parallelism, DeepSpeed MoE, or written before the index) is read
+by the per-layout reader (integration/elastic.py), which names what it cannot read.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+
+PROG = "canzona-ckpt"
+
+
+def _tag(folder: str, tag: str | None) -> str:
+    from ..checkpoint import LATEST
+
+    if tag is not None:
+        return tag
+    path = os.path.join(folder, LATEST)
+    if not os.path.isfile(path):
+        raise ValueError(f"{folder} has no {LATEST} file; name the tag with --tag.")
+    with open(path, encoding="utf-8") as f:
+        return f.read().strip()
+
+
+def _integrity(folder: str, tag: str, mode: str) -> str:
+    from .. import checkpoint as ck
+
+    try:
+        ck.verify(folder, tag, mode)
+    except ck.CheckpointError as e:
+        return f"NOT intact: {e}"
+    return f"intact ({mode} of every file matches {ck.MANIFEST})"
+
+
+def inspect(folder: str, tag: str | None, out=sys.stdout) -> int:
+    from ..ckpt.index import INDEX, Index
+
+    tag = _tag(folder, tag)
+    path = os.path.join(folder, tag)
+    if not os.path.isdir(path):
+        raise ValueError(f"{path} does not exist.")
+    print(f"checkpoint {path}", file=out)
+    print(f"  integrity: {_integrity(folder, tag, 'size')}", file=out)
+    sizes = {f: os.path.getsize(os.path.join(path, f)) for f in sorted(os.listdir(path))
+             if os.path.isfile(os.path.join(path, f))}
+    print(f"  files: {len(sizes)}, {sum(sizes.values()):,} bytes", file=out)
+    for f, n in sizes.items():
+        print(f"    {n:>14,}  {f}", file=out)
+    if not os.path.isfile(os.path.join(path, INDEX)):
+        print(f"  index: none ({INDEX} missing: written before the index, or an incomplete save)", file=out)
+        return 0
+    index = Index.read(path)
+    m = index.meta
+    print(f"  layout: ZeRO stage {m.get('stage')}, DP={m.get('dp')} TP={m.get('tp')} PP={m.get('pp')}, "
+          f"world size {m.get('world_size')}", file=out)
+    roles = m.get("roles", {})
+    n_mat = sum(r == "matrix" for r in roles.values())
+    print(f"  optimizer: rule {m.get('rule')!r} on {n_mat} matrices, AdamW on {len(roles) - n_mat} parameters; "
+          f"matrix step {m.get('matrix_step')}, AdamW step {m.get('adam_step')}", file=out)
+    if index.chunks is None:
+        print(f"  chunks: not described ({m.get('no_chunks')})", file=out)
+        return 0
+    held: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for c in index.chunks:
+        held[c.rank]["chunks"] += 1
+        held[c.rank][c.state if c.state in ("param", "exp_avg", "exp_avg_sq") else "rule state"] += c.length
+    print(f"  chunks: {len(index.chunks)} over {len(index.names)} parameters; elements each rank holds:", file=out)
+    for r in sorted(held):
+        parts = ", ".join(f"{k} {v:,}" for k, v in held[r].items() if k != "chunks")
+        print(f"    rank {r}: {held[r]['chunks']} chunks; {parts}", file=out)
+    return 0
+
+
+def verify(folder: str, tag: str | None, mode: str, out=sys.stdout) -> int:
+    from .. import checkpoint as ck
+    from ..ckpt.index import INDEX, Index, Reader
+
+    tag = _tag(folder, tag)
+    path = os.path.join(folder, tag)
+    ck.verify(folder, tag, mode)
+    print(f"{path}: manifest: every file's {mode} matches", file=out)
+    if not os.path.isfile(os.path.join(path, INDEX)):
+        print(f"{path}: no {INDEX} (written before the index): the manifest is all there is to check", file=out)
+        return 0
+    index = Index.read(path)
+    if index.chunks is not None:
+        reader = Reader(path, index)
+        for c in index.chunks:
+            reader.stored(c)  # every chunk's key resolves to a tensor long enough to hold it
+    n = "no chunks described" if index.chunks is None else f"{len(index.chunks)} chunks agree with their files"
+    print(f"{path}: index: consistent, {n}", file=out)
+    return 0
+
+
+def _consolidated(path: str) -> tuple[dict, dict, dict]:
+    """(name -> fp32 weight, name -> {state: tensor}, info), every tensor whole."""
+    from ..ckpt.index import INDEX, MASTER, Index, Reader
+
+    if os.path.isfile(os.path.join(path, INDEX)):
+        index = Index.read(path)
+        if index.chunks is not None:
+            reader = Reader(path, index)
+            weights = {n: reader.whole(n, MASTER).clone() for n in index.names}  # (views of the files otherwise)
+            state: dict[str, dict] = defaultdict(dict)
+            for name, key in index.by_key():
+                if key != MASTER:
+                    state[name][key] = reader.whole(name, key).clone()
+            info = {k: index.meta.get(k) for k in ("stage", "dp", "tp", "pp", "rule", "roles", "matrix_step",
+                                                   "adam_step")}
+            return weights, dict(state), info
+    from ..integration.elastic import read
+
+    folder, tag = os.path.split(path.rstrip("/"))
+    uni = read(folder, tag)
+    state = {n: dict(st) for n, st in uni.rule_state.items()}
+    for n, st in uni.adam.items():
+        state.setdefault(n, {}).update(st)
+    roles = {n: ("matrix" if n in uni.rule_state else "adamw") for n in uni.params}
+    info = {"dp": uni.source.get("dp"), "tp": uni.source.get("tp"), "rule": uni.rule, "roles": roles,
+            "matrix_step": uni.matrix_step, "adam_step": uni.adam_step}
+    return dict(uni.params), state, info
+
+
+def convert(folder: str, tag: str | None, out_dir: str, out=sys.stdout) -> int:
+    import torch
+    from safetensors.torch import save_file
+
+    tag = _tag(folder, tag)
+    path = os.path.join(folder, tag)
+    if not os.path.isdir(path):
+        raise ValueError(f"{path} does not exist.")
+    weights, state, info = _consolidated(path)
+    os.makedirs(out_dir, exist_ok=True)
+    save_file({n: t.contiguous() for n, t in weights.items()}, os.path.join(out_dir, "model.safetensors"))
+    torch.save({"format": "canzona_ds.ckpt.consolidated/1", "state": state, **info},
+               os.path.join(out_dir, "optimizer.pt"))
+    with open(os.path.join(out_dir, "info.json"), "w", encoding="utf-8") as f:
+        json.dump({"source": os.path.abspath(path), "parameters": len(weights),
+                   "with_state": len(state), **{k: v for k, v in info.items() if k != "roles"}}, f, indent=1)
+    print(f"wrote {out_dir}: model.safetensors ({len(weights)} parameters), optimizer.pt ({len(state)} with state, "
+          f"rule {info.get('rule')!r}), from {path} (DP={info.get('dp')} TP={info.get('tp')})", file=out)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog=PROG, description="Inspect, verify and consolidate canzona-ds checkpoints.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    for name, helptext in (("inspect", "what the checkpoint holds"), ("verify", "check it byte for byte"),
+                           ("convert", "consolidated files by whole-model name")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("dir", help="the checkpoint directory (holding the tags and `latest`)")
+        if name == "convert":
+            p.add_argument("out", help="output directory")
+        p.add_argument("--tag", default=None, help="the tag (default: the one `latest` names)")
+        if name == "verify":
+            p.add_argument("--mode", choices=["sha256", "size"], default="sha256")
+    args = ap.parse_args(argv)
+    from .. import checkpoint as ck
+    from ..ckpt.index import CheckpointIndexError
+
+    try:
+        if args.cmd == "inspect":
+            return inspect(args.dir, args.tag)
+        if args.cmd == "verify":
+            return verify(args.dir, args.tag, args.mode)
+        return convert(args.dir, args.tag, args.out)
+    except (ck.CheckpointError, CheckpointIndexError, ValueError, OSError) as e:
+        print(f"{PROG} {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

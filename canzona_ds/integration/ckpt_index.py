@@ -1,0 +1,664 @@
+"""The checkpoint index of a Canzona engine: each placement emits the chunks it holds at save,
+and one loop fills any running layout from the chunks at load (canzona_ds/ckpt/index.py has
+the model; this file is the DeepSpeed side).
+
+Save (every rank, after DeepSpeed wrote its files; :func:`emit`)::
+
+    stage 0    the rank that writes mp_rank_00_model_states.pt: every parameter whole
+               (module/<name>), AdamW moments (optimizer/state/<i>/exp_avg), rule state
+               (optimizer/canzona/matrix_state/<name>/<key>)
+    stage 1/2  every DP rank, its zero_pp_rank_<r>_..._optim_states.pt: each owned matrix's
+               view of the flat fp32 partition (a mixed layout's piece at its offset), each
+               AdamW parameter's overlap with the partition (master and both moments), the
+               rule state it keeps (whole matrices; a mixed layout's element-wise pieces)
+    stage 3    every DP rank: each parameter's ZeRO-3 piece [r*P, r*P + n) of its fp32 flat
+               group (and moments), the rule state of the matrices it hosts
+
+    gathered on rank 0 -> Index(tag, meta, files, chunks) -> canzona_index.json
+
+A layout that has no emitter yet (tensor or pipeline parallelism, DeepSpeed MoE, a bf16/fp16
+model at stage 0) writes the index with ``chunks: null`` and the reason; such tags are resumed
+by the per-layout readers (integration/elastic.py) as before.  A ZeRO-3 tag written before the
+index gets one built from its layout records (:func:`legacy_zero3_index`).
+
+Load (:func:`load`, when the index says the checkpoint's ZeRO stage differs from the run's)::
+
+    src = IndexSource(Reader(folder, index))      regions by whole-model name, memory-mapped
+    stage 1/2  elastic.write(engine, src)         each rank's views and AdamW overlap
+    stage 3    each parameter's piece [r*P, r*P + n) of every state, rule state of its hosts
+    stage 0    every parameter whole, its moments; every matrix's rule state
+    then the engine's counters, lr scheduler and client state from the saved engine file
+
+Every refusal (another rule, other parameters, other shapes, a role change) is decided from
+the index alone, alike on every rank, before any buffer is written.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..ckpt.index import INDEX, MASTER, CheckpointIndexError, Chunk, Index, Reader
+
+logger = logging.getLogger(__name__)
+
+ADAM = "adamw"
+MATRIX = "matrix"
+
+
+# ---------------------------------------------------------------------------------------- emit
+def _layout_without_emitter(engine, opt) -> str | None:
+    """Why this run's layout emits no chunks (None: it does)."""
+    if opt.tp_size > 1:
+        return "tensor parallelism (TP layout frames are read by integration/elastic.py)"
+    if opt.moe is not None and getattr(opt.moe, "active", False):
+        return "DeepSpeed MoE expert groups"
+    stage = engine.zero_optimization_stage()
+    if stage == 0 and (engine.bfloat16_enabled() or engine.fp16_enabled()):
+        return "a bf16/fp16 model at ZeRO stage 0 (the fp32 master is not the module)"
+    if engine.zero_cpu_offload() and stage == 3:
+        return "ZeRO-3 offload"
+    return None
+
+
+def _rule_state_chunks(opt, file: str, prefix: tuple, rank: int, piece_at: dict[str, int]) -> list[Chunk]:
+    """The rule state this rank keeps: whole matrices (``matrix_state``), and under the mixed
+    layout its piece ``[piece_at[name], + n)`` of a hosted matrix's element-wise state."""
+    out = []
+    for name, st in opt.matrix_state.items():
+        for k, v in st.items():
+            if not torch.is_tensor(v):
+                raise CheckpointIndexError(f"rule state {name!r} {k!r} is a {type(v).__name__}, not a tensor; the "
+                                           "index describes tensors only.")
+            out.append(Chunk(name, k, tuple(v.shape), 0, v.numel(), file, prefix + ("matrix_state", name, k), 0,
+                             None, rank))
+    for name, st in opt.piece_state.items():  # the mixed layout: this rank's piece of element-wise state
+        for k, v in st.items():
+            out.append(Chunk(name, k, tuple(opt.infos[name].shape), piece_at[name], v.numel(), file,
+                             prefix + ("piece_state", name, k), 0, None, rank))
+    return out
+
+
+def _emit_zero12(engine, opt, rank: int) -> list[Chunk]:
+    from deepspeed import comm as dist
+
+    zopt = engine.optimizer
+    file = os.path.basename(engine._get_zero_ckpt_name("", ""))
+    top = ("optimizer_state_dict",)
+    base = top + ("base_optimizer_state",)
+    order = [id(p) for g in opt.param_groups for p in g["params"]]
+    out: list[Chunk] = []
+    split = opt.placement.hosted.split if opt.placement.hosted is not None else {}
+    piece_at: dict[str, int] = {}
+    shape_of = {n: tuple(p.shape) for n, p in engine.module.named_parameters()}
+    for i, g in enumerate(opt.param_groups):
+        flat = zopt.single_partition_of_fp32_groups[i]
+        fkey = top + ("single_partition_of_fp32_groups", i)
+        r = dist.get_rank(group=zopt.real_dp_process_group[i])
+        if g["canzona_role"] == MATRIX:
+            for v in opt.placement.views.get(id(flat), ()):
+                m = split.get(v.name)
+                lo = m.starts[r] if m is not None and hasattr(m, "starts") else 0
+                if m is not None and hasattr(m, "starts"):
+                    piece_at[v.name] = lo
+                out.append(Chunk(v.name, MASTER, shape_of[v.name], lo, v.numel, file, fkey, v.offset,
+                                 None, rank))
+            continue
+        P = zopt.partition_size[i]
+        lo, hi = r * P, (r + 1) * P
+        st = opt.state.get(flat) or {}
+        idx = order.index(id(flat))
+        for p, off in zip(zopt.round_robin_bit16_groups[i], zopt.round_robin_bit16_offsets[i]):
+            name = zopt.param_names[p]
+            a, b = max(off, lo), min(off + p.numel(), hi)
+            if a >= b:
+                continue
+            out.append(Chunk(name, MASTER, tuple(p.shape), a - off, b - a, file, fkey, a - lo, None, rank))
+            for k in ("exp_avg", "exp_avg_sq"):
+                if k in st:
+                    out.append(Chunk(name, k, tuple(p.shape), a - off, b - a, file, base + ("state", idx, k), a - lo,
+                                     None, rank))
+    return out + _rule_state_chunks(opt, file, base + ("canzona",), rank, piece_at)
+
+
+def _emit_zero3(engine, opt, rank: int) -> list[Chunk]:
+    zopt = engine.optimizer
+    file = os.path.basename(engine._get_zero_ckpt_name("", ""))
+    top = ("optimizer_state_dict",)
+    inner = top + ("optimizer_state_dict",)
+    r = _dp_rank(zopt)
+    names_of = {id(p): n for n, p in zopt.module.named_parameters()}
+    # the torch state index of each sub-group's flat: DeepSpeed's state_dict puts every sub-group
+    # back into its param group (sub-group order within each group) before torch numbers them
+    idx_of, k = {}, 0
+    for g in range(len(zopt.optimizer.param_groups)):
+        for s in range(len(zopt.fp16_groups)):
+            if int(zopt.sub_group_to_group_id[s]) == g:
+                idx_of[s], k = k, k + 1
+    out: list[Chunk] = []
+    for s, group in enumerate(zopt.fp16_groups):
+        flat = zopt.fp32_partitioned_groups_flat[s]
+        st = zopt.optimizer.state.get(flat) or {}
+        off = 0
+        for p in group:
+            P = p.partition_numel()
+            n = max(0, min(P, p.ds_numel - r * P))
+            name = names_of[id(p)]
+            if n:
+                out.append(Chunk(name, MASTER, tuple(p.ds_shape), r * P, n, file, top + ("fp32_flat_groups", s), off,
+                                 None, rank))
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if key in st:
+                        out.append(Chunk(name, key, tuple(p.ds_shape), r * P, n, file,
+                                         inner + ("state", idx_of[s], key), off, None, rank))
+            off += P
+    return out + _rule_state_chunks(opt, file, inner + ("canzona",), rank, {})
+
+
+def _emit_stage0(engine, opt, rank: int) -> list[Chunk]:
+    if not engine.save_non_zero_checkpoint:
+        return []  # another rank writes the (replicated) file
+    file = os.path.basename(engine._get_ckpt_name("", ""))
+    order = [id(p) for g in opt.param_groups for p in g["params"]]
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    out: list[Chunk] = []
+    for g in opt.param_groups:
+        for p in g["params"]:
+            name = names[id(p)]
+            out.append(Chunk(name, MASTER, tuple(p.shape), 0, p.numel(), file, ("module", name), 0, None, rank))
+            st = opt.state.get(p) or {}
+            for k in ("exp_avg", "exp_avg_sq"):
+                if g["canzona_role"] != MATRIX and k in st:
+                    out.append(Chunk(name, k, tuple(p.shape), 0, p.numel(), file,
+                                     ("optimizer", "state", order.index(id(p)), k), 0, None, rank))
+    return out + _rule_state_chunks(opt, file, ("optimizer", "canzona"), rank, {})
+
+
+def _dp_rank(zopt) -> int:
+    from deepspeed import comm as dist
+
+    return dist.get_rank(group=zopt.dp_process_group)
+
+
+def _adam_step(opt) -> float | None:
+    """The AdamW step count (matrices keep no torch state; at ZeRO-3 the param groups are empty
+    between steps, so the state is read directly)."""
+    for st in opt.state.values():
+        if isinstance(st, dict) and "step" in st:
+            return float(st["step"])
+    return None
+
+
+def emit(engine) -> tuple[list[Chunk] | None, dict]:
+    """(this rank's chunks, or None with the reason in the meta; the run's meta)."""
+    from .runtime_info import canzona_optimizer
+
+    opt = canzona_optimizer(engine)
+    stage = engine.zero_optimization_stage()
+    matrix_step = next((int(g["step"]) for g in opt.param_groups if g["canzona_role"] == MATRIX), 0)
+    roles = {}
+    for g, names in zip(opt.param_groups, opt.group_names):
+        for n in names:
+            roles[opt.global_name(n)] = MATRIX if g["canzona_role"] == MATRIX else ADAM
+    meta: dict[str, Any] = {
+        "stage": stage, "dp": opt.groups.dp_size, "tp": opt.tp_size, "pp": opt.groups.pp_size,
+        "world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
+        "rule": opt.rule.name, "roles": roles, "matrix_step": matrix_step, "adam_step": _adam_step(opt),
+        "engine_file": None, "scalars": None,
+    }
+    why = _layout_without_emitter(engine, opt)
+    if why is not None:
+        meta["no_chunks"] = why
+        return None, meta
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    if stage == 0:
+        chunks = _emit_stage0(engine, opt, rank)
+    elif stage == 3:
+        chunks = _emit_zero3(engine, opt, rank)
+    else:
+        chunks = _emit_zero12(engine, opt, rank)
+    # (a mixed layout's piece can be empty on a rank: nothing to describe)
+    return [c for c in chunks if c.length > 0], meta
+
+
+def layout_fingerprint(engine) -> str | None:
+    """This rank's ZeRO layout fingerprint (the plan and padded layout at ZeRO 1/2, the hosting
+    plan at ZeRO 3; None at stage 0, where every rank holds everything)."""
+    meta = getattr(engine.optimizer, "canzona_layout_meta", None)
+    return meta().get("fingerprint") if callable(meta) else None
+
+
+def _engine_files(engine) -> tuple[str, dict | None]:
+    """The model-states file with the engine counters (DP rank 0's), and the loss-scaler record."""
+    name = os.path.basename(engine._get_ckpt_name("", ""))
+    if engine.zero_optimization_stage() == 3:
+        name = name.replace(f"zero_pp_rank_{_dp_rank(engine.optimizer)}_", "zero_pp_rank_0_")
+    scalars = None
+    if engine.zero_optimization_stage() > 0:
+        zfile = os.path.basename(engine._get_zero_ckpt_name("", ""))
+        zfile = zfile.replace(f"zero_pp_rank_{_dp_rank(engine.optimizer)}_", "zero_pp_rank_0_")
+        scalars = {"file": zfile, "key": ["optimizer_state_dict"]}
+    return name, scalars
+
+
+def gather_index(engine, tag: str, directory: str) -> Index | None:
+    """Every rank's chunks gathered (a collective); the index on rank 0, None elsewhere."""
+    import torch.distributed as tdist
+
+    chunks, meta = emit(engine)
+    meta["engine_file"], meta["scalars"] = _engine_files(engine)
+    payload = (None if chunks is None else [c.to_json() for c in chunks], meta["roles"], layout_fingerprint(engine))
+    if tdist.is_initialized():
+        parts: list = [None] * tdist.get_world_size()
+        tdist.all_gather_object(parts, payload)
+    else:
+        parts = [payload]
+    if tdist.is_initialized() and tdist.get_rank() != 0:
+        return None
+    # every rank's roles (a pipeline stage knows its own parameters only) and layout fingerprint
+    meta["roles"] = {n: r for _, roles, _ in parts for n, r in roles.items()}
+    meta["fingerprints"] = [fp for _, _, fp in parts]
+    parts = [c for c, _, _ in parts]
+    files = sorted(f for f in _list(directory))
+    if any(p is None for p in parts):
+        all_chunks = None
+    else:
+        all_chunks = [Chunk.from_json(c) for part in parts for c in part]
+    return Index(tag, meta, files, all_chunks)
+
+
+def _list(directory: str) -> list[str]:
+    from ..checkpoint import SAVING, _list_files
+
+    return [f for f in _list_files(directory) if f not in (INDEX, SAVING)]
+
+
+# ---------------------------------------------------------------------------------------- load
+def read_index(folder: str) -> Index | None:
+    """The tag's index, or None where the tag has none (written before the index existed)."""
+    if not os.path.isfile(os.path.join(folder, INDEX)):
+        return None
+    return Index.read(folder)
+
+
+def legacy_zero3_index(folder: str) -> Index | None:
+    """The index of a ZeRO-3 tag written before the index existed, built from the layout record
+    each optimizer file carries (``canzona_layout``, ``kind: "zero3"``: every sub-group's
+    parameters in flat order, their element counts, the DP size) and the shapes DeepSpeed's
+    model-states file records; None where the tag is not such a checkpoint.  Each parameter of
+    ``n`` elements was saved as ``dp`` pieces of ``P = ceil(n / dp)`` (the last one short), piece
+    ``r`` at its offset of rank ``r``'s flat sub-group::
+
+        rank r file: fp32_flat_groups[s] = | a[rP:rP+n_r] pad | b[rP:rP+n_r] pad | ...
+    """
+    from .elastic import OPTIM_FILE, _load
+
+    if not os.path.isdir(folder):
+        return None
+    files = sorted((int(m.group(1)), f) for f in os.listdir(folder) if (m := OPTIM_FILE.search(f))
+                   and int(m.group(2)) == 0)
+    if not files:
+        return None
+    first = _load(os.path.join(folder, files[0][1]), mmap=True)["optimizer_state_dict"]
+    if (first.get("canzona_layout") or {}).get("kind") != "zero3":
+        return None
+    tops = [first] + [_load(os.path.join(folder, f), mmap=True)["optimizer_state_dict"] for _, f in files[1:]]
+    metas = [t.get("canzona_layout") or {} for t in tops]
+    if any(m.get("kind") != "zero3" or "sub_groups" not in m for m in metas):
+        return None
+    meta0 = metas[0]
+    dp = int(meta0["world_size"])
+    if [r for r, _ in files] != list(range(dp)):
+        return None  # the files of another DP size, or some missing: the manifest names them
+    model_file = "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    shapes = {}
+    for group in _load(os.path.join(folder, model_file), mmap=True).get("param_shapes") or []:
+        shapes.update({n: tuple(s) for n, s in group.items()})
+    numels = meta0["numels"]
+    inner = [t["optimizer_state_dict"] for t in tops]
+    idx_of, k = {}, 0  # sub-group -> torch state index (param group order, sub-groups within)
+    for g in range(len(inner[0]["param_groups"])):
+        for sg, pg in enumerate(meta0["sub_group_param_group"]):
+            if pg == g:
+                idx_of[sg], k = k, k + 1
+    chunks = []
+    for r, (_, file) in enumerate(files):
+        state = inner[r]["state"]
+        for sg, names in enumerate(meta0["sub_groups"]):
+            off = 0
+            st = state.get(idx_of[sg]) or {}
+            for name in names:
+                n_all = int(numels[name])
+                P = -(-n_all // dp)
+                n = max(0, min(P, n_all - r * P))
+                if n:
+                    key = ("optimizer_state_dict", "fp32_flat_groups", sg)
+                    chunks.append(Chunk(name, MASTER, shapes[name], r * P, n, file, key, off, None, r))
+                    for sk in ("exp_avg", "exp_avg_sq"):
+                        if sk in st:
+                            chunks.append(Chunk(name, sk, shapes[name], r * P, n, file, ("optimizer_state_dict",
+                                          "optimizer_state_dict", "state", idx_of[sg], sk), off, None, r))
+                off += P
+        for name, st in ((inner[r].get("canzona") or {}).get("matrix_state") or {}).items():
+            for sk, v in st.items():
+                chunks.append(Chunk(name, sk, tuple(v.shape), 0, v.numel(), file, ("optimizer_state_dict",
+                              "optimizer_state_dict", "canzona", "matrix_state", name, sk), 0, None, r))
+    matrices = set(meta0["matrix_names"])
+    groups = inner[0]["param_groups"]
+    adam_step = next((float(st["step"]) for st in inner[0]["state"].values() if "step" in st), None)
+    meta = {"stage": 3, "dp": dp, "tp": 1, "pp": 1, "world_size": dp, "rule": meta0["rule"],
+            "roles": {n: (MATRIX if n in matrices else ADAM) for n in numels},
+            "matrix_step": next((int(g["step"]) for g in groups if g.get("canzona_role") == MATRIX), 0),
+            "adam_step": adam_step, "engine_file": model_file,
+            "scalars": {"file": files[0][1], "key": ["optimizer_state_dict"]},
+            "fingerprints": [m.get("fingerprint") for m in metas], "adapted_from": "canzona_layout (zero3)"}
+    listing = sorted(f for f in os.listdir(folder) if os.path.isfile(os.path.join(folder, f)))
+    index = Index(os.path.basename(folder.rstrip("/")), meta, listing, chunks)
+    index.validate(f"{folder} (index built from its ZeRO-3 layout records)")
+    return index
+
+
+class IndexSource:
+    """What ``elastic.write`` (and the stage-0 and ZeRO-3 fills here) read through, answered
+    from the index: regions by whole-model name, rule state whole, scalars."""
+
+    def __init__(self, folder: str, index: Index) -> None:
+        self.folder, self.index = folder, index
+        self.reader = Reader(folder, index)
+        self.rule = index.meta["rule"]
+        self.matrix_step = index.meta.get("matrix_step", 0)
+        adam = index.meta.get("adam_step")
+        self.adam_step = 0.0 if adam is None else adam
+        self.roles = index.meta.get("roles", {})
+        #: parameters whose role changed, opted in to re-initialise (``reinit_changed_roles``)
+        self.changed: set[str] = set()
+        #: under pipeline parallelism: this stage's parameters (what ``write`` may ask for)
+        self.only: set[str] | None = None
+        self.engine_state, self.client_state = self._engine_state()
+        self.zero_scalars = self._zero_scalars()
+
+    def _engine_state(self) -> tuple[dict, dict]:
+        from .elastic import DS_MODEL_KEYS
+
+        name = self.index.meta.get("engine_file")
+        if not name:
+            return {}, {}
+        sd = self.reader._file(name)
+        engine = {k: sd.get(k) for k in ("global_steps", "global_samples", "skipped_steps", "lr_scheduler")}
+        client = {k: v for k, v in sd.items() if k not in DS_MODEL_KEYS}
+        return engine, client
+
+    def _zero_scalars(self) -> dict:
+        rec = self.index.meta.get("scalars")
+        if not rec:
+            return {}
+        sd = self.reader._file(rec["file"])
+        for k in rec["key"]:
+            sd = sd[k]
+        return {k: sd[k] for k in ("loss_scaler", "dynamic_loss_scale", "overflow") if k in sd}
+
+    # the source protocol of elastic.write
+    @property
+    def names(self) -> list[str]:
+        return [n for n in self.index.names if self.only is None or n in self.only]
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        return self.index.shape(name)
+
+    def flat_range(self, name: str, key: str, start: int, stop: int, tp_layout=None, tp_rank: int = 0) -> Tensor:
+        if tp_layout is not None:
+            raise CheckpointIndexError(f"{name!r}: the index loop reads no TP layout (this run is TP-split).")
+        if name in self.changed and key != MASTER:  # a matrix that became AdamW: its moments start at zero
+            return torch.zeros(stop - start, dtype=torch.float32)
+        return self.reader.region(name, key, start, stop)
+
+    def state_names(self) -> list[str]:
+        return sorted({n for (n, s) in self.index.by_key() if s != MASTER and self.roles.get(n) != ADAM
+                       and n not in self.changed and (self.only is None or n in self.only)})
+
+    def state_shapes(self, name: str) -> dict[str, tuple[int, ...]]:
+        return {k: v for k, v in self.index.states_of(name).items() if k != MASTER}
+
+    def state_of(self, name: str) -> dict[str, Any]:
+        return {k: self.reader.whole(name, k) for k in self.state_shapes(name)}
+
+    def check_state_layout(self, rule, name: str, tp_layout) -> None:
+        return None
+
+    def state_in(self, rule, name: str, tp_layout) -> dict[str, Any]:
+        return self.state_of(name)
+
+
+def _check_roles(engine, opt, index: Index, folder: str, reinit: bool) -> list[str]:
+    """Parameters whose role (matrix rule <-> AdamW) differs between the checkpoint and this run:
+    refused by name, or (``reinit``) returned to be re-initialised."""
+    import torch.distributed as tdist
+
+    here = _roles_here(opt)
+    if opt.groups.pp_size > 1 and tdist.is_initialized():  # every stage's, so every rank names them all
+        parts: list = [None] * tdist.get_world_size()
+        tdist.all_gather_object(parts, here)
+        here = {n: r for part in parts for n, r in part.items()}
+    saved = index.meta.get("roles", {})
+    changed = sorted(n for n, r in here.items() if n in saved and saved[n] != r)
+    if changed and not reinit:
+        what = ", ".join(f"{n!r} ({saved[n]} -> {here[n]})" for n in changed[:6])
+        raise CheckpointIndexError(
+            f"{folder}: the optimizer role of {len(changed)} parameter(s) changed since the save: {what}. Their "
+            "saved optimizer state cannot serve the new role, and nothing restarts silently. Restore the matrix "
+            "selection (matrix_include / matrix_exclude) the checkpoint was written with, or set "
+            "\"canzona_checkpoint\": {\"reinit_changed_roles\": true} to re-initialise exactly those states.")
+    return changed
+
+
+def fill_stage0(engine, opt, src: IndexSource, changed: set) -> None:
+    names = dict(engine.module.named_parameters())
+    with torch.no_grad():
+        for g in opt.param_groups:
+            for p in g["params"]:
+                opt.state.pop(p, None)
+        for g, gnames in zip(opt.param_groups, opt.group_names):
+            for name, p in zip(gnames, g["params"]):
+                p.data.copy_(src.reader.whole(name, MASTER).view(p.shape))
+                if g["canzona_role"] == MATRIX or name in changed:
+                    continue
+                if src.reader.has(name, "exp_avg"):
+                    opt.state[p] = {"step": torch.tensor(float(src.adam_step), dtype=torch.float32),
+                                    **{k: src.reader.whole(name, k).view(p.shape).to(p.device, copy=True)
+                                       for k in ("exp_avg", "exp_avg_sq")}}
+        frozen = [n for n, p in names.items() if not p.requires_grad]
+        for n in frozen:
+            names[n].data.copy_(src.reader.whole(n, MASTER).view(names[n].shape))
+    _fill_rule_state(opt, src, changed)
+
+
+def fill_zero3(engine, opt, src: IndexSource, changed: set) -> None:
+    zopt = engine.optimizer
+    rank = _dp_rank(zopt)
+    names_of = {id(p): n for n, p in zopt.module.named_parameters()}
+    here = _roles_here(opt)
+    with torch.no_grad():
+        for i, group in enumerate(zopt.fp16_groups):
+            flat = zopt.fp32_partitioned_groups_flat[i]
+            names = [names_of[id(p)] for p in group]
+            zopt.optimizer.state.pop(flat, None)
+            sources = {MASTER: flat}
+            if any(here.get(n) == ADAM for n in names):  # an AdamW sub-group in this run
+                state = {"step": torch.tensor(float(src.adam_step), dtype=torch.float32),
+                         "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
+                zopt.optimizer.state[flat] = state
+                sources.update(exp_avg=state["exp_avg"], exp_avg_sq=state["exp_avg_sq"])
+            off = 0
+            for name, p in zip(names, group):
+                P = p.partition_numel()
+                n = max(0, min(P, p.ds_numel - rank * P))
+                for key, dst in sources.items():
+                    dst.narrow(0, off, P).zero_()
+                    if n and (key == MASTER or name not in changed):
+                        src.reader.region(name, key, rank * P, rank * P + n, out=dst.narrow(0, off, n))
+                off += P
+            zopt.fp16_partitioned_groups_flat[i].data.copy_(flat.data)
+            zopt._unflatten_partitioned_parameters(i)
+    _fill_rule_state(opt, src, changed)
+
+
+def _fill_rule_state(opt, src: IndexSource, changed: set) -> None:
+    handled = set(opt.handled_state_names())
+    states = {n: {k: v.clone() for k, v in src.state_of(n).items()}  # owned, not views of the files
+              for n in src.state_names() if n in handled and n not in changed}
+    opt.matrix_state.clear()
+    opt.load_matrix_state(states)
+    opt.load_piece_state({})
+    for g in opt.param_groups:
+        if g["canzona_role"] == MATRIX:
+            g["step"] = src.matrix_step
+
+
+def _apply_engine_state(engine, src: IndexSource, load_lr_scheduler_states: bool) -> dict:
+    for key in ("global_steps", "global_samples", "skipped_steps"):
+        if src.engine_state.get(key) is not None:
+            setattr(engine, key, src.engine_state[key])
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and src.engine_state.get("lr_scheduler"):
+        engine.lr_scheduler.load_state_dict(src.engine_state["lr_scheduler"])
+    zopt = engine.optimizer
+    for key, value in src.zero_scalars.items():
+        if hasattr(zopt, key):
+            setattr(zopt, key, value)
+    return dict(src.client_state)
+
+
+def supported_here(engine) -> str | None:
+    """Why the index loop cannot fill this run's layout (None: it can)."""
+    from .runtime_info import canzona_optimizer
+
+    opt = canzona_optimizer(engine)
+    return None if opt is None else _layout_without_emitter(engine, opt)
+
+
+def index_route(engine, load_dir: str, tag: str | None) -> Index | None:
+    """The one comparison.  The checkpoint's index against this run: the same ZeRO stage, DP,
+    TP and PP size, world size, every rank's layout fingerprint and every parameter's role ->
+    None (DeepSpeed's stock load); anything else -> the index, for the index loop, where the
+    index describes its chunks and the loop fills this run's layout, or where a role or the
+    ZeRO stage changed (the loop then refuses by name what it cannot do).  Otherwise None: a
+    tag without an index (written before it), or a resize of a layout whose chunks are not
+    described yet (TP, MoE), goes to the per-layout readers as before.  The verdicts are
+    all-gathered, so every rank takes the same branch."""
+    import torch.distributed as tdist
+
+    from .elastic import latest_tag
+    from .runtime_info import canzona_optimizer
+
+    opt = canzona_optimizer(engine)
+    if opt is None:
+        return None
+    tag = latest_tag(load_dir) if tag is None else tag
+    if tag is None:
+        return None
+    folder = os.path.join(load_dir, str(tag))
+    index = read_index(folder)
+    if index is None:
+        index = legacy_zero3_index(folder)  # a ZeRO-3 tag written before the index
+    if index is None:
+        return None
+    m = index.meta
+    rank = tdist.get_rank() if tdist.is_initialized() else 0
+    world = tdist.get_world_size() if tdist.is_initialized() else 1
+    here = (engine.zero_optimization_stage(), opt.groups.dp_size, opt.tp_size, opt.groups.pp_size, world)
+    saved_fps = m.get("fingerprints") or []
+    mine = layout_fingerprint(engine)
+    same = (here == (m.get("stage"), m.get("dp"), m.get("tp"), m.get("pp"), m.get("world_size"))
+            and rank < len(saved_fps) and saved_fps[rank] == mine)
+    roles_here = _roles_here(opt)
+    changed = any(n in m.get("roles", {}) and m["roles"][n] != r for n, r in roles_here.items())
+    verdict = (same, changed)
+    if tdist.is_initialized():
+        verdicts: list = [None] * world
+        tdist.all_gather_object(verdicts, verdict)
+    else:
+        verdicts = [verdict]
+    if all(v[0] for v in verdicts) and not any(v[1] for v in verdicts):
+        return None  # the same fingerprint: DeepSpeed's stock load
+    if any(v[1] for v in verdicts) or m.get("stage") != engine.zero_optimization_stage():
+        return index  # the loop fills it, or refuses by name (DeepSpeed's load would crash)
+    if index.chunks is not None and supported_here(engine) is None:
+        return index
+    return None  # the per-layout readers (they refuse by name what they cannot read)
+
+
+def _roles_here(opt) -> dict[str, str]:
+    here = {}
+    for g, names in zip(opt.param_groups, opt.group_names):
+        for n in names:
+            here[opt.global_name(n)] = MATRIX if g["canzona_role"] == MATRIX else ADAM
+    return here
+
+
+def load(engine, load_dir: str, tag: str | None, index: Index, load_module_strict: bool = True,
+         load_lr_scheduler_states: bool = True) -> tuple[str, dict]:
+    """Fill ``engine`` from any saved layout the index describes (module docstring)."""
+    from .checkpoint_hooks import checkpoint_config
+    from .elastic import latest_tag, write
+    from .runtime_info import canzona_optimizer
+
+    tag = latest_tag(load_dir) if tag is None else tag
+    folder = os.path.join(load_dir, str(tag))
+    opt = canzona_optimizer(engine)
+    stage = engine.zero_optimization_stage()
+    saved = f"ZeRO stage {index.meta.get('stage')} (DP={index.meta.get('dp')})"
+    reinit = bool(checkpoint_config(engine).reinit_changed_roles)
+    changed = set(_check_roles(engine, opt, index, folder, reinit))
+    todo = "; ".join(t for t in (
+        f"ZeRO stage {index.meta.get('stage')} -> {stage}" if index.meta.get("stage") != stage else "",
+        f"PP {index.meta.get('pp')} -> {opt.groups.pp_size}" if index.meta.get("pp") != opt.groups.pp_size else "",
+        f"re-initialising {sorted(changed)[:4]}" if changed else "") if t) or "another layout"
+    if index.chunks is None:
+        raise CheckpointIndexError(f"{folder} was saved at {saved} with {index.meta.get('no_chunks')}, whose index "
+                                   f"describes no chunks, so {todo} cannot be done; resume it at ZeRO stage "
+                                   f"{index.meta.get('stage')} with the matrix selection it was saved with.")
+    why = supported_here(engine)
+    if why is not None:
+        raise CheckpointIndexError(f"{folder} (saved at {saved}): {todo} goes through the checkpoint index, which "
+                                   f"does not fill {why} yet; resume it at ZeRO stage {index.meta.get('stage')} "
+                                   "with the matrix selection it was saved with.")
+    src = IndexSource(folder, index)
+    if src.rule != opt.rule.name:
+        raise CheckpointIndexError(f"{folder} holds {src.rule!r} state; this engine runs {opt.rule.name!r}.")
+    import torch.distributed as tdist
+
+    local = {opt.global_name(n) for names in opt.group_names for n in names}
+    here = set(local)
+    if opt.groups.pp_size > 1:  # each stage holds its own parameters: the model is every stage's
+        parts: list = [None] * tdist.get_world_size()
+        tdist.all_gather_object(parts, sorted(local))
+        here = {n for part in parts for n in part}
+        src.only = local
+    saved_names = set(index.names)
+    missing, extra = sorted(here - saved_names), sorted(saved_names - here)
+    if missing or extra:
+        raise CheckpointIndexError(f"{folder}: the checkpoint's parameters differ from the model's: missing "
+                                   f"{missing[:5]}, unexpected {extra[:5]}.")
+    for n, p in engine.module.named_parameters():
+        shape = tuple(getattr(p, "ds_shape", p.shape))
+        if tuple(src.full_shape(n)) != shape:
+            raise CheckpointIndexError(f"{folder}: {n!r} is {tuple(src.full_shape(n))} in the checkpoint, {shape} here.")
+    from .elastic import _check_state
+
+    src.changed = changed
+    for name in src.state_names():  # every rule state fits this run's settings (shapes only)
+        if name in opt.state_infos:
+            _check_state(opt.rule, opt.state_infos[name], src.state_shapes(name))
+    for n in sorted(changed):
+        logger.warning("canzona_ds: %s: %r changed role (%s -> %s); its optimizer state is re-initialised "
+                       "(reinit_changed_roles)", folder, n, src.roles[n],
+                       MATRIX if src.roles[n] == ADAM else ADAM)
+    if stage == 0:
+        fill_stage0(engine, opt, src, changed)
+    elif stage == 3:
+        fill_zero3(engine, opt, src, changed)
+    else:
+        write(engine, src)
+    return folder, _apply_engine_state(engine, src, load_lr_scheduler_states)

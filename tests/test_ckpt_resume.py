@@ -1,0 +1,513 @@
+"""Resume through the checkpoint index: one scenario table (saved layout x running layout), then
+the index's guarantees (role changes, save faults, a damaged index, canzona-ckpt, another PP
+size, a ZeRO-3 tag from before the index, another optimizer).
+
+Each scenario saves (real gloo processes, gradient clipping that clips on every step), loads
+at another ZeRO stage and/or DP size through the plain ``engine.load_checkpoint``, and checks:
+
+  * lossless: right after the load the engine saves again; every (whole-model name, state key)
+    the first index holds (fp32 master, AdamW moments, every rule-state entry) reads back bit
+    for bit from the second, whatever the two layouts, and the step counts agree;
+  * exact continuation: the resumed run equals the single-process reference (torch's
+    clip_grad_norm_, the reference optimizer) that saw the saved run's batches before the
+    checkpoint and the resumed run's after it, bit for bit: both sides average over at most 2
+    ranks in fp32 (a sum of two is exact in either order) and run the same kernels.
+
+Saved checkpoints are shared between the scenarios that start from the same layout.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from canzona_ds.testing.dist import run_distributed
+from canzona_ds.testing.models import HP, batches, ds_config, make_model, params_of
+
+BEFORE, AFTER, MICRO = 2, 2, 2
+#: below the tiny model's gradient norm on every step (~1): every step clips
+CLIP = 0.05
+
+
+def _cfg(dp: int, stage: int, opt_type: str) -> dict:
+    from canzona_ds.testing.zero3 import zero3_config
+
+    kw = dict(optimizer=opt_type, gradient_clipping=CLIP)
+    return zero3_config(dp, **kw) if stage == 3 else ds_config(dp, stage=stage, **kw)
+
+
+def _data(dp: int, steps: int, seed: int) -> list:
+    return batches(steps, MICRO * dp, seed=seed)
+
+
+def _train(engine, rank: int, data: list) -> None:
+    for x, y in data:
+        x, y = x[rank * MICRO:(rank + 1) * MICRO], y[rank * MICRO:(rank + 1) * MICRO]
+        engine.backward(engine(x, y))
+        engine.step()
+
+
+def _engine(dp: int, stage: int, opt_type: str):
+    import deepspeed
+
+    import canzona_ds  # noqa: F401
+
+    model = make_model(0)
+    return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_cfg(dp, stage, opt_type))[0]
+
+
+def _params(engine, stage: int) -> dict:
+    if stage == 3:
+        from canzona_ds.testing.zero3 import gathered_params
+
+        return gathered_params(engine.module)
+    return params_of(engine.module)
+
+
+def _save(rank, dp, ckpt, stage, opt_type):
+    engine = _engine(dp, stage, opt_type)
+    _train(engine, rank, _data(dp, BEFORE, 1))
+    engine.save_checkpoint(ckpt, tag="saved")
+    return True
+
+
+def _resume(rank, dp, ckpt, stage, opt_type, out):
+    engine = _engine(dp, stage, opt_type)
+    engine.load_checkpoint(ckpt, tag="saved")
+    engine.save_checkpoint(out, tag="reloaded")  # what this rank holds right after the load
+    steps = engine.global_steps
+    _train(engine, rank, _data(dp, AFTER, 2))
+    return dict(params=_params(engine, stage), steps_at_load=steps, steps=engine.global_steps)
+
+
+def _reference(n: int, m: int, opt_type: str) -> dict:
+    from canzona_ds.optim.config import CanzonaConfig
+    from canzona_ds.optim.reference import ReferenceOptimizer
+    from canzona_ds.testing.models import reference_grads
+
+    torch.set_num_threads(1)
+    model = make_model(0)
+    opt = ReferenceOptimizer(model.named_parameters(), CanzonaConfig.from_ds(opt_type, HP[opt_type]))
+    for dp, data in ((n, _data(n, BEFORE, 1)), (m, _data(m, AFTER, 2))):
+        for x, y in data:
+            grads = reference_grads(model, [x], [y], dp, MICRO)
+            for name, p in model.named_parameters():
+                p.grad = grads[name]
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            assert norm > 2 * CLIP, f"the clipping must clip (norm {float(norm):.3g})"
+            opt.step()
+    return params_of(model)
+
+
+def assert_same_state(a_dir: str, b_dir: str, a=None) -> int:
+    """Every (name, state) of checkpoint ``a_dir``'s index (or ``a``) equals ``b_dir``'s, bit for
+    bit, read through each one's own index (whatever layout wrote it); returns how many were
+    compared."""
+    from canzona_ds.ckpt import Index, Reader
+
+    a, b = Index.read(a_dir) if a is None else a, Index.read(b_dir)
+    ra, rb = Reader(a_dir, a), Reader(b_dir, b)
+    assert set(a.by_key()) == set(b.by_key()), sorted(set(a.by_key()) ^ set(b.by_key()))[:5]
+    for name, state in a.by_key():
+        x, y = ra.whole(name, state), rb.whole(name, state)
+        assert torch.equal(x, y), (name, state, float((x - y).abs().max()))
+    for key in ("rule", "matrix_step", "adam_step", "roles"):
+        assert a.meta[key] == b.meta[key], key
+    return len(a.by_key())
+
+
+#: (saved stage, saved DP, running stage, running DP, optimizer): ZeRO stage changes at the same
+#: and at another DP size, then DP resizes at the same stage (what tests/test_elastic.py and
+#: tests/test_zero3.py checked per combination before)
+SCENARIOS = [
+    (1, 2, 3, 2, "CanzonaMuon"), (3, 2, 1, 2, "CanzonaSOAP"), (2, 2, 0, 2, "CanzonaShampoo"), (0, 2, 3, 2, "CanzonaMuon"),
+    (1, 2, 3, 1, "CanzonaMuon"), (3, 1, 1, 2, "CanzonaSOAP"), (2, 2, 0, 1, "CanzonaShampoo"), (0, 1, 3, 2, "CanzonaMuon"),
+    (1, 2, 1, 1, "CanzonaMuon"), (1, 1, 1, 2, "CanzonaShampoo"), (2, 2, 2, 1, "CanzonaSOAP"), (3, 2, 3, 1, "CanzonaSOAP"),
+]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """One saved checkpoint per saved layout, shared by its scenarios."""
+    made = {}
+
+    def get(stage: int, dp: int, opt_type: str) -> str:
+        key = (stage, dp, opt_type)
+        if key not in made:
+            ckpt = str(tmp_path_factory.mktemp(f"saved-z{stage}-dp{dp}-{opt_type}"))
+            run_distributed(_save, dp, ckpt, stage, opt_type)
+            made[key] = ckpt
+        return made[key]
+
+    return get
+
+
+@pytest.mark.parametrize("s0,n,s1,m,opt_type", SCENARIOS,
+                         ids=[f"{t}-z{a}dp{n}-to-z{b}dp{m}" for a, n, b, m, t in SCENARIOS])
+def test_resume_across_layouts(saved, tmp_path, s0, n, s1, m, opt_type):
+    ckpt = saved(s0, n, opt_type)
+    out = str(tmp_path / "out")
+    res = run_distributed(_resume, m, ckpt, s1, opt_type, out)
+    compared = assert_same_state(os.path.join(ckpt, "saved"), os.path.join(out, "reloaded"))
+    assert compared >= 9 + 2 * 5  # every parameter's master, the AdamW moments of the 5 AdamW ones, rule state
+    for r in res:
+        assert (r["steps_at_load"], r["steps"]) == (BEFORE, BEFORE + AFTER)
+    ref = _reference(n, m, opt_type)
+    for k in ref:
+        np.testing.assert_array_equal(res[0]["params"][k], ref[k], err_msg=k)
+
+
+def test_zero3_tag_written_before_the_index_is_adapted(saved, tmp_path):
+    """A ZeRO-3 tag without an index (as canzona-ds wrote it before the index) resumes at another
+    DP size through an index built from its layout records, bit for bit."""
+    import shutil
+
+    from canzona_ds import checkpoint as ck
+    from canzona_ds.integration.ckpt_index import legacy_zero3_index
+
+    ckpt = str(tmp_path / "old")
+    shutil.copytree(saved(3, 2, "CanzonaSOAP"), ckpt)
+    for name in (ck.INDEX, ck.MANIFEST):
+        os.remove(os.path.join(ckpt, "saved", name))
+    adapted = legacy_zero3_index(os.path.join(ckpt, "saved"))
+    assert adapted is not None and adapted.meta["adapted_from"]
+    out = str(tmp_path / "out")
+    res = run_distributed(_resume, 1, ckpt, 3, "CanzonaSOAP", out)
+    assert assert_same_state(os.path.join(ckpt, "saved"), os.path.join(out, "reloaded"), adapted) >= 19
+    ref = _reference(2, 1, "CanzonaSOAP")
+    for k in ref:
+        np.testing.assert_array_equal(res[0]["params"][k], ref[k], err_msg=k)
+
+
+# ------------------------------------------------------------------------------ role changes
+def _resume_roles(rank, dp, ckpt, stage, include, reinit, out):
+    """Load with another matrix selection; returns the refusal (buffers checked untouched) or saves."""
+    import deepspeed
+
+    import canzona_ds  # noqa: F401
+    from canzona_ds.ckpt import CheckpointIndexError
+
+    cfg = _cfg(dp, stage, "CanzonaMuon")
+    cfg["optimizer"]["params"]["matrix_include"] = include
+    cfg["canzona_checkpoint"] = {"reinit_changed_roles": reinit}
+    model = make_model(0)
+    engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+    before = _params(engine, stage)
+    try:
+        engine.load_checkpoint(ckpt, tag="saved")
+    except CheckpointIndexError as e:
+        after = _params(engine, stage)
+        assert all(np.array_equal(before[k], after[k]) for k in before), "a refused load changed the weights"
+        return str(e)
+    engine.save_checkpoint(out, tag="reloaded")
+    return None
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_changed_matrix_selection_is_refused_or_reinitialised(saved, tmp_path, stage):
+    from canzona_ds.ckpt import Index, Reader
+
+    ckpt = saved(1, 2, "CanzonaMuon")
+    out = str(tmp_path / "out")
+    refused = run_distributed(_resume_roles, 2, ckpt, stage, ["lm_head"], False, out)
+    for msg in refused:  # every rank, by name, with the way out
+        assert msg is not None and "'lm_head.weight' (adamw -> matrix)" in msg and "reinit_changed_roles" in msg
+    assert run_distributed(_resume_roles, 2, ckpt, stage, ["lm_head"], True, out) == [None, None]
+    a_dir, b_dir = os.path.join(ckpt, "saved"), os.path.join(out, "reloaded")
+    a, b = Index.read(a_dir), Index.read(b_dir)
+    assert a.meta["roles"]["lm_head.weight"] == "adamw" and b.meta["roles"]["lm_head.weight"] == "matrix"
+    dropped = {("lm_head.weight", "exp_avg"), ("lm_head.weight", "exp_avg_sq")}
+    assert set(a.by_key()) - dropped == set(b.by_key())  # exactly its AdamW moments re-initialised
+    ra, rb = Reader(a_dir, a), Reader(b_dir, b)
+    for name, state in b.by_key():
+        assert torch.equal(ra.whole(name, state), rb.whole(name, state)), (name, state)
+
+
+# ------------------------------------------------------------------------------ save faults
+def _save_failing(rank, dp, ckpt, fail_rank):
+    """Save 'good'; one more step; save 'bad' with ``fail_rank``'s torch.save hitting a full disk."""
+    import errno
+
+    from canzona_ds import checkpoint as ck
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    engine = _engine(dp, 1, "CanzonaMuon")
+    _train(engine, rank, _data(dp, BEFORE, 1))
+    engine.save_checkpoint(ckpt, tag="good")
+    _train(engine, rank, _data(dp, 1, 3))
+    stock = TorchCheckpointEngine.save
+
+    def full_disk(self, state_dict, path):
+        if rank == fail_rank and "optim_states" in str(path):
+            with open(path, "wb") as f:
+                f.write(b"\0" * 100)  # a partly written file, as a real full disk leaves
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return stock(self, state_dict, path)
+
+    TorchCheckpointEngine.save = full_disk
+    try:
+        engine.save_checkpoint(ckpt, tag="bad")
+    except ck.CheckpointError as e:
+        return str(e)
+    finally:
+        TorchCheckpointEngine.save = stock
+    return None
+
+
+def test_full_disk_is_named_on_every_rank_and_keeps_the_previous_tag(tmp_path):
+    from canzona_ds import checkpoint as ck
+
+    ckpt = str(tmp_path / "ckpt")
+    msgs = run_distributed(_save_failing, 2, ckpt, 1)
+    for msg in msgs:
+        assert msg is not None and "No space left on device" in msg and "rank 1" in msg
+        assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in msg
+    bad = os.path.join(ckpt, "bad")
+    assert not [f for f in os.listdir(bad) if ".tmp" in f] and not os.path.exists(
+        os.path.join(bad, "zero_pp_rank_1_mp_rank_00_optim_states.pt"))  # no temp file, no half-written file
+    assert open(os.path.join(ckpt, "latest")).read() == "good"
+    with pytest.raises(ck.CheckpointError, match=r"incomplete save.*zero_pp_rank_1_mp_rank_00_optim_states.pt.*"
+                                                 r"No space left on device"):
+        ck.verify(ckpt, "bad")
+    ck.verify(ckpt, "good")
+    out = str(tmp_path / "out")
+    res = run_distributed(_resume_good, 2, ckpt, out)
+    assert res[0] == "good"  # `latest`
+    assert_same_state(os.path.join(ckpt, "good"), os.path.join(out, "reloaded"))
+
+
+def _resume_good(rank, dp, ckpt, out):
+    engine = _engine(dp, 1, "CanzonaMuon")
+    path, _ = engine.load_checkpoint(ckpt)  # `latest`
+    engine.save_checkpoint(out, tag="reloaded")
+    return os.path.basename(os.path.dirname(path))  # DeepSpeed returns the model-states file's path
+
+
+KILL_SCRIPT = r"""
+import os, signal, sys
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+import torch, torch.distributed as dist
+torch.set_num_threads(1)
+dist.init_process_group("gloo", rank=0, world_size=1)
+sys.path.insert(0, sys.argv[3])
+import test_ckpt_resume as t
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+engine = t._engine(1, 1, "CanzonaMuon")
+t._train(engine, 0, t._data(1, t.BEFORE, 1))
+engine.save_checkpoint(sys.argv[1], tag="good")
+t._train(engine, 0, t._data(1, 1, 3))
+stock = TorchCheckpointEngine.save
+def killed(self, state_dict, path):
+    if "optim_states" in str(path):
+        with open(path, "wb") as f:
+            f.write(b"PK\3\4 half a file")
+        os.kill(os.getpid(), signal.SIGKILL)
+    return stock(self, state_dict, path)
+TorchCheckpointEngine.save = killed
+engine.save_checkpoint(sys.argv[1], tag="bad")
+"""
+
+
+def test_save_killed_mid_write_is_reported_incomplete(tmp_path):
+    import subprocess
+    import sys
+
+    from canzona_ds import checkpoint as ck
+    from canzona_ds.testing.dist import free_port
+
+    ckpt = str(tmp_path / "ckpt")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", KILL_SCRIPT, ckpt, str(free_port()), os.path.dirname(__file__)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    # (the optimizer file is there, half written: the commit mark is what tells)
+    with pytest.raises(ck.CheckpointError, match=r"incomplete save.*missing \['canzona_index\.json', "
+                                                 r"'canzona_manifest\.json'\]") as e:
+        ck.verify(ckpt, "bad")
+    assert e.value.problems[0] == ("canzona_index.json", "missing")
+    assert open(os.path.join(ckpt, "latest")).read() == "good"
+    out = str(tmp_path / "out")
+    assert run_distributed(_resume_good, 1, ckpt, out) == ["good"]
+    assert_same_state(os.path.join(ckpt, "good"), os.path.join(out, "reloaded"))
+    # the incomplete tag asked for by name is refused by the engine too, naming what is missing
+    assert "incomplete save" in run_distributed(_load_refused, 1, ckpt, "bad")[0]
+
+
+def _load_refused(rank, dp, ckpt, tag):
+    from canzona_ds import checkpoint as ck
+
+    engine = _engine(dp, 1, "CanzonaMuon")
+    try:
+        engine.load_checkpoint(ckpt, tag=tag)
+    except ck.CheckpointError as e:
+        return str(e)
+    return None
+
+
+def test_damaged_index_is_refused_by_name(saved, tmp_path):
+    import shutil
+
+    from canzona_ds import checkpoint as ck
+
+    src = saved(1, 2, "CanzonaMuon")
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(src, ckpt)
+    index = os.path.join(ckpt, "saved", ck.INDEX)
+    with open(index, "r+b") as f:
+        f.truncate(100)  # a damaged (cut) index
+    # the manifest names it first ...
+    with pytest.raises(ck.CheckpointError, match="canzona_index.json: size mismatch"):
+        ck.verify(ckpt, "saved")
+    # ... and with verification off the index's own check does
+    msgs = run_distributed(_load_other_stage, 1, ckpt)
+    assert "canzona_index.json: not valid JSON" in msgs[0] and "damaged" in msgs[0], msgs[0]
+
+
+def _load_other_stage(rank, dp, ckpt):
+    import deepspeed
+
+    import canzona_ds  # noqa: F401
+    from canzona_ds.ckpt import CheckpointIndexError
+
+    cfg = _cfg(dp, 3, "CanzonaMuon")
+    cfg["canzona_checkpoint"] = {"verify": "off"}
+    model = make_model(0)
+    engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+    try:
+        engine.load_checkpoint(ckpt, tag="saved")
+    except CheckpointIndexError as e:
+        return str(e)
+    return None
+
+
+# ------------------------------------------------------------------------------ canzona-ckpt
+def test_canzona_ckpt_inspect_verify_convert(saved, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from canzona_ds.ckpt import Index, Reader
+    from canzona_ds.cli.ckpt import main
+
+    ckpt = saved(3, 2, "CanzonaSOAP")
+    assert main(["inspect", ckpt, "--tag", "saved"]) == 0
+    text = capsys.readouterr().out
+    assert "ZeRO stage 3, DP=2 TP=1 PP=1" in text and "rule 'soap' on 4 matrices" in text and "rank 1:" in text
+    assert main(["verify", ckpt, "--tag", "saved"]) == 0
+    assert "chunks agree with their files" in capsys.readouterr().out
+    out = str(tmp_path / "conv")
+    assert main(["convert", ckpt, out, "--tag", "saved"]) == 0
+    folder = os.path.join(ckpt, "saved")
+    index = Index.read(folder)
+    reader = Reader(folder, index)
+    weights = load_file(os.path.join(out, "model.safetensors"))
+    assert sorted(weights) == sorted(index.names)
+    for n, w in weights.items():
+        assert torch.equal(w, reader.whole(n)), n
+    opt = torch.load(os.path.join(out, "optimizer.pt"), weights_only=False)
+    assert opt["rule"] == "soap" and torch.equal(opt["state"]["fc1.weight"]["exp_avg"], reader.whole("fc1.weight", "exp_avg"))
+    assert torch.equal(opt["state"]["embed.weight"]["exp_avg"], reader.whole("embed.weight", "exp_avg"))
+    assert main(["inspect", ckpt, "--tag", "nope"]) == 2
+    assert "nope does not exist" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ pipeline size
+PIPE_GAS = 2
+
+
+def _pipe_cfg(dp: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": PIPE_GAS,
+            "train_batch_size": MICRO * PIPE_GAS * dp,
+            "optimizer": {"type": "CanzonaSOAP", "params": dict(HP["CanzonaSOAP"])},
+            "zero_optimization": {"stage": 1}, "gradient_clipping": CLIP, "steps_per_print": 10 ** 9}
+
+
+def _pipe(rank, world, pp, ckpt, out):
+    """PP=pp x DP=1 (world = pp), the tied tiny decoder: ``out`` None: one step, save to ``ckpt``.
+    Else load ``ckpt`` (written at another PP size), save to ``out`` at once, one more step."""
+    import deepspeed
+
+    import canzona_ds  # noqa: F401
+    from canzona_ds.testing.models import params_of
+    from canzona_ds.testing.pipeline import build_pipe, canonical_name, dataset, rank_micro_batches
+
+    module = build_pipe(pp, True, 0)
+    engine = deepspeed.initialize(model=module, model_parameters=list(module.parameters()), config=_pipe_cfg(1))[0]
+    x, y = dataset(2 * PIPE_GAS * MICRO, 1)
+    batches = rank_micro_batches(x, y, 1, 0, MICRO)
+    if out is None:
+        engine.train_batch(iter(batches))
+        engine.save_checkpoint(ckpt, tag="saved")
+        return None
+    engine.load_checkpoint(ckpt, tag="saved")
+    engine.save_checkpoint(out, tag="reloaded")
+    engine.train_batch(iter(batches[PIPE_GAS:]))
+    return {"params": {canonical_name(n): v for n, v in params_of(module).items()}, "steps": engine.global_steps}
+
+
+def _pipe_reference(modes: list[str]) -> dict:
+    """The tied tiny decoder in one process (DP 1), one step per entry of ``modes`` (how that
+    step sums the tied weight's two uses), clipped by torch's clip_grad_norm_."""
+    from canzona_ds.optim.config import CanzonaConfig
+    from canzona_ds.optim.reference import ReferenceOptimizer
+    from canzona_ds.testing.pipeline import ReferenceDecoder, dataset, rank_micro_batches
+
+    torch.set_num_threads(1)
+    model = ReferenceDecoder(True, 0, modes[0])
+    named = list(model.named_parameters())
+    opt = ReferenceOptimizer(named, CanzonaConfig.from_ds("CanzonaSOAP", dict(HP["CanzonaSOAP"])))
+    x, y = dataset(len(modes) * PIPE_GAS * MICRO, 1)
+    batches = rank_micro_batches(x, y, 1, 0, MICRO)
+    for s, mode in enumerate(modes):
+        model.tied_grad = mode
+        model.zero_grad(set_to_none=True)
+        for xb, yb in batches[s * PIPE_GAS:(s + 1) * PIPE_GAS]:
+            (model(xb, yb) / PIPE_GAS).backward()
+        model.merge_tied_grad()
+        for _, p in named:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        norm = torch.nn.utils.clip_grad_norm_([p for _, p in named], CLIP)
+        assert norm > 2 * CLIP, f"the clipping must clip (norm {float(norm):.3g})"
+        opt.step()
+    return params_of(model)
+
+
+@pytest.mark.parametrize("before,after", [(2, 1), (1, 2)], ids=["pp2-to-pp1", "pp1-to-pp2"])
+def test_resume_at_another_pipeline_size(tmp_path, before, after):
+    from canzona_ds.testing.pipeline import merge_stages
+
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+    run_distributed(_pipe, before, before, ckpt, None)
+    res = run_distributed(_pipe, after, after, ckpt, out)
+    assert_same_state(os.path.join(ckpt, "saved"), os.path.join(out, "reloaded"))
+    assert all(r["steps"] == 2 for r in res)
+    # the tied embedding's two uses are summed as the pipeline does at each step's PP size: one
+    # stage lets autograd add them micro-batch by micro-batch ("shared"), two stages add the
+    # per-use sums in the tie all-reduce ("per_use"); the reference switches with the run
+    ref = _pipe_reference(["shared" if pp == 1 else "per_use" for pp in (before, after)])
+    got = merge_stages(res)
+    for k in ref:
+        np.testing.assert_array_equal(got[k], ref[k], err_msg=k)
+
+
+def _foreign(rank, dp, ckpt):
+    cfg = ds_config(dp, optimizer={"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}})
+    import deepspeed
+
+    import canzona_ds  # noqa: F401
+
+    model = make_model(0)
+    engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+    try:
+        engine.load_checkpoint(ckpt, tag="saved")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_canzona_checkpoint_opened_by_another_optimizer_is_refused(saved):
+    ckpt = saved(1, 2, "CanzonaMuon")
+    for msg in run_distributed(_foreign, 2, ckpt):
+        assert msg is not None and "written by a Canzona optimizer" in msg and "canzona-ckpt convert" in msg, msg
