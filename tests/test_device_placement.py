@@ -98,4 +98,9 @@ def test_step_code_has_no_host_round_trip():
     found = [f"{path.relative_to(root)}:{i}: {line.strip()}"
              for pkg in ("optim", "placement", "tp", "integration") for path in sorted((root / pkg).rglob("*.py"))
              for i, line in enumerate(path.read_text().splitlines(), 1) if sync.search(line)]
+    # the two syncs a step cannot do without, once per step each: a skip decision (as DeepSpeed's own
+    # overflow check at stages 1-3) and MuonClip's per-layer maxima, which the step logs
+    allowed = {"integration/stage0.py: return bool(flag.item())",
+               "optim/qk_clip.py: per_layer[l.q_name] = s.tolist()"}
+    found = [f for f in found if re.sub(r":\d+:", ":", f, count=1) not in allowed]
     assert not found, "host round trips in the step's code:\n" + "\n".join(found)

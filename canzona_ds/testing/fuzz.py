@@ -92,6 +92,13 @@ def invalid_settings() -> Iterator[Case]:
             if key == "per_head_muon" and opt_type != "CanzonaMuon":
                 yield Case(opt_type, {key: True}, None, key, "per_head_muon on a non-Muon rule")
                 continue
+            if key == "qk_clip":  # a section: {"threshold": tau}
+                for value, what in ((3, "number for a section"), ({"threshold": -1.0}, "negative threshold"),
+                                    ({"threshold": float("nan")}, "non-finite threshold"),
+                                    ({"threshold": "a"}, "string threshold"), ({"thresholdx": 1.0}, "misspelt key")):
+                    yield Case(opt_type, {key: value}, None, key, what)
+                yield Case(opt_type, {key + "x": 1}, None, key + "x", "misspelt key")
+                continue
             for value, what in _bad_values(hint):
                 yield Case(opt_type, {key: value}, None, key, what)
             yield Case(opt_type, {key + "x": 1}, None, key + "x", "misspelt key")
