@@ -573,6 +573,13 @@ def elastic_rss(d: Data) -> str:
                    "load wall s, slowest rank", "same state as the other path"], rows)
 
 
+def ckpt_index(d: Data) -> str:
+    """bench_ckpt_index: load through the checkpoint index vs the per-layout reader, per rank."""
+    rows = [[r["change"], r["path"], ", ".join(f"{m:,.0f}" for m in r["peak_mib"]), f"{r['wall_s_max']:.2f}"]
+            for r in d["rows"]]
+    return _table(["change", "path", "peak RSS increment per rank, MiB", "load wall s, slowest rank"], rows)
+
+
 def _fault_table_entry(d: Data) -> str:
     """fault_injection: checkpoint faults injected into a real run and what --resume did."""
     import importlib.util
@@ -805,6 +812,7 @@ def qk_clip_growth(d: Data) -> str:
 
 TABLES: dict[str, tuple[str, Callable[[Data], str]]] = {
     "ns_dtype": ("ns_dtype", ns_dtype),
+    "ckpt_index": ("ckpt_index", ckpt_index),
     "ns_batch": ("ns_batch", ns_batch),
     "qk_clip_overhead": ("qk_clip", qk_clip_overhead),
     "qk_clip_growth": ("qk_clip", qk_clip_growth),
