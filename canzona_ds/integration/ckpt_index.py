@@ -61,6 +61,8 @@ def _layout_without_emitter(engine, opt) -> str | None:
         return "a bf16/fp16 model at ZeRO stage 0 (the fp32 master is not the module)"
     if engine.zero_cpu_offload() and stage == 3:
         return "ZeRO-3 offload"
+    if any(info.num_experts is not None for info in opt.infos.values()):  # a 3-D stack: E matrices
+        return "transformers expert stacks (rule state per expert, W[e])"
     return None
 
 
