@@ -460,7 +460,7 @@ def test_muon_batched_stack_equals_per_expert_direction(ns_method, nesterov):
     from canzona_ds.optim.muon import MuonRule
 
     torch.set_num_threads(1)
-    rule = MuonRule(ns_method=ns_method, nesterov=nesterov)
+    rule = MuonRule(ns_method=ns_method, nesterov=nesterov, ns_batch=True)
     g = torch.Generator().manual_seed(0)
     W = torch.randn(6, 40, 24, generator=g)
     W_each, stacked, each = W.clone(), {}, {}

@@ -223,7 +223,7 @@ def test_owner_batches_same_shape_matrices_bit_exact(ns_dtype, ns_method, monkey
     torch.manual_seed(0)
     init = [torch.randn(s) for s in BATCH_SHAPES]
     grads = [[torch.randn(s) for s in BATCH_SHAPES] for _ in range(3)]
-    params = dict(lr=0.02, weight_decay=0.1, ns_dtype=ns_dtype, ns_method=ns_method)
+    params = dict(lr=0.02, weight_decay=0.1, ns_dtype=ns_dtype, ns_method=ns_method, ns_batch=True)
     ours = [(f"m{i}.weight", p.clone().requires_grad_()) for i, p in enumerate(init)]
     ref = [(f"m{i}.weight", p.clone().requires_grad_()) for i, p in enumerate(init)]
     opt = CanzonaOptimizer(ours, CanzonaConfig.from_ds("CanzonaMuon", params))
@@ -256,7 +256,7 @@ def test_batch_probe_falls_back_where_batched_rounding_differs(monkeypatch):
     forced here, the way it comes out for MKL's fp32 bmm on 96x384 slices on an AVX512 Xeon)."""
     from canzona_ds.optim import muon
 
-    rule = MuonRule(ns_dtype="fp32")
+    rule = MuonRule(ns_dtype="fp32", ns_batch=True)
     X = torch.randn(3, 24, 40)
     monkeypatch.setattr(MuonRule, "batch_is_exact", lambda *a: False)
     calls = []
@@ -281,7 +281,7 @@ def test_owner_batches_are_bounded_in_size(monkeypatch):
     grads = [[torch.randn(24, 40) for _ in range(5)]]
     ours = [(f"m{i}.weight", p.clone().requires_grad_()) for i, p in enumerate(init)]
     ref = [(f"m{i}.weight", p.clone().requires_grad_()) for i, p in enumerate(init)]
-    _steps([p for _, p in ours], CanzonaOptimizer(ours, CanzonaConfig.from_ds("CanzonaMuon", {})), grads)
+    _steps([p for _, p in ours], CanzonaOptimizer(ours, CanzonaConfig.from_ds("CanzonaMuon", {"ns_batch": True})), grads)
     _steps([p for _, p in ref], ReferenceOptimizer(ref, CanzonaConfig.from_ds("CanzonaMuon", {})), grads)
     for (name, p), (_, r) in zip(ours, ref):
         torch.testing.assert_close(p.detach(), r.detach(), rtol=0, atol=0, msg=name)
