@@ -104,7 +104,12 @@ def test_per_head_matches_deepspeed_per_head_orthogonalisation():
     torch.testing.assert_close(D, blocks, rtol=0, atol=0)
     _, step_size = rule.scales(1.0, 0.0, info, 1)
     assert step_size == pytest.approx(original_muon._aspect_ratio_scale(head_dim, cols))
-    expected = original_muon._per_head_orthogonalize(G.clone(), heads, 5, "standard").float()
+    # eager, as the main job and the test kit's ranks run DeepSpeed's Muon: its inductor-compiled CPU kernel
+    # corrupts the heap or returns NaN on some x86 CPUs (testing/dist.py)
+    from torch import _dynamo
+
+    with _dynamo.config.patch(disable=True):
+        expected = original_muon._per_head_orthogonalize(G.clone(), heads, 5, "standard").float()
     rel = lambda x: ((x - expected).norm() / expected.norm()).item()  # noqa: E731
     assert rel(D.float() * step_size) < 0.05  # measured 0.029
     whole = MatrixInfo("q_proj.weight", tuple(G.shape))
