@@ -106,7 +106,7 @@ def _load(rank, world, ckpt, stage, path, size):
 
 
 def main() -> int:
-    from canzona_ds.testing.dist import run_distributed
+    from canzona_testkit.dist import run_distributed
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--blocks", type=int, default=6)

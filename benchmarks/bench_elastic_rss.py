@@ -172,7 +172,7 @@ def main() -> None:
     ap.add_argument("--ffn", type=int, default=FFN)
     args = ap.parse_args()
     size = (args.blocks, args.ffn)
-    from canzona_ds.testing.dist import run_distributed
+    from canzona_testkit.dist import run_distributed
 
     t_all = time.perf_counter()
     work = tempfile.mkdtemp(prefix="elastic_rss_", dir=args.dir)

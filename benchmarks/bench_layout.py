@@ -16,7 +16,7 @@ measured  A one-layer Qwen3-shaped model (models/qwen3.py preset "tiny" with num
           (gloo), ``layout: "owned"`` and ``layout: "mixed"`` (and DeepSpeed's AdamW) built in
           the same rank processes and stepped alternately: the bit16 buffer ZeRO allocates
           over the model's parameters, the bytes every rank sends per step by collective
-          (testing.comm.CommCounter over forward + backward + step: deepspeed.comm's
+          (canzona_testkit.comm.CommCounter over forward + backward + step: deepspeed.comm's
           collectives and the hosted all-to-alls), and each layout's final weights against the
           single-process reference (optim.reference on ZeRO's averaged gradients, computed in a
           rank process), matrices and AdamW parameters apart: gloo's 8-rank sum differs from
@@ -24,7 +24,7 @@ measured  A one-layer Qwen3-shaped model (models/qwen3.py preset "tiny" with num
           rounding noise, and which Muon's bf16 Newton-Schulz can flip (tests/test_layout_mixed.py
           checks exactness at DP=2 and DP=4).
           Then the same two layouts under tensor parallelism: DP=4 x TP=2 on the 8 ranks, the
-          Megatron stand-in (testing/megatron_standin.TinyGPTBlock at TP_CFG: 4 TP-split
+          Megatron stand-in (canzona_testkit/megatron_standin.TinyGPTBlock at TP_CFG: 4 TP-split
           matrices and one replicated; mixed hosts the TP-split ones over the DP x TP grid), the
           bit16 buffer of one rank over its TP-local parameters, the bytes per step as above, and
           the mixed layout's final weights against the owned layout's (bit for bit at DP2 x TP2
@@ -100,7 +100,7 @@ GRID_STANDIN = ((2, 2), (4, 2))
 
 
 def standin_specs(tp: int) -> list:
-    """The matrices of testing/megatron_standin.TinyGPTBlock at TP_CFG, as one TP rank holds them
+    """The matrices of canzona_testkit/megatron_standin.TinyGPTBlock at TP_CFG, as one TP rank holds them
     (model order: fused qkv and fc1 column-parallel, proj and fc2 row-parallel, mix replicated)."""
     from canzona_ds.planning.params import ParamSpec
 
@@ -151,7 +151,7 @@ KINDS = ("owned", "mixed", "adamw")
 
 
 def _cfg(kind: str) -> dict:
-    from canzona_ds.testing.models import HP
+    from canzona_testkit.models import HP
 
     if kind == "adamw":
         opt = {"type": "AdamW", "params": {"lr": 0.01, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}}
@@ -185,7 +185,7 @@ def _worker(rank: int, world: int) -> dict:
 
     import canzona_ds  # noqa: F401 - registers the Canzona types
     import deepspeed
-    from canzona_ds.testing.comm import CommCounter
+    from canzona_testkit.comm import CommCounter
 
     engines = {}
     for kind in KINDS:
@@ -251,9 +251,9 @@ def _worker_tp(rank: int, world: int) -> dict:
 
     import canzona_ds  # noqa: F401 - registers the Canzona types
     import deepspeed
-    from canzona_ds.testing import megatron_standin as ms
-    from canzona_ds.testing.comm import CommCounter
-    from canzona_ds.testing.models import HP
+    from canzona_testkit import megatron_standin as ms
+    from canzona_testkit.comm import CommCounter
+    from canzona_testkit.models import HP
 
     ms.initialize_model_parallel(TP_TP)
     tp_rank, dp_rank = ms.get_tensor_model_parallel_rank(), ms.get_data_parallel_rank()
@@ -304,7 +304,7 @@ def _reference(data) -> dict:
 
     from canzona_ds.optim.config import CanzonaConfig
     from canzona_ds.optim.reference import ReferenceOptimizer, zero_average
-    from canzona_ds.testing.models import HP
+    from canzona_testkit.models import HP
 
     torch.set_num_threads(1)
     model = _model()
@@ -323,7 +323,7 @@ def _reference(data) -> dict:
 
 
 def measured() -> dict:
-    from canzona_ds.testing.dist import run_distributed
+    from canzona_testkit.dist import run_distributed
 
     res = run_distributed(_worker, DP)
     kinds = {}

@@ -22,7 +22,7 @@ partitions planned by LPT, each seeded with the other's per-rank loads
 ``layout: "mixed"`` forced (each partition in the mixed layout, its hosted matrices over its
 own DP group: ``compare.plan_expert_parallel(mixed=True)``).
 
-Measured: the tiny transformers ``Qwen3MoeForCausalLM`` of ``canzona_ds.testing.hf_moe`` (4 layers,
+Measured: the tiny transformers ``Qwen3MoeForCausalLM`` of ``canzona_testkit.hf_moe`` (4 layers,
 16 experts per stack: gate_up [16, 64, 64], down [16, 64, 32]) under ZeRO-1 at DP 2, 4, 8 with CanzonaMuon and
 with DeepSpeed's own ``"Muon"`` (its Newton-Schulz is batched over a 3-D stack's dim 0; its
 results are not compared here, only its cost: every rank all-gathers and orthogonalises each
@@ -94,8 +94,8 @@ def _measure_worker(rank, dp):
     import torch
     from deepspeed.runtime.zero.muon import original_muon
 
-    from canzona_ds.testing.models import ds_config
-    from canzona_ds.testing.hf_moe import make_moe_model, moe_batches
+    from canzona_testkit.models import ds_config
+    from canzona_testkit.hf_moe import make_moe_model, moe_batches
 
     torch.set_num_threads(1)
     spent = [0.0]
@@ -135,12 +135,12 @@ def _measure_worker(rank, dp):
     return {label: statistics.median(t) for label, t in times.items()}
 
 
-#: the measured model: testing.hf_moe's tiny Qwen3MoeForCausalLM, larger
+#: the measured model: canzona_testkit.hf_moe's tiny Qwen3MoeForCausalLM, larger
 MEASURED_SHAPE = dict(layers=4, experts=16, hidden=64, moe_intermediate=32)
 
 
 def measured() -> dict:
-    from canzona_ds.testing.dist import run_distributed
+    from canzona_testkit.dist import run_distributed
 
     rows = []
     for dp in MEASURED_DPS:

@@ -191,7 +191,7 @@ def _worker(rank: int, world: int, steps: int, warmup: int, micro: int, gas: int
 
 
 def measured(steps: int, warmup: int, micro: int, gas: int) -> dict:
-    from canzona_ds.testing.dist import run_distributed
+    from canzona_testkit.dist import run_distributed
 
     out = run_distributed(_worker, PP * DP, steps, warmup, micro, gas, timeout=900)
     rows, shapes = [], {}

@@ -77,7 +77,7 @@ def _worker(rank: int, dp: int, steps: int, variants: dict) -> dict:
 
 
 def main() -> None:
-    from canzona_ds.testing.dist import run_distributed
+    from canzona_testkit.dist import run_distributed
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=40)

@@ -13,9 +13,9 @@ default settings of its ``MatrixRule``):
                     overlap compute(k)
     asc-blocking    MicroGroupRuntime, one micro-group at a time (the paper's runtime)
     asc-no-fusion   MicroGroupRuntime hosts, one all-to-all pair per matrix (Figure 14's No-Fuse)
-    sc              testing.baselines.SynchronousTP (TP-SC): all-gather every matrix, the
+    sc              canzona_testkit.baselines.SynchronousTP (TP-SC): all-gather every matrix, the
                     rule on every rank
-    local           testing.baselines.ShardLocalTP (DeepSpeed's built-in Muon under AutoTP):
+    local           canzona_testkit.baselines.ShardLocalTP (DeepSpeed's built-in Muon under AutoTP):
                     each shard as a whole matrix, not exact
 
 Step time = max over the two ranks, median over ``--steps`` timed steps (after 1 warm-up).
@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from canzona_ds.optim import RULES  # noqa: E402
 
-#: label -> (baseline class in canzona_ds.testing.baselines, or None for MicroGroupRuntime; TPConfig fields)
+#: label -> (baseline class in canzona_testkit.baselines, or None for MicroGroupRuntime; TPConfig fields)
 STRATEGIES: dict[str, tuple[str | None, dict]] = {
     "asc-pipelined": (None, dict(pipelined=True)),
     "asc-blocking": (None, dict(pipelined=False)),
@@ -68,7 +68,7 @@ def layer_matrices(layers: int, hidden: int, heads: int, kv_heads: int, head_dim
 def _build(label: str, tpm: list, rule, c_max: float | None) -> Any:
     """The runtime or baseline behind ``label`` (same step interface)."""
     from canzona_ds.optim.config import TPConfig
-    from canzona_ds.testing import baselines
+    from canzona_testkit import baselines
     from canzona_ds.tp import MicroGroupRuntime
 
     baseline, kw = STRATEGIES[label]
@@ -125,7 +125,7 @@ def _worker(rank: int, world: int, mats: list, steps: int, c_max: float | None, 
 
 
 def measured(args) -> dict:
-    from canzona_ds.testing.dist import run_distributed
+    from canzona_testkit.dist import run_distributed
 
     mats = layer_matrices(args.layers, args.hidden, args.heads, args.kv_heads, args.head_dim, args.ffn)
     res = run_distributed(_worker, 2, mats, args.steps, args.c_max, args.rule, timeout=1800)

@@ -11,7 +11,7 @@ the same background load.  Per iteration and rank we record:
     mat_cpu   thread CPU time of the matrix rule alone (Newton-Schulz etc.): inside our
               optimizer's matrix step, and for DeepSpeed's Muon inside its ``muon_update``
               calls, which run during the gradient reduction (in backward), not in the step
-    bytes     wire bytes this rank sends through deepspeed.comm (testing.comm.CommCounter:
+    bytes     wire bytes this rank sends through deepspeed.comm (canzona_testkit.comm.CommCounter:
               collectives actually issued, sized by their process group)
 
 and report per kind the median over iterations of the BUSIEST rank (max over ranks: a step
@@ -25,7 +25,7 @@ Suites (``--suite``):
                           buckets of dp mean-sized matrices (naive_bucket_numel)
                replicated ZeRO stage 0: every rank updates every matrix (synchronous)
     muon     CanzonaMuon vs DeepSpeed's Muon vs AdamW at ZeRO stage 1 and 2, with and
-             without optimizer offload to CPU, plus NV-layerwise (testing.baselines) and
+             without optimizer offload to CPU, plus NV-layerwise (canzona_testkit.baselines) and
              stock AdamW with use_multi_rank_bucket_allreduce=false (the setting CanzonaMuon
              uses), at DP=1 and 2
     scaling  CanzonaMuon vs DeepSpeed's Muon at DP=2, 4, 8 (above the core count): the matrix
@@ -185,8 +185,8 @@ def _worker(rank: int, dp: int, shape: dict, kinds: dict, steps: int, warmup: in
 
     from canzona_ds.optim.config import CanzonaConfig
     from canzona_ds.optim.optimizer import CanzonaOptimizer
-    from canzona_ds.testing.baselines import LayerwiseOptimizer
-    from canzona_ds.testing.comm import CommCounter
+    from canzona_testkit.baselines import LayerwiseOptimizer
+    from canzona_testkit.comm import CommCounter
 
     matrix_timer = _MatrixTimer()
     original_muon.muon_update = matrix_timer.wrap(original_muon.muon_update)
@@ -260,7 +260,7 @@ def naive_bucket_numel(shape: dict, dp: int) -> int:
 
 
 def measure(suite: str, dps: list[int], steps: int, warmup: int, micro: int, seq: int) -> dict:
-    from canzona_ds.testing.dist import run_distributed
+    from canzona_testkit.dist import run_distributed
 
     kinds = kinds_for(suite)
     rows: dict = {}
@@ -336,7 +336,7 @@ def write_report(suite: str, rows: dict, args, cmd: str, out: Path) -> None:
                   "DeepSpeed's Muon inside its `muon_update` calls, which it makes during the gradient reduction "
                   "(backward), so its `optimizer step CPU` holds only its AdamW half; for `layerwise` the owned "
                   "layers' updates and the owners' broadcasts. Bytes: wire bytes of the collectives actually issued "
-                  "(testing.comm.CommCounter, sized by their process group) in one iteration. "
+                  "(canzona_testkit.comm.CommCounter, sized by their process group) in one iteration. "
                   "`adamw/stage1+reduce_to_owner` is stock AdamW with `use_multi_rank_bucket_allreduce: false`, the "
                   "reduction CanzonaMuon uses (reduce each gradient slice to its owner instead of all-reducing "
                   "whole buckets): the fair byte baseline. `+offload`: `offload_optimizer.device=cpu` (here the "

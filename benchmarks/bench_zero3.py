@@ -169,7 +169,7 @@ class Hosted:
         self.lr, self.wd = RULE_PARAMS[rule_name][1]["lr"], RULE_PARAMS[rule_name][1]["weight_decay"]
 
     def step(self, grads: dict, t: int) -> dict:
-        from canzona_ds.testing.comm import CommCounter
+        from canzona_testkit.comm import CommCounter
 
         pieces = [m.piece(grads[m.name], self.rank) for m in self.mats]
         with CommCounter() as c:
@@ -195,7 +195,7 @@ class Replicated:
         import torch.distributed as dist
 
         from canzona_ds.optim.rule import apply_rule_update, rule_state
-        from canzona_ds.testing.comm import CommCounter
+        from canzona_testkit.comm import CommCounter
 
         mine = torch.zeros(sum(self.per))
         off = 0
@@ -220,7 +220,7 @@ def engine_step(engine, x, y, timer: RuleTimer) -> dict:
     """One forward/backward/step of a DeepSpeed engine, counted: DeepSpeed's collectives at its
     backend, plus the torch.distributed calls made outside it (a Canzona engine's hosted
     all-to-alls and its torch-exact gradient norm); the hosted runtime's own StepStats beside."""
-    from canzona_ds.testing.comm import CommCounter
+    from canzona_testkit.comm import CommCounter
 
     with CommCounter() as c:
         engine.backward(engine(x, y)[1])
@@ -257,7 +257,7 @@ def _worker(rank: int, dp: int, model_kw: dict, rules: list, steps: int, warmup:
     import canzona_ds  # noqa: F401  (registers the Canzona optimizer types)
 
     from canzona_ds.models.qwen3 import Qwen3Config, build_model
-    from canzona_ds.testing.comm import CommCounter
+    from canzona_testkit.comm import CommCounter
     from canzona_ds.tp import FlatSplit
 
     cfg = Qwen3Config(**model_kw)
@@ -376,7 +376,7 @@ def summarize(out: list[dict], dp: int) -> dict:
 
 def measure(dps: list[int], rules: list[str], steps: int, warmup: int, micro: int, seq: int,
             with_ds: bool = True, with_engine: bool = True, with_hosted: bool = True) -> dict:
-    from canzona_ds.testing.dist import run_distributed
+    from canzona_testkit.dist import run_distributed
 
     rows: dict = {}
     for dp in dps:

@@ -15,9 +15,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from canzona_ds.testing.dist import run_distributed  # noqa: E402
-from canzona_ds.testing.fuzz import check, invalid_settings  # noqa: E402
-from canzona_ds.testing.models import HP, ds_config, run_engine  # noqa: E402
+from canzona_testkit.dist import run_distributed  # noqa: E402
+from canzona_testkit.fuzz import check, invalid_settings  # noqa: E402
+from canzona_testkit.models import HP, ds_config, run_engine  # noqa: E402
 
 MUON = HP["CanzonaMuon"]
 #: two ranks, each with its own ds_config (rank 0's, rank 1's)
@@ -69,7 +69,7 @@ def main() -> None:
     (res / "config_fuzz.json").write_text(json.dumps(out, indent=1) + "\n")
     lines = ["# Bad input (measured)", "", f"Command: `{out['command']}`", "",
              f"{len(cases)} invalid optimizer settings generated from the config dataclasses "
-             "(`canzona_ds/testing/fuzz.py`: every key of CanzonaMuon, CanzonaShampoo and CanzonaSOAP and of the "
+             "(`canzona_testkit/fuzz.py`: every key of CanzonaMuon, CanzonaShampoo and CanzonaSOAP and of the "
              f"`canzona_tp` section): **{refused} refused with an error naming the key**, "
              f"{len(cases) - refused} accepted or unnamed.", "", "| kind of bad value | cases |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in sorted(by_kind.items())]

@@ -141,7 +141,7 @@ def _diff(a: dict, b: dict, names: list[str]) -> float:
 
 def main() -> int:
     from canzona_ds.optim.config import CanzonaConfig
-    from canzona_ds.testing.dist import run_distributed
+    from canzona_testkit.dist import run_distributed
 
     cfg = CanzonaConfig.from_ds("CanzonaMuon", dict(_section()["params"]))
     mats, rest = _split(cfg, _model())

@@ -1,6 +1,6 @@
 """Does DeepSpeed itself run MoE layers inside a PipelineModule?  A probe of DeepSpeed's own
 ``"AdamW"`` (no Canzona code in the step) on a tiny 2-stage ``PipelineModule`` with
-``deepspeed.moe.layer.MoE`` layers (``canzona_ds.testing.moe.build_moe_pipe``: 4 experts,
+``deepspeed.moe.layer.MoE`` layers (``canzona_testkit.moe.build_moe_pipe``: 4 experts,
 ep_size 2), world 4 = PP 2 x DP 2, gloo, for each layout x ZeRO stage:
 
     one_stage    dense + MoE | head            (MoE in stage 0 only)
@@ -26,10 +26,13 @@ import argparse
 import json
 import os
 import re
+import sys
 import tempfile
 from pathlib import Path
 
-from canzona_ds.testing.dist import run_distributed
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: canzona_ds and its test kit
+
+from canzona_testkit.dist import run_distributed  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "moe_pipeline_probe.json"
 LAYOUTS = {"one_stage": 1, "every_stage": 2}
@@ -43,8 +46,8 @@ def _worker(rank, world, moe_layers, stage, precision, dump_dir, dump_after):
     import deepspeed
     import torch
 
-    from canzona_ds.testing.models import T, VOCAB
-    from canzona_ds.testing.moe import build_moe_pipe
+    from canzona_testkit.models import T, VOCAB
+    from canzona_testkit.moe import build_moe_pipe
 
     dump = open(os.path.join(dump_dir, f"rank{rank}.txt"), "w")  # noqa: SIM115 - open until the process ends
     faulthandler.dump_traceback_later(dump_after, exit=False, file=dump)

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from canzona_ds.testing.dist import run_distributed
-from canzona_ds.testing.models import HP, ds_config, run_engine
+from canzona_testkit.dist import run_distributed
+from canzona_testkit.models import HP, ds_config, run_engine
 
 MUON = HP["CanzonaMuon"]
 

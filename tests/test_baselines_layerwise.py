@@ -1,10 +1,10 @@
-"""NV-layerwise baseline (testing.baselines.LayerwiseOptimizer) under DeepSpeed ZeRO stage 0.
+"""NV-layerwise baseline (canzona_testkit.baselines.LayerwiseOptimizer) under DeepSpeed ZeRO stage 0.
 
 One real 2-process gloo run: a three-layer model whose layers differ in size, so the
 layer LPT gives the heaviest layer to one rank and the other two to the other.  Each rank
 updates only the matrices of its layers (their Muon state lives only there), AdamW runs
 replicated, owners broadcast their matrices; the fp32 result equals the single-process
-reference (``testing.models.run_reference`` -> ``optim.reference.ReferenceOptimizer``) bit
+reference (``canzona_testkit.models.run_reference`` -> ``optim.reference.ReferenceOptimizer``) bit
 for bit: at DP=2 DeepSpeed's all-reduced average is exact.
 """
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from canzona_ds.testing.dist import run_distributed
-from canzona_ds.testing.models import D, HP, VOCAB, batches, ds_config, params_of, run_reference
+from canzona_testkit.dist import run_distributed
+from canzona_testkit.models import D, HP, VOCAB, batches, ds_config, params_of, run_reference
 
 DP, STEPS, MICRO = 2, 3, 2
 FFN = (40, 24, 32)  # layer 0 is the heaviest: alone on one rank, layers 1 and 2 on the other
@@ -60,7 +60,7 @@ def _layerwise(rank: int, dp: int, steps: int) -> dict:
     import deepspeed
 
     from canzona_ds.optim.config import CanzonaConfig
-    from canzona_ds.testing.baselines import LayerwiseOptimizer
+    from canzona_testkit.baselines import LayerwiseOptimizer
 
     model = make_stack(0)
     opt = LayerwiseOptimizer(model.named_parameters(), CanzonaConfig.from_ds("CanzonaMuon", HP["CanzonaMuon"]))

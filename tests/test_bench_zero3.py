@@ -9,7 +9,7 @@ benchmark reports is the quantity it claims:
 * the replicated baseline runs the rule on every matrix on every rank and sends exactly one
   all-gather of the padded gradient pieces;
 * DeepSpeed's Muon at stage 3 calls ``muon_update`` once per matrix per step, dealt round-robin;
-* the ``backend`` layer of ``testing.comm.CommCounter`` sees DeepSpeed's ZeRO-3 gradient
+* the ``backend`` layer of ``canzona_testkit.comm.CommCounter`` sees DeepSpeed's ZeRO-3 gradient
   reduce-scatter with its true size (the ``deepspeed`` and ``torch`` layers miss it).
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _bench():
 
 @functools.lru_cache(maxsize=None)
 def _run():
-    from canzona_ds.testing.dist import run_distributed
+    from canzona_testkit.dist import run_distributed
 
     bench = _bench()
     out = run_distributed(_worker, DP, timeout=240)

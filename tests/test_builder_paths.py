@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from canzona_ds.testing.dist import run_distributed
+from canzona_testkit.dist import run_distributed
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, TP = 4, 2, 8, 6, 2
 SHAPES = {"q_proj.weight": (HEADS * HEAD_DIM, HIDDEN), "k_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
@@ -32,7 +32,7 @@ def _shard(t: torch.Tensor, name: str, rank: int) -> torch.Tensor:
 
 def _hook_worker(rank, world, per_head):
     from canzona_ds.integration.megatron import patch_megatron_training
-    from canzona_ds.testing import megatron_standin as ms
+    from canzona_testkit import megatron_standin as ms
 
     ms.initialize_model_parallel(TP)
     block = torch.nn.Module()
@@ -97,7 +97,7 @@ def test_megatron_hook_accepts_a_pipeline_module_without_mpu():
     from deepspeed.pipe import PipelineModule
 
     from canzona_ds.integration.megatron import patch_megatron_training
-    from canzona_ds.testing import megatron_standin as ms
+    from canzona_testkit import megatron_standin as ms
 
     calls: list = []
     fake_ds = types.SimpleNamespace(initialize=lambda **k: calls.append(k) or "engine")

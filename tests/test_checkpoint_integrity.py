@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 
 from canzona_ds import checkpoint as ck
-from canzona_ds.testing.dist import free_port, run_distributed
-from canzona_ds.testing.models import batches, ds_config, make_model, params_of
+from canzona_testkit.dist import free_port, run_distributed
+from canzona_testkit.models import batches, ds_config, make_model, params_of
 
 pytestmark = pytest.mark.dist
 

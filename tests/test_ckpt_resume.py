@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 import torch
 
-from canzona_ds.testing.dist import run_distributed
-from canzona_ds.testing.models import HP, batches, ds_config, make_model, params_of
+from canzona_testkit.dist import run_distributed
+from canzona_testkit.models import HP, batches, ds_config, make_model, params_of
 
 BEFORE, AFTER, MICRO = 2, 2, 2
 #: below the tiny model's gradient norm on every step (~1): every step clips
@@ -32,7 +32,7 @@ CLIP = 0.05
 
 
 def _cfg(dp: int, stage: int, opt_type: str) -> dict:
-    from canzona_ds.testing.zero3 import zero3_config
+    from canzona_testkit.zero3 import zero3_config
 
     kw = dict(optimizer=opt_type, gradient_clipping=CLIP)
     return zero3_config(dp, **kw) if stage == 3 else ds_config(dp, stage=stage, **kw)
@@ -60,7 +60,7 @@ def _engine(dp: int, stage: int, opt_type: str):
 
 def _params(engine, stage: int) -> dict:
     if stage == 3:
-        from canzona_ds.testing.zero3 import gathered_params
+        from canzona_testkit.zero3 import gathered_params
 
         return gathered_params(engine.module)
     return params_of(engine.module)
@@ -85,7 +85,7 @@ def _resume(rank, dp, ckpt, stage, opt_type, out):
 def _reference(n: int, m: int, opt_type: str) -> dict:
     from canzona_ds.optim.config import CanzonaConfig
     from canzona_ds.optim.reference import ReferenceOptimizer
-    from canzona_ds.testing.models import reference_grads
+    from canzona_testkit.models import reference_grads
 
     torch.set_num_threads(1)
     model = make_model(0)
@@ -315,7 +315,7 @@ def test_save_killed_mid_write_is_reported_incomplete(tmp_path):
     import sys
 
     from canzona_ds import checkpoint as ck
-    from canzona_ds.testing.dist import free_port
+    from canzona_testkit.dist import free_port
 
     ckpt = str(tmp_path / "ckpt")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
@@ -429,8 +429,8 @@ def _pipe(rank, world, pp, ckpt, out):
     import deepspeed
 
     import canzona_ds  # noqa: F401
-    from canzona_ds.testing.models import params_of
-    from canzona_ds.testing.pipeline import build_pipe, canonical_name, dataset, rank_micro_batches
+    from canzona_testkit.models import params_of
+    from canzona_testkit.pipeline import build_pipe, canonical_name, dataset, rank_micro_batches
 
     module = build_pipe(pp, True, 0)
     engine = deepspeed.initialize(model=module, model_parameters=list(module.parameters()), config=_pipe_cfg(1))[0]
@@ -451,7 +451,7 @@ def _pipe_reference(modes: list[str]) -> dict:
     step sums the tied weight's two uses), clipped by torch's clip_grad_norm_."""
     from canzona_ds.optim.config import CanzonaConfig
     from canzona_ds.optim.reference import ReferenceOptimizer
-    from canzona_ds.testing.pipeline import ReferenceDecoder, dataset, rank_micro_batches
+    from canzona_testkit.pipeline import ReferenceDecoder, dataset, rank_micro_batches
 
     torch.set_num_threads(1)
     model = ReferenceDecoder(True, 0, modes[0])
@@ -476,7 +476,7 @@ def _pipe_reference(modes: list[str]) -> dict:
 
 @pytest.mark.parametrize("before,after", [(2, 1), (1, 2)], ids=["pp2-to-pp1", "pp1-to-pp2"])
 def test_resume_at_another_pipeline_size(tmp_path, before, after):
-    from canzona_ds.testing.pipeline import merge_stages
+    from canzona_testkit.pipeline import merge_stages
 
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
     run_distributed(_pipe, before, before, ckpt, None)

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from canzona_ds.optim.clip import clip_coefficient, per_tensor_norms, stack_order, total_norm
-from canzona_ds.testing.dist import run_distributed
-from canzona_ds.testing.models import TYPES, ds_config, max_abs_diff, run_engine, run_reference
+from canzona_testkit.dist import run_distributed
+from canzona_testkit.models import TYPES, ds_config, max_abs_diff, run_engine, run_reference
 
 STEPS = 5
 CLIP = 0.5  # below the gradient norm (~1.3-1.4) on every step, so every step is clipped
@@ -104,7 +104,7 @@ def _one_matrix_worker(rank, dp, hp):
 def test_clipping_with_a_rank_owning_no_matrix():
     """One matrix at DP=2: rank 1's partition of the matrix group is padding only (DeepSpeed does
     not flag its gradient buffer as padding); the clipped run stays bit for bit."""
-    from canzona_ds.testing.models import HP
+    from canzona_testkit.models import HP
 
     hp = dict(HP["CanzonaMuon"], matrix_exclude=["embed", "lm_head", "qkv", "proj", "fc2"])
     res = run_distributed(_one_matrix_worker, 2, hp)

@@ -1,11 +1,11 @@
 """Every invalid optimizer setting generated from the config dataclasses (wrong types, null,
-non-finite, out of range, misspelt keys, malformed sections: canzona_ds.testing.fuzz) is
+non-finite, out of range, misspelt keys, malformed sections: canzona_testkit.fuzz) is
 refused with a ValueError/TypeError naming the key as the user wrote it."""
 from __future__ import annotations
 
 import pytest
 
-from canzona_ds.testing.fuzz import check, invalid_settings
+from canzona_testkit.fuzz import check, invalid_settings
 
 CASES = list(invalid_settings())
 

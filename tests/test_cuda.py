@@ -25,8 +25,8 @@ import torch
 from canzona_ds.optim.config import CanzonaConfig
 from canzona_ds.optim.optimizer import CanzonaOptimizer
 from canzona_ds.optim.reference import ReferenceOptimizer
-from canzona_ds.testing.dist import cuda_count, run_distributed
-from canzona_ds.testing.models import HP, TYPES, batches, make_model
+from canzona_testkit.dist import cuda_count, run_distributed
+from canzona_testkit.models import HP, TYPES, batches, make_model
 
 GPUS = cuda_count()
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(GPUS < 1, reason=f"needs a CUDA GPU; this machine has {GPUS}")]

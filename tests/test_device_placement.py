@@ -17,8 +17,8 @@ import torch
 
 from canzona_ds.optim.config import CanzonaConfig
 from canzona_ds.optim.optimizer import CanzonaOptimizer
-from canzona_ds.testing.dist import device_params, rank_device, run_distributed
-from canzona_ds.testing.models import HP, TYPES, batches, make_model
+from canzona_testkit.dist import device_params, rank_device, run_distributed
+from canzona_testkit.models import HP, TYPES, batches, make_model
 
 SHAPES = {"col": ((12, 6), 0), "row": ((6, 10), 1)}
 

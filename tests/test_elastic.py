@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from canzona_ds.testing.dist import run_distributed
-from canzona_ds.testing.models import HP, batches, ds_config, make_model, muon_reordered_sum_tolerance, params_of, run_engine
+from canzona_testkit.dist import run_distributed
+from canzona_testkit.models import HP, batches, ds_config, make_model, muon_reordered_sum_tolerance, params_of, run_engine
 
 BEFORE, AFTER, MICRO = 3, 3, 2
 
@@ -34,7 +34,7 @@ def _save(rank, dp, ckpt, opt_type, stage):
 
 
 def _resume(rank, dp, ckpt, opt_type, stage):
-    from canzona_ds.testing.models import MatrixStepRecorder
+    from canzona_testkit.models import MatrixStepRecorder
 
     _, _, engine = run_engine(rank, dp, ds_config(dp, optimizer=opt_type, stage=stage), 0)
     path, client = engine.load_checkpoint(ckpt, tag="before")
@@ -53,7 +53,7 @@ def _resume(rank, dp, ckpt, opt_type, stage):
 def _reference(n: int, m: int, opt_type: str) -> dict:
     from canzona_ds.optim.config import CanzonaConfig
     from canzona_ds.optim.reference import ReferenceOptimizer
-    from canzona_ds.testing.models import reference_grads
+    from canzona_testkit.models import reference_grads
 
     torch.set_num_threads(1)
     model = make_model(0)
@@ -201,7 +201,7 @@ def _tp_engine(tp: int, opt_type: str):
     import canzona_ds  # noqa: F401
     import deepspeed
 
-    from canzona_ds.testing import megatron_standin as ms
+    from canzona_testkit import megatron_standin as ms
 
     ms.initialize_model_parallel(tp)
     model = ms.TinyGPTBlock(**TP_CFG)
@@ -255,7 +255,7 @@ def test_dp2_tp2_to_dp4_tp1(tmp_path, opt_type):
     assert uni.source == {"dp": 2, "tp": 2, "dir": uni.source["dir"]}
     assert uni.params["qkv.weight"].shape == (64, 32) and uni.params["fc1.weight"].shape == (96, 32)
     # the TP=1 weights the resumed run started from are the TP=1 layout of the saved shards
-    from canzona_ds.testing import megatron_standin as ms
+    from canzona_testkit import megatron_standin as ms
 
     assert set(uni.rule_state) == set(MATRICES_TP)
     for r in res[1:]:

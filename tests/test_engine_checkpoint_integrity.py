@@ -30,8 +30,8 @@ import pytest
 
 from canzona_ds import checkpoint as ck
 from canzona_ds.optim.config import CheckpointConfig
-from canzona_ds.testing.dist import run_distributed
-from canzona_ds.testing.models import batches, ds_config, make_model, params_of, run_engine
+from canzona_testkit.dist import run_distributed
+from canzona_testkit.models import batches, ds_config, make_model, params_of, run_engine
 
 pytestmark = pytest.mark.dist
 

@@ -7,7 +7,7 @@
 * the flattening regression: each expert's Muon update has flat singular values (the old
   [E, out*in] update does not);
 * real processes (gloo, DP=2) on a real tiny ``Qwen3MoeForCausalLM``, ZeRO stages 0, 1, 2 and every
-  rule, against ``testing.hf_moe.PerExpertReference`` (torch.optim.Muon / the rule on each expert slice
+  rule, against ``canzona_testkit.hf_moe.PerExpertReference`` (torch.optim.Muon / the rule on each expert slice
   as its own 2-D parameter, computed in a worker): bit for bit in fp32 (DP=2 averages exactly);
 * checkpoints: a round trip and DP-elastic resume (DP 2 -> 1, 1 -> 2), each expert's state following
   its stack's owner, the continued run bit-exact against the reference.
@@ -30,12 +30,12 @@ from canzona_ds.optim.optimizer import CanzonaOptimizer
 from canzona_ds.optim.rule import MatrixInfo, rule_step
 from canzona_ds.planning.cost import task_cost
 from canzona_ds.planning.params import ParamSpec, expert_stack, matrix_experts
-from canzona_ds.testing.dist import run_distributed
-from canzona_ds.testing.models import HP, TYPES, ds_config, params_of
+from canzona_testkit.dist import run_distributed
+from canzona_testkit.models import HP, TYPES, ds_config, params_of
 
 transformers = pytest.importorskip("transformers")
 
-from canzona_ds.testing.hf_moe import (PerExpertReference, expert_stacks, make_moe_model,  # noqa: E402
+from canzona_testkit.hf_moe import (PerExpertReference, expert_stacks, make_moe_model,  # noqa: E402
                                     moe_batches)
 
 STEPS, MICRO = 4, 2
@@ -245,7 +245,7 @@ def _dp_worker(rank, dp, stage):
     import canzona_ds  # noqa: F401
     import deepspeed
 
-    from canzona_ds.testing.models import reference_grads
+    from canzona_testkit.models import reference_grads
 
     torch.set_num_threads(1)
     data = moe_batches(STEPS, MICRO * dp)
@@ -356,7 +356,7 @@ def _save(rank, dp, ckpt, opt_type, stage):
 
 
 def _resume(rank, dp, ckpt, opt_type, stage, n):
-    from canzona_ds.testing.models import reference_grads
+    from canzona_testkit.models import reference_grads
 
     engine = _engine(dp, opt_type, stage)
     engine.load_checkpoint(ckpt, tag="before")

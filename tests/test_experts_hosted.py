@@ -4,7 +4,7 @@ The host assembles the whole stack and runs the rule per expert (``optim.rule.ru
 ``stack_direction`` or one ``direction`` per expert, states ``"<stack>[e]"``); every rank applies
 its piece with the per-expert scales.
 
-Real processes (gloo, DP=2) on the tiny ``Qwen3MoeForCausalLM`` of ``testing.hf_moe``, every rule,
+Real processes (gloo, DP=2) on the tiny ``Qwen3MoeForCausalLM`` of ``canzona_testkit.hf_moe``, every rule,
 against ``PerExpertReference`` (every expert slice stepped as its own 2-D parameter, computed in a
 worker): bit for bit in fp32.  The mixed layout is compared on the whole model (reference_grads);
 ZeRO-3's averaged gradients of this HF model differ from reference_grads in the last bits (the
@@ -23,12 +23,12 @@ import numpy as np
 import pytest
 import torch
 
-from canzona_ds.testing.dist import run_distributed
-from canzona_ds.testing.models import HP, TYPES, ds_config, params_of
+from canzona_testkit.dist import run_distributed
+from canzona_testkit.models import HP, TYPES, ds_config, params_of
 
 transformers = pytest.importorskip("transformers")
 
-from canzona_ds.testing.hf_moe import PerExpertReference, make_moe_model, moe_batches  # noqa: E402
+from canzona_testkit.hf_moe import PerExpertReference, make_moe_model, moe_batches  # noqa: E402
 
 STEPS, MICRO = 3, 2
 GATE_UP = "model.model.layers.0.mlp.experts.gate_up_proj"
@@ -43,7 +43,7 @@ def _engine(dp, opt_type, layout):
     import canzona_ds  # noqa: F401
     import deepspeed
 
-    from canzona_ds.testing.zero3 import zero3_config
+    from canzona_testkit.zero3 import zero3_config
 
     stage, extra, experts = LAYOUTS[layout]
     model = make_moe_model(0, experts=experts)
@@ -54,7 +54,7 @@ def _engine(dp, opt_type, layout):
 
 
 def _params(engine) -> dict:
-    from canzona_ds.testing.zero3 import gathered_params
+    from canzona_testkit.zero3 import gathered_params
 
     return gathered_params(engine.module) if engine.zero_optimization_stage() == 3 else params_of(engine.module)
 
@@ -82,7 +82,7 @@ def _hosted(opt) -> dict:
 
 
 def _reference(data, dp, opt_type, layout):
-    from canzona_ds.testing.models import reference_grads
+    from canzona_testkit.models import reference_grads
 
     model = make_moe_model(0, experts=LAYOUTS[layout][2])
     ref = PerExpertReference(model, opt_type)
@@ -251,7 +251,7 @@ def _mixed_save(rank, dp, ckpt, opt_type):
 
 
 def _mixed_resume(rank, dp, ckpt, opt_type, n):
-    from canzona_ds.testing.models import reference_grads
+    from canzona_testkit.models import reference_grads
 
     torch.set_num_threads(1)
     engine = _engine(dp, opt_type, "mixed")

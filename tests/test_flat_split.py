@@ -16,7 +16,7 @@ from canzona_ds.optim.muon import MuonRule
 from canzona_ds.optim.rule import MatrixInfo, rule_step
 from canzona_ds.optim.shampoo import ShampooRule
 from canzona_ds.optim.soap import SOAPRule
-from canzona_ds.testing.dist import run_distributed
+from canzona_testkit.dist import run_distributed
 from canzona_ds.tp import FlatSplit, MicroGroupRuntime
 
 SHAPES = {"a": (24, 16), "b": (7, 5), "c": (40, 8), "d": (3, 2), "e": (16, 33)}

@@ -30,8 +30,8 @@ from canzona_ds.planning.models import matrix_specs, model_specs
 from canzona_ds.planning.params import ParamSpec
 from canzona_ds.planning.report import dp_report
 from canzona_ds.planning.tp import plan_fixed_hosts
-from canzona_ds.testing.dist import run_distributed
-from canzona_ds.testing.models import (HP, TYPES, batches, ds_config, make_model, muon_reordered_sum_tolerance, params_of, run_engine,
+from canzona_testkit.dist import run_distributed
+from canzona_testkit.models import (HP, TYPES, batches, ds_config, make_model, muon_reordered_sum_tolerance, params_of, run_engine,
                                        run_reference)
 
 MUON = cost_model("muon")
@@ -214,7 +214,7 @@ def _replay(opt, records: list[list[dict]]) -> float:
 
 
 def _one(rank, dp, opt_type, stage, clip, bf16=False, gas=1, offload=False):
-    from canzona_ds.testing.comm import CommCounter
+    from canzona_testkit.comm import CommCounter
 
     params = dict(HP[opt_type], layout="mixed")
     extra = {"bf16": {"enabled": True}} if bf16 else {}
@@ -344,7 +344,7 @@ def _resume(rank, dp, ckpt, opt_type, layout, saved_dp):
     engine.save_checkpoint(ckpt, tag="reloaded")
     recorder = None
     if layout == "owned":  # every update from the loaded state, replayed in one process
-        from canzona_ds.testing.models import MatrixStepRecorder
+        from canzona_testkit.models import MatrixStepRecorder
 
         recorder = MatrixStepRecorder(engine.optimizer.optimizer)
     for x, y in batches(AFTER, MICRO * dp, 2):
@@ -361,7 +361,7 @@ def _resume(rank, dp, ckpt, opt_type, layout, saved_dp):
 def _reference(n: int, m: int, opt_type: str) -> dict:
     from canzona_ds.optim.config import CanzonaConfig
     from canzona_ds.optim.reference import ReferenceOptimizer
-    from canzona_ds.testing.models import reference_grads
+    from canzona_testkit.models import reference_grads
 
     torch.set_num_threads(1)
     model = make_model(0)

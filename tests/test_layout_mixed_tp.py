@@ -17,7 +17,7 @@ keep the TP runtime: three runtimes, stepped in that order on every rank.
   single-process ReferenceOptimizer on the run's own gradients (the reference test_zero_tp.py
   uses); a TP-split matrix is grid-hosted (every rule) and a replicated one DP-hosted (Muon's
   plan: then all three runtimes run in one step); the optimizer step's
-  collectives, counted by testing/comm.CommCounter per group, are the plans' all-to-alls; a
+  collectives, counted by canzona_testkit/comm.CommCounter per group, are the plans' all-to-alls; a
   checkpoint resumes bit for bit (the grid host's rule state, Muon's momentum pieces); a change
   of layout at the same size (owned <-> mixed, the elastic path) resumes exactly; the grid hosts'
   TP ranks are the planner's, and a Shampoo or SOAP checkpoint written with the unseeded choice
@@ -40,8 +40,8 @@ import pytest
 import torch
 
 import test_zero_tp as zt
-from canzona_ds.testing import megatron_standin as ms
-from canzona_ds.testing.dist import run_distributed
+from canzona_testkit import megatron_standin as ms
+from canzona_testkit.dist import run_distributed
 
 TP, DP, WORLD = zt.TP, zt.DP, zt.WORLD
 STEPS, CKPT_AFTER = zt.STEPS, zt.CKPT_AFTER
@@ -200,7 +200,7 @@ class _StepComm:
     (op, the group's global ranks) -> calls (ZeRO steps the inner optimizer once per group)."""
 
     def __init__(self, inner) -> None:
-        from canzona_ds.testing.comm import CommCounter
+        from canzona_testkit.comm import CommCounter
 
         self.pending: dict = {}
         stock = inner.step
@@ -547,7 +547,7 @@ class GLUBlock(torch.nn.Module):
     FFN = 48
 
     def __init__(self, seed: int) -> None:
-        from canzona_ds.testing.models import D
+        from canzona_testkit.models import D
 
         super().__init__()
         self.fc1 = ms.ColumnParallelLinear(D, self.FFN)
@@ -577,8 +577,8 @@ def _pp_worker(rank: int, world: int) -> dict:
     from deepspeed.pipe import LayerSpec, PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, PipelineParallelGrid
 
-    from canzona_ds.testing.models import HP
-    from canzona_ds.testing.pipeline import Embedding, Head, dataset, loss_fn, rank_micro_batches
+    from canzona_testkit.models import HP
+    from canzona_testkit.pipeline import Embedding, Head, dataset, loss_fn, rank_micro_batches
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     topo = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2)

@@ -1,6 +1,6 @@
 """DeepSpeed MoE (``deepspeed.moe.layer.MoE``, 4 experts, ep_size=2) with expert parallelism
 under ZeRO 0/1/2, every Canzona type, on real gloo processes, against the single-process
-reference of ``canzona_ds.testing.moe`` (the whole model, every expert, the rule applied to
+reference of ``canzona_testkit.moe`` (the whole model, every expert, the rule applied to
 each expert matrix; the ranks' forward and backward reproduced exactly, then ZeRO's averages:
 dense over DP, experts over their expert-DP group, both divided by the DP size).
 
@@ -34,8 +34,8 @@ from functools import lru_cache
 import numpy as np
 import pytest
 
-from canzona_ds.testing.dist import run_distributed
-from canzona_ds.testing.models import TYPES, muon_reordered_sum_tolerance
+from canzona_testkit.dist import run_distributed
+from canzona_testkit.models import TYPES, muon_reordered_sum_tolerance
 
 STEPS = 3  # Shampoo/SOAP in HP refresh every 2 steps
 CLIP = 0.05  # well below the gradient norm (~1): every step clips
@@ -62,9 +62,9 @@ SCENARIOS_4["z0_muon_client_mpu"] = (0, "CanzonaMuon", {"client": True, "mpu": T
 
 
 def _train(rank, world, stage, opt_type, options):
-    from canzona_ds.testing.comm import CommCounter
-    from canzona_ds.testing.models import MatrixStepRecorder
-    from canzona_ds.testing.moe import moe_ds_config, run_moe_engine
+    from canzona_testkit.comm import CommCounter
+    from canzona_testkit.models import MatrixStepRecorder
+    from canzona_testkit.moe import moe_ds_config, run_moe_engine
 
     inner_calls, recorder, first = [], [], {}
 
@@ -109,7 +109,7 @@ def _train(rank, world, stage, opt_type, options):
 
     mpu = None
     if options.get("mpu"):
-        from canzona_ds.testing import megatron_standin
+        from canzona_testkit import megatron_standin
 
         megatron_standin.initialize_model_parallel(1)
         mpu = megatron_standin.mpu
@@ -139,7 +139,7 @@ def _train(rank, world, stage, opt_type, options):
 
 
 def _world_worker(rank, world, scenarios):
-    from canzona_ds.testing.moe import reference_run
+    from canzona_testkit.moe import reference_run
 
     out = {}
     refs: dict = {}
@@ -252,9 +252,9 @@ def _two_groups_worker(rank, world):
     from deepspeed.moe.layer import MoE
 
     import canzona_ds  # noqa: F401
-    from canzona_ds.testing.comm import CommCounter
-    from canzona_ds.testing.models import VOCAB, MatrixStepRecorder, batches
-    from canzona_ds.testing.moe import moe_ds_config
+    from canzona_testkit.comm import CommCounter
+    from canzona_testkit.models import VOCAB, MatrixStepRecorder, batches
+    from canzona_testkit.moe import moe_ds_config
 
     torch.manual_seed(0)
 
@@ -323,8 +323,8 @@ def _checkpoint_worker(rank, world, ckpt, opt_type, stage=2):
     """Train 2 steps, save, train 1 more; a fresh engine loads and trains the same step."""
     import torch
 
-    from canzona_ds.testing.moe import moe_ds_config, run_moe_engine
-    from canzona_ds.testing.models import batches
+    from canzona_testkit.moe import moe_ds_config, run_moe_engine
+    from canzona_testkit.models import batches
 
     data = batches(3, 2 * world)
     cfg = moe_ds_config(world, optimizer=opt_type, stage=stage)
@@ -399,7 +399,7 @@ def _refusal_worker(rank, world):
     import deepspeed
 
     import canzona_ds  # noqa: F401
-    from canzona_ds.testing.moe import TinyMoE, moe_ds_config
+    from canzona_testkit.moe import TinyMoE, moe_ds_config
 
     out = {}
     for name, (extra, _) in REFUSALS.items():
@@ -416,7 +416,7 @@ def _refusal_worker(rank, world):
                 from deepspeed.utils import groups as ds_groups
 
                 from canzona_ds.integration.megatron import build_tp_optimizer
-                from canzona_ds.testing import megatron_standin
+                from canzona_testkit import megatron_standin
 
                 megatron_standin.initialize_model_parallel(1)
                 saved, ds_groups.mpu = ds_groups.mpu, object()
@@ -460,8 +460,8 @@ def _pipe_refusal_worker(rank, world, moe_layers, stage):
     import deepspeed
 
     import canzona_ds  # noqa: F401
-    from canzona_ds.testing.models import HP
-    from canzona_ds.testing.moe import build_moe_pipe
+    from canzona_testkit.models import HP
+    from canzona_testkit.moe import build_moe_pipe
 
     module = build_moe_pipe(moe_layers, ep_size=EP)
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10 ** 6,
@@ -495,8 +495,8 @@ def _fp16_worker(rank, world, stage):
 
     import canzona_ds  # noqa: F401
     from canzona_ds.integration.accelerator import allow_fp16
-    from canzona_ds.testing.models import MatrixStepRecorder, batches
-    from canzona_ds.testing.moe import TinyMoE, global_name, moe_ds_config, run_moe_engine
+    from canzona_testkit.models import MatrixStepRecorder, batches
+    from canzona_testkit.moe import TinyMoE, global_name, moe_ds_config, run_moe_engine
 
     cfg = moe_ds_config(world, stage=stage, fp16={"enabled": True, "initial_scale_power": 8,
                                                   "loss_scale_window": 1000, "hysteresis": 1})

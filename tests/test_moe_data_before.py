@@ -9,7 +9,7 @@ the expert groups out D + E instead of E + D; at world 4, ep_size 2 (printed by 
     data before expert    expert-parallel {0,2} {1,3}   expert-DP {0,1} {2,3}   rank r: ep_rank r // 2
 
 so ranks 0, 1 hold experts 0, 1 and ranks 2, 3 experts 2, 3, and each expert group is planned
-over {0,1} or {2,3}.  The tiny MoE model (``canzona_ds.testing.moe``; ``run_moe_engine`` and
+over {0,1} or {2,3}.  The tiny MoE model (``canzona_testkit.moe``; ``run_moe_engine`` and
 ``reference_run(before=True)`` follow the same layout) at world 4, ep_size 2, per scenario (each in
 its own ``try``; one failing scenario fails one test):
 
@@ -58,8 +58,8 @@ from functools import lru_cache
 import numpy as np
 import pytest
 
-from canzona_ds.testing.dist import run_distributed, scratch_dir
-from canzona_ds.testing.models import muon_reordered_sum_tolerance
+from canzona_testkit.dist import run_distributed, scratch_dir
+from canzona_testkit.models import muon_reordered_sum_tolerance
 
 EP, WORLD = 2, 4
 STEPS = 3  # Shampoo/SOAP in HP refresh every 2 steps
@@ -85,7 +85,7 @@ RESIZE = {"resize_w4_to_w2_z2_CanzonaSOAP": "flip_z2_CanzonaSOAP_before_to_defau
 
 
 def _cfg(world: int, opt_type: str, stage: int, before: bool = True, clip: float = 0.0) -> dict:
-    from canzona_ds.testing.moe import moe_ds_config
+    from canzona_testkit.moe import moe_ds_config
 
     return moe_ds_config(world, optimizer=opt_type, stage=stage, gradient_clipping=clip, **(BEFORE if before else {}))
 
@@ -113,8 +113,8 @@ def _train(rank: int, world: int, stage: int, opt_type: str, clip: float) -> dic
 
     from test_moe_tp import _gather_partitions  # (this rank's gradients, gathered over each ZeRO group)
 
-    from canzona_ds.testing.comm import CommCounter
-    from canzona_ds.testing.moe import run_moe_engine
+    from canzona_testkit.comm import CommCounter
+    from canzona_testkit.moe import run_moe_engine
 
     _fresh_expert_groups()
     state: dict = {"calls": [], "captured": [], "norms": [], "initial": {}, "first": {}}
@@ -177,8 +177,8 @@ def _own_gradient_reference(results: list, opt_type: str, clip: float) -> dict:
 
     from canzona_ds.optim.config import CanzonaConfig
     from canzona_ds.optim.reference import ReferenceOptimizer
-    from canzona_ds.testing.models import HP
-    from canzona_ds.testing.moe import whole_names
+    from canzona_testkit.models import HP
+    from canzona_testkit.moe import whole_names
 
     torch.set_num_threads(1)
     problems = []
@@ -215,8 +215,8 @@ def _roundtrip(rank: int, world: int, root: str) -> dict:
     import torch
 
     from canzona_ds.integration.registry import elastic_needed
-    from canzona_ds.testing.models import batches
-    from canzona_ds.testing.moe import run_moe_engine
+    from canzona_testkit.models import batches
+    from canzona_testkit.moe import run_moe_engine
 
     _fresh_expert_groups()
     ckpt = os.path.join(root, "roundtrip")
@@ -254,8 +254,8 @@ def _resume(rank: int, world: int, root: str, name: str, stage: int, opt_type: s
     from canzona_ds.integration.elastic import _load
     from canzona_ds.integration.registry import elastic_needed
     from canzona_ds.integration.zero import LAYOUT_KEY, expert_ranks_moved
-    from canzona_ds.testing.models import batches
-    from canzona_ds.testing.moe import reference_run, run_moe_engine
+    from canzona_testkit.models import batches
+    from canzona_testkit.moe import reference_run, run_moe_engine
 
     _fresh_expert_groups()
     ckpt = os.path.join(root, name)
@@ -298,8 +298,8 @@ def _flip(rank: int, world: int, root: str, name: str) -> dict:
 
     from test_moe_elastic import _merge, _snapshot
 
-    from canzona_ds.testing.models import batches
-    from canzona_ds.testing.moe import run_moe_engine
+    from canzona_testkit.models import batches
+    from canzona_testkit.moe import run_moe_engine
 
     stage, opt_type, saved_before, new_before = FLIP[name]
     _fresh_expert_groups()
@@ -318,8 +318,8 @@ def _client(rank: int, world: int) -> dict:
     """Megatron-DeepSpeed's ZeRO-0 client optimizer with D + E (build_tp_optimizer creates the groups)."""
     from deepspeed.utils import groups as ds_groups
 
-    from canzona_ds.testing import megatron_standin
-    from canzona_ds.testing.moe import reference_run, run_moe_engine
+    from canzona_testkit import megatron_standin
+    from canzona_testkit.moe import reference_run, run_moe_engine
 
     _fresh_expert_groups()
     megatron_standin.initialize_model_parallel(1)
@@ -355,8 +355,8 @@ def _pipe_refusal(rank: int, world: int) -> str | None:
     every rank (the stage without MoE layers too), or None."""
     import deepspeed
 
-    from canzona_ds.testing.models import HP
-    from canzona_ds.testing.moe import build_moe_pipe
+    from canzona_testkit.models import HP
+    from canzona_testkit.moe import build_moe_pipe
 
     _fresh_expert_groups()
     module = build_moe_pipe(1, ep_size=EP)
@@ -373,7 +373,7 @@ def _pipe_refusal(rank: int, world: int) -> str | None:
 def _world4_worker(rank: int, world: int, root: str) -> dict:
     import torch.distributed as dist
 
-    from canzona_ds.testing.moe import reference_run
+    from canzona_testkit.moe import reference_run
 
     out = {}
     for name, (stage, opt_type, clip) in TRAIN.items():
@@ -635,7 +635,7 @@ def test_data_before_expert_setting_read():
     """The builder reads DeepSpeed's key from a ds_config (the stage-0 client path; from an engine:
     engine._config.use_data_before_expert_parallel_, checked through the refusals above)."""
     from canzona_ds.integration.builder import RunSettings
-    from canzona_ds.testing.moe import moe_ds_config
+    from canzona_testkit.moe import moe_ds_config
 
     assert RunSettings.from_ds_config(moe_ds_config(4, **BEFORE)).expert_data_before is True
     assert RunSettings.from_ds_config(moe_ds_config(4)).expert_data_before is False

@@ -4,7 +4,7 @@ stage 0 also world 4 ep_size 2 -> world 2 ep_size 1), ZeRO 0, 1 and 2, Muon, Sha
 real gloo processes.  Checkpoints without the records a resize needs (as an older canzona-ds
 wrote them) are refused by name.
 
-Each scenario trains the tiny MoE model (``canzona_ds.testing.moe``) 2 steps at the saved size
+Each scenario trains the tiny MoE model (``canzona_testkit.moe``) 2 steps at the saved size
 and saves; every saving rank also hands back, by whole-model name (expert ``k*E/ep + j``), what
 it held in memory: the fp32 master and rule state of the matrices it owns, its pieces of the
 AdamW partitions (master, moments) and the steps.  Merged, that is the model's whole state as
@@ -46,8 +46,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from canzona_ds.testing.dist import run_distributed, scratch_dir
-from canzona_ds.testing.models import muon_reordered_sum_tolerance
+from canzona_testkit.dist import run_distributed, scratch_dir
+from canzona_testkit.models import muon_reordered_sum_tolerance
 
 SAVE_STEPS, MORE = 2, 2
 
@@ -70,7 +70,7 @@ SCENARIOS = {
 
 
 def _data(world: int, steps: int, seed: int) -> list:
-    from canzona_ds.testing.models import batches
+    from canzona_testkit.models import batches
 
     return batches(steps, 2 * world, seed=seed)
 
@@ -140,7 +140,7 @@ def _snapshot(engine) -> dict:
 
 
 def _save_worker(rank, world, root, names):
-    from canzona_ds.testing.moe import moe_ds_config, run_moe_engine
+    from canzona_testkit.moe import moe_ds_config, run_moe_engine
 
     out = {}
     for name in names:
@@ -229,7 +229,7 @@ def _as_old(root: str, name: str) -> str:
 def _refused_worker(rank, world, ckpt, name):
     from canzona_ds.checkpoint import engine_hooks_off
     from canzona_ds.integration.elastic import ElasticError
-    from canzona_ds.testing.moe import moe_ds_config, run_moe_engine
+    from canzona_testkit.moe import moe_ds_config, run_moe_engine
 
     source, _, ep = REFUSED[name]
     stage, opt_type = SCENARIOS[source][4:]
@@ -248,7 +248,7 @@ def _refused_worker(rank, world, ckpt, name):
 
 
 def _load_worker(rank, world, root, jobs, refused=None):
-    from canzona_ds.testing.moe import moe_ds_config, reference_run, run_moe_engine
+    from canzona_testkit.moe import moe_ds_config, reference_run, run_moe_engine
 
     out = {name: _refused_worker(rank, world, ckpt, name) for name, ckpt in (refused or {}).items()}
     # stage 0 first, smaller ep_size first: DeepSpeed picks the stage-0 optimizer file by the

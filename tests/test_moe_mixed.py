@@ -2,14 +2,14 @@
 group (dense over DP; each expert group over its expert-data-parallel group), each group's
 hosted matrices cut over THAT group's DP group and stepped in its own group's step.
 
-The tiny MoE of ``canzona_ds.testing.moe`` keeps each expert's second Linear on AdamW here
+The tiny MoE of ``canzona_testkit.moe`` keeps each expert's second Linear on AdamW here
 (``matrix_exclude`` + ``".2.weight"``), so an expert group has one matrix per local expert and
 an odd count of them does not divide over its expert-DP group: a matrix is hosted.
 
 * world 2, ep_size 1, 3 experts: dense ``proj.weight`` hosted over the DP pair, expert 2's
   ``0.weight`` hosted over the expert-DP pair (experts 0 and 1 owned, one per rank); every
   rule at ZeRO 1 and 2, and Muon with clipping: bit for bit against the single-process
-  reference (``testing.moe.reference_run``, the same optimizer params); and at ep_size 2 (4
+  reference (``canzona_testkit.moe.reference_run``, the same optimizer params); and at ep_size 2 (4
   experts; expert-DP groups of one rank, whose mixed layout hosts nothing) SOAP at ZeRO 2;
 * world 4, ep_size 2, 2 experts: each rank's one local expert matrix is hosted over its
   expert-DP pair ({0, 2}, {1, 3}; two different groups stepping at once), ``proj.weight`` over
@@ -37,8 +37,8 @@ import numpy as np
 import pytest
 
 from canzona_ds.planning.params import DEFAULT_EXCLUDE
-from canzona_ds.testing.dist import run_distributed
-from canzona_ds.testing.models import HP, TYPES
+from canzona_testkit.dist import run_distributed
+from canzona_testkit.models import HP, TYPES
 
 STEPS = 3  # Shampoo/SOAP in HP refresh every 2 steps
 CLIP = 0.05  # well below the gradient norm: every step clips
@@ -111,9 +111,9 @@ def _train(rank, world, stage, opt_type, options, ckpt=None):
     import torch.distributed as tdist
 
     from canzona_ds.planning.mixed import hosted_pieces, step_bytes
-    from canzona_ds.testing.comm import CommCounter
-    from canzona_ds.testing.models import batches
-    from canzona_ds.testing.moe import moe_ds_config, run_moe_engine
+    from canzona_testkit.comm import CommCounter
+    from canzona_testkit.models import batches
+    from canzona_testkit.moe import moe_ds_config, run_moe_engine
 
     ep, experts = options.get("setup", SETUP[world])
     calls, hooks, first = [], {}, {}
@@ -215,13 +215,13 @@ def _train(rank, world, stage, opt_type, options, ckpt=None):
 
 
 def _tp_owned_vs_mixed(rank, stage, opt_type):
-    """MoE x TP (DP 2 x TP 2, ep_size 2; testing.moe.TinyMoETP): the same run with the owned and
+    """MoE x TP (DP 2 x TP 2, ep_size 2; canzona_testkit.moe.TinyMoETP): the same run with the owned and
     the mixed layout; the mixed one hosts the TP-split dense ``down.weight`` over the DP x TP grid."""
     import numpy as np
 
-    from canzona_ds.testing import megatron_standin as ms
-    from canzona_ds.testing.models import batches
-    from canzona_ds.testing.moe import moe_ds_config, run_moe_tp_engine
+    from canzona_testkit import megatron_standin as ms
+    from canzona_testkit.models import batches
+    from canzona_testkit.moe import moe_ds_config, run_moe_tp_engine
 
     ms.initialize_model_parallel(2)
     data = batches(1, 2 * 2) * STEPS  # the same batch every step: the loss must fall
@@ -239,7 +239,7 @@ def _tp_owned_vs_mixed(rank, stage, opt_type):
 
 
 def _world_worker(rank, world, scenarios):
-    from canzona_ds.testing.moe import reference_run
+    from canzona_testkit.moe import reference_run
 
     out, refs = {}, {}
     for name, (stage, opt_type, options) in scenarios.items():

@@ -13,7 +13,7 @@ Saved at world 4, ep_size 2 (2 steps): a mixed Muon (ZeRO 2, momentum in pieces)
 
 and each (a) holds, right after the load, by whole-model name, the saved state bit for bit
 (fp32 master pieces joined, the rule state with Muon's momentum pieces joined, AdamW's pieces,
-the steps), as does the offline converter's form (``elastic.read``) of the checkpoint; (b) trains 2 more steps against ``testing.moe.reference_run(start=<saved state>)``:
+the steps), as does the offline converter's form (``elastic.read``) of the checkpoint; (b) trains 2 more steps against ``canzona_testkit.moe.reference_run(start=<saved state>)``:
 bit for bit at world 2 (two-term sums), at world 4 as tests/test_moe_elastic.py bounds it (the
 experts bit for bit after one step, every parameter within 1e-5, Muon within the reordered-sum bound after two).
 
@@ -29,8 +29,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from canzona_ds.testing.dist import run_distributed, scratch_dir
-from canzona_ds.testing.models import HP, muon_reordered_sum_tolerance
+from canzona_testkit.dist import run_distributed, scratch_dir
+from canzona_testkit.models import HP, muon_reordered_sum_tolerance
 
 SAVE_STEPS, MORE, EXPERTS = 2, 2, 2
 #: saved checkpoint -> (layout, ZeRO stage, type), all at world 4, ep_size 2
@@ -139,8 +139,8 @@ def _merge(snaps: list) -> SimpleNamespace:
 
 def _resume(rank, world, root, name, start):
     """Load scenario ``name``'s checkpoint at this size, snapshot, train MORE steps; the reference."""
-    from canzona_ds.testing.models import batches
-    from canzona_ds.testing.moe import moe_ds_config, reference_run, run_moe_engine
+    from canzona_testkit.models import batches
+    from canzona_testkit.moe import moe_ds_config, reference_run, run_moe_engine
 
     source, _, ep, layout = SCENARIOS[name]
     stage, opt_type = SAVED[source][1:]
@@ -173,8 +173,8 @@ def _save_worker(rank, world, root):
     """Save every checkpoint of SAVED (world 4, ep_size 2), then run the world-4 resumes."""
     import torch.distributed as tdist
 
-    from canzona_ds.testing.models import batches
-    from canzona_ds.testing.moe import moe_ds_config, run_moe_engine
+    from canzona_testkit.models import batches
+    from canzona_testkit.moe import moe_ds_config, run_moe_engine
 
     out, saved = {}, {}
     for name, (layout, stage, opt_type) in SAVED.items():

@@ -1,6 +1,6 @@
 """DeepSpeed MoE (``deepspeed.moe.layer.MoE``, 4 experts, ep_size 2) with ZeRO-Offload
 (``zero_optimization.offload_optimizer.device = "cpu"``) at ZeRO 1 and 2, world 2, on real gloo
-processes, against the single-process reference of ``canzona_ds.testing.moe``.
+processes, against the single-process reference of ``canzona_testkit.moe``.
 
 With offload DeepSpeed keeps every param group's fp32 partition (dense and each expert group,
 ``single_partition_of_fp32_groups``) and its gradient on the host, copies each averaged gradient
@@ -41,8 +41,8 @@ from functools import lru_cache
 import numpy as np
 import pytest
 
-from canzona_ds.testing.dist import run_distributed, scratch_dir
-from canzona_ds.testing.models import TYPES
+from canzona_testkit.dist import run_distributed, scratch_dir
+from canzona_testkit.models import TYPES
 
 STEPS = 3  # Shampoo/SOAP in HP refresh every 2 steps
 CLIP = 0.05  # well below the gradient norm (~1.8): every step clips
@@ -66,16 +66,16 @@ CKPT_TYPE = "CanzonaShampoo"
 
 
 def _cfg(world: int, stage: int, opt_type: str, clip: float = 0.0) -> dict:
-    from canzona_ds.testing.moe import moe_ds_config
+    from canzona_testkit.moe import moe_ds_config
 
     return moe_ds_config(world, optimizer=opt_type, stage=stage, gradient_clipping=clip,
                          zero_optimization={"stage": stage, **OFFLOAD})
 
 
 def _train(rank, world, stage, opt_type, clip):
-    from canzona_ds.testing.comm import CommCounter
-    from canzona_ds.testing.models import MatrixStepRecorder
-    from canzona_ds.testing.moe import run_moe_engine
+    from canzona_testkit.comm import CommCounter
+    from canzona_testkit.models import MatrixStepRecorder
+    from canzona_testkit.moe import run_moe_engine
 
     calls, recorder, norms = [], [], []
 
@@ -117,8 +117,8 @@ def _train(rank, world, stage, opt_type, clip):
 def _twin(rank, world, stage, opt_type, steps, extra):
     """bf16 and gradient accumulation, which the reference does not model: the offloaded run
     equals the same run without offload bit for bit, each owner's updates replayed bit for bit."""
-    from canzona_ds.testing.models import MatrixStepRecorder
-    from canzona_ds.testing.moe import moe_ds_config, run_moe_engine
+    from canzona_testkit.models import MatrixStepRecorder
+    from canzona_testkit.moe import moe_ds_config, run_moe_engine
 
     out, recorder, norms = {}, [], []
     for offload in (True, False):
@@ -146,8 +146,8 @@ def _checkpoint(rank, world, root):
     what the saving ranks held (test_moe_elastic's snapshot), for the resize."""
     import torch
 
-    from canzona_ds.testing.models import batches
-    from canzona_ds.testing.moe import run_moe_engine
+    from canzona_testkit.models import batches
+    from canzona_testkit.moe import run_moe_engine
     from test_moe_elastic import _snapshot
 
     data = batches(3, 2 * world)
@@ -174,8 +174,8 @@ def _checkpoint(rank, world, root):
 
 def _resume(rank, world, root, tag, saved, ep, stage, opt_type):
     """Load ``root``/``tag`` at (world, ep), then 2 steps; ``saved``: the saving ranks' merged state."""
-    from canzona_ds.testing.models import batches
-    from canzona_ds.testing.moe import reference_run, run_moe_engine
+    from canzona_testkit.models import batches
+    from canzona_testkit.moe import reference_run, run_moe_engine
     from test_moe_elastic import _as_torch, _snapshot
 
     loaded = {}
@@ -194,8 +194,8 @@ def _resume(rank, world, root, tag, saved, ep, stage, opt_type):
 
 def _save_w4(rank, world, root):
     """World 4, ep_size 2, ZeRO 1 Muon with offload: 2 steps, save; what each rank held."""
-    from canzona_ds.testing.models import batches
-    from canzona_ds.testing.moe import run_moe_engine
+    from canzona_testkit.models import batches
+    from canzona_testkit.moe import run_moe_engine
     from test_moe_elastic import _snapshot
 
     try:
@@ -210,7 +210,7 @@ def _save_w4(rank, world, root):
 def _worker(rank, world, root, saved_w4):
     import torch.distributed as dist
 
-    from canzona_ds.testing.moe import reference_run
+    from canzona_testkit.moe import reference_run
 
     out, refs = {}, {}
     for name, (stage, opt_type, clip) in SCENARIOS.items():

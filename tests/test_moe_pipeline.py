@@ -42,7 +42,7 @@ import functools
 
 import pytest
 
-from canzona_ds.testing.dist import run_distributed
+from canzona_testkit.dist import run_distributed
 
 EP, CLIP, STEPS = 2, 0.05, 3
 OPTIMIZERS = ("CanzonaMuon", "CanzonaShampoo")
@@ -61,8 +61,8 @@ def _run(rank, stage, opt_type, mode=""):
 
     import canzona_ds  # noqa: F401
     from canzona_ds.integration.clip import TorchClip
-    from canzona_ds.testing.models import HP, MatrixStepRecorder, batches
-    from canzona_ds.testing.moe import build_moe_pipe
+    from canzona_testkit.models import HP, MatrixStepRecorder, batches
+    from canzona_testkit.moe import build_moe_pipe
 
     module = build_moe_pipe(LAYOUTS[stage], ep_size=EP)
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10 ** 6,
@@ -316,8 +316,8 @@ def _fp16_worker(rank, world):
 
     import canzona_ds  # noqa: F401
     from canzona_ds.integration.accelerator import allow_fp16
-    from canzona_ds.testing.models import HP, MatrixStepRecorder, batches
-    from canzona_ds.testing.moe import build_moe_pipe
+    from canzona_testkit.models import HP, MatrixStepRecorder, batches
+    from canzona_testkit.moe import build_moe_pipe
 
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10 ** 6,
            "gradient_clipping": CLIP, "zero_optimization": {"stage": 1},
@@ -389,8 +389,8 @@ def _stage0_bf16_worker(rank, world):
     import deepspeed
 
     import canzona_ds  # noqa: F401
-    from canzona_ds.testing.models import HP
-    from canzona_ds.testing.moe import build_moe_pipe
+    from canzona_testkit.models import HP
+    from canzona_testkit.moe import build_moe_pipe
 
     module = build_moe_pipe(LAYOUTS[0], ep_size=EP)
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10 ** 6,
@@ -421,8 +421,8 @@ def _checkpoint_worker(rank, world, stage, folder):
     import torch
 
     import canzona_ds  # noqa: F401
-    from canzona_ds.testing.models import HP, batches
-    from canzona_ds.testing.moe import build_moe_pipe
+    from canzona_testkit.models import HP, batches
+    from canzona_testkit.moe import build_moe_pipe
 
     module = build_moe_pipe(LAYOUTS[stage], ep_size=EP)
     cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10 ** 6,

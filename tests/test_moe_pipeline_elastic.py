@@ -48,7 +48,7 @@ import traceback
 import numpy as np
 import pytest
 
-from canzona_ds.testing.dist import run_distributed, scratch_dir
+from canzona_testkit.dist import run_distributed, scratch_dir
 
 SAVE_STEPS, MORE, CLIP, MICRO = 2, 2, 0.05, 2
 #: scenario -> (new world, new ep_size, ZeRO stage, type[, MoE layers: 2, one per stage, default]) (saved
@@ -70,7 +70,7 @@ def _steps(start: int, count: int, dp: int, dp_rank: int) -> list:
     """Micro-batches of steps [start, start + count) for DP rank ``dp_rank`` of ``dp``: each step's
     global batch is two 4-row batches, 2 rows per micro-batch (DP 2: 2 micro-batches per rank;
     DP 1: all 4, in the same order)."""
-    from canzona_ds.testing.models import batches
+    from canzona_testkit.models import batches
 
     data = batches(2 * (SAVE_STEPS + MORE), 4, seed=3)
     out = []
@@ -85,8 +85,8 @@ def _engine(world: int, ep: int, zero: int, opt: str, layers: int = 2):
     import deepspeed
 
     import canzona_ds  # noqa: F401
-    from canzona_ds.testing.models import HP
-    from canzona_ds.testing.moe import build_moe_pipe
+    from canzona_testkit.models import HP
+    from canzona_testkit.moe import build_moe_pipe
 
     module = build_moe_pipe(layers, ep_size=ep)
     dp = world // 2
@@ -139,7 +139,7 @@ def _save_worker(rank, world, root, zero, opt, layers=2):
             engine.train_batch(data)
         engine.save_checkpoint(root, tag="saved")
         snap = _snapshot(engine)
-        from canzona_ds.testing.models import MatrixStepRecorder
+        from canzona_testkit.models import MatrixStepRecorder
 
         recorder = MatrixStepRecorder(engine.basic_optimizer)
         data = iter(_steps(SAVE_STEPS, MORE, dp, dp_rank))
@@ -156,7 +156,7 @@ def _load_worker(rank, world, root, ep, zero, opt, layers=2):
     try:
         import torch.distributed as tdist
 
-        from canzona_ds.testing.models import MatrixStepRecorder
+        from canzona_testkit.models import MatrixStepRecorder
 
         engine, module, dp, dp_rank, stage = _engine(world, ep, zero, opt, layers)
         engine.load_checkpoint(root, tag="saved")
@@ -308,7 +308,7 @@ def _pp_change_worker(rank, world, root):
     """The ZeRO-1 MoE x PP checkpoint into the tiny MoE model without pipeline parallelism (PP 1 x
     DP 2, ep_size 2)."""
     from canzona_ds.integration.elastic import ElasticError
-    from canzona_ds.testing.moe import moe_ds_config, run_moe_engine
+    from canzona_testkit.moe import moe_ds_config, run_moe_engine
 
     def load(engine):
         engine.load_checkpoint(root, tag="saved")

@@ -1,7 +1,7 @@
 """DeepSpeed MoE x Megatron tensor parallelism (ZeRO 0, 1 and 2), on real gloo processes.
 
 World 4 = TP 2 x DP 2 (the Megatron stand-in's mpu: TP groups {0,1} {2,3}, DP groups {0,2}
-{1,3}), ``canzona_ds.testing.moe.TinyMoETP``: a column-/row-parallel MLP (TP-split, hosted over
+{1,3}), ``canzona_testkit.moe.TinyMoETP``: a column-/row-parallel MLP (TP-split, hosted over
 the TP group) before a ``deepspeed.moe.layer.MoE`` of 4 whole experts
 (``enable_expert_tensor_parallelism=False``).  DeepSpeed 0.19.8 builds that layer's expert groups
 over the whole world, TP ranks included::
@@ -19,7 +19,7 @@ Per scenario (each in its own ``try``; one failing scenario fails one test):
   checked equal), and :class:`~canzona_ds.optim.reference.ReferenceOptimizer` (the rule on every
   whole matrix, torch AdamW on the rest) runs them in one process from the gathered initial
   weights: every rank's parameters equal it with rtol=atol=0 (Muon, Shampoo, SOAP; ZeRO 1, 2);
-* **closed loop**: the TP=1 model (``testing.moe.tp_reference_run``: every weight whole, every
+* **closed loop**: the TP=1 model (``canzona_testkit.moe.tp_reference_run``: every weight whole, every
   expert in one process, DeepSpeed's own gating) trained on its own gradients from the same
   initial weights: Muon within 1e-5 of every rank (DeepSpeed's MoE x TP gradients, ep_size 2 and
   1, are the model's within rounding); Shampoo's and SOAP's preconditioners amplify those
@@ -34,7 +34,7 @@ Per scenario (each in its own ``try``; one failing scenario fails one test):
   the gathered whole gradients up to rounding (TP-split norms are joined from squared shard
   norms), where DeepSpeed's own ZeRO norm misses the experts of TP rank 1; the run then equals
   the clipped reference within the reordered-sum bound (the norm's rounding moves the clip
-  coefficient by an ulp, which bf16 Newton-Schulz may amplify: testing.models.muon_reordered_sum_tolerance);
+  coefficient by an ulp, which bf16 Newton-Schulz may amplify: canzona_testkit.models.muon_reordered_sum_tolerance);
 * ZeRO stage 0 (Shampoo; Muon clipped): the same reference, every rank stepping what it holds;
 * ZeRO-Offload (``offload_optimizer.device = "cpu"``: ZeRO 2 Shampoo, ZeRO 1 Muon at ep_size 1):
   the same checks, bit for bit (DeepSpeed's offload path taken);
@@ -52,12 +52,12 @@ import numpy as np
 import pytest
 import torch
 
-from canzona_ds.testing.dist import run_distributed
-from canzona_ds.testing.models import muon_reordered_sum_tolerance
-from canzona_ds.testing.moe import NUM_EXPERTS
+from canzona_testkit.dist import run_distributed
+from canzona_testkit.models import muon_reordered_sum_tolerance
+from canzona_testkit.moe import NUM_EXPERTS
 
 TP, DP, WORLD = 2, 2, 4
-STEPS = 3  # Shampoo/SOAP (testing.models.HP) refresh every 2 steps
+STEPS = 3  # Shampoo/SOAP (canzona_testkit.models.HP) refresh every 2 steps
 CLIP = 0.05  # well below the gradient norm: every step clips
 MICRO = 2
 
@@ -104,10 +104,10 @@ def _train(rank: int, stage: int, opt_type: str, ep: int, options: dict) -> dict
     from deepspeed.utils import groups as ds_groups
 
     import canzona_ds.integration.clip as clip_module
-    from canzona_ds.testing import megatron_standin as ms
-    from canzona_ds.testing.comm import CommCounter
-    from canzona_ds.testing.models import MatrixStepRecorder, batches
-    from canzona_ds.testing.moe import NUM_EXPERTS, moe_ds_config, run_moe_tp_engine, global_name
+    from canzona_testkit import megatron_standin as ms
+    from canzona_testkit.comm import CommCounter
+    from canzona_testkit.models import MatrixStepRecorder, batches
+    from canzona_testkit.moe import NUM_EXPERTS, moe_ds_config, run_moe_tp_engine, global_name
 
     clip = options.get("clip", 0.0)
     extra = {"bf16": {"enabled": True}} if options.get("bf16") else {}
@@ -207,8 +207,8 @@ def _refusal(rank: int, case: str) -> str:
     """The error deepspeed.initialize raises (every rank), or '' if none."""
     import deepspeed
 
-    from canzona_ds.testing import megatron_standin as ms
-    from canzona_ds.testing.moe import TinyMoETP, gloo_gather_tokens, moe_ds_config
+    from canzona_testkit import megatron_standin as ms
+    from canzona_testkit.moe import TinyMoETP, gloo_gather_tokens, moe_ds_config
 
     gloo_gather_tokens()
     model = TinyMoETP(2, rank % 2, TP, ms.get_tensor_model_parallel_rank())
@@ -238,8 +238,8 @@ def _checkpoint(rank: int, root: str) -> float:
     difference from 4 uninterrupted steps (module weights of every rank)."""
     import torch.distributed as dist
 
-    from canzona_ds.testing.models import batches
-    from canzona_ds.testing.moe import moe_ds_config, run_moe_tp_engine
+    from canzona_testkit.models import batches
+    from canzona_testkit.moe import moe_ds_config, run_moe_tp_engine
 
     cfg = moe_ds_config(DP, optimizer="CanzonaShampoo", stage=1, micro=MICRO)
     data = batches(4, MICRO * DP)
@@ -260,8 +260,8 @@ def _reference(results: list, opt_type: str, clip: float) -> dict:
 
     from canzona_ds.optim.config import CanzonaConfig
     from canzona_ds.optim.reference import ReferenceOptimizer
-    from canzona_ds.testing.models import HP
-    from canzona_ds.testing.moe import TP_SPLIT
+    from canzona_testkit.models import HP
+    from canzona_testkit.moe import TP_SPLIT
 
     torch.set_num_threads(1)
     problems = []
@@ -302,8 +302,8 @@ def _reference(results: list, opt_type: str, clip: float) -> dict:
     out = dict(params={n: p.detach().numpy().copy() for n, p in master.items()}, norms=norms, problems=problems,
                matrices=sorted(n for n, _ in opt.matrices))
     if not clip:  # the closed loop: the TP=1 model on its own gradients, from the same weights
-        from canzona_ds.testing.models import batches
-        from canzona_ds.testing.moe import tp_reference_run
+        from canzona_testkit.models import batches
+        from canzona_testkit.moe import tp_reference_run
 
         out["closed_loop"] = tp_reference_run(initial, batches(1, MICRO * DP) * STEPS, STEPS, opt_type, DP, MICRO)
     return out
@@ -312,7 +312,7 @@ def _reference(results: list, opt_type: str, clip: float) -> dict:
 def _worker(rank: int, world: int, root: str) -> dict:
     import torch.distributed as dist
 
-    from canzona_ds.testing import megatron_standin as ms
+    from canzona_testkit import megatron_standin as ms
 
     ms.initialize_model_parallel(TP)
     out = {}
@@ -354,7 +354,7 @@ def _results(name: str) -> list:
 
 
 def _slice(name: str, ref: np.ndarray, tp_rank: int) -> np.ndarray:
-    from canzona_ds.testing.moe import TP_SPLIT
+    from canzona_testkit.moe import TP_SPLIT
 
     return np.split(ref, TP, axis=TP_SPLIT[name][1])[tp_rank] if name in TP_SPLIT else ref
 
@@ -482,7 +482,7 @@ def test_optimizer_refuses_tensor_parallel_experts():
     from canzona_ds.optim.config import CanzonaConfig
     from canzona_ds.optim.optimizer import CanzonaOptimizer
     from canzona_ds.parallel import ExpertGroups, ParallelGroups
-    from canzona_ds.testing.models import HP
+    from canzona_testkit.models import HP
 
     w, d = nn.Parameter(torch.zeros(8, 4)), nn.Parameter(torch.zeros(8, 4))
     for p in (w, d):

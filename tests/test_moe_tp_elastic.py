@@ -1,7 +1,7 @@
 """DeepSpeed MoE x tensor-parallel checkpoints resumed at another size (ZeRO 1 and 2; real gloo
 processes).
 
-Saved at world 4 = TP 2 x DP 2 (the Megatron stand-in's mpu; ``canzona_ds.testing.moe.TinyMoETP``:
+Saved at world 4 = TP 2 x DP 2 (the Megatron stand-in's mpu; ``canzona_testkit.moe.TinyMoETP``:
 a column-/row-parallel MLP, TP-split and hosted over the TP group, before a MoE layer of 4 whole
 experts), ``ep_size`` 2 (DeepSpeed's expert-parallel groups {0,1} {2,3} are the TP groups: TP rank
 0's files hold experts 0-1, TP rank 1's experts 2-3) or 1 (the expert-DP group spans all four
@@ -49,8 +49,8 @@ from functools import lru_cache
 import numpy as np
 import pytest
 
-from canzona_ds.testing.dist import run_distributed, scratch_dir
-from canzona_ds.testing.models import muon_reordered_sum_tolerance
+from canzona_testkit.dist import run_distributed, scratch_dir
+from canzona_testkit.models import muon_reordered_sum_tolerance
 
 SAVE_STEPS, MORE, MICRO = 2, 2, 2
 
@@ -84,7 +84,7 @@ def _spec(name: str) -> tuple:
 
 
 def _cfg(name: str, dp: int) -> dict:
-    from canzona_ds.testing.moe import moe_ds_config
+    from canzona_testkit.moe import moe_ds_config
 
     _, _, stage, opt_type = _spec(name)
     extra = {"zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}}} \
@@ -93,7 +93,7 @@ def _cfg(name: str, dp: int) -> dict:
 
 
 def _split_dim(name: str):
-    from canzona_ds.testing.moe import TP_SPLIT
+    from canzona_testkit.moe import TP_SPLIT
 
     return TP_SPLIT[name][1] if name in TP_SPLIT else None
 
@@ -103,9 +103,9 @@ def _save_worker(rank, world, root, tp, names):
 
     from test_moe_elastic import _snapshot
 
-    from canzona_ds.testing import megatron_standin as ms
-    from canzona_ds.testing.models import batches
-    from canzona_ds.testing.moe import run_moe_tp_engine
+    from canzona_testkit import megatron_standin as ms
+    from canzona_testkit.models import batches
+    from canzona_testkit.moe import run_moe_tp_engine
 
     ms.initialize_model_parallel(tp)
     out = {}
@@ -146,8 +146,8 @@ def _merge(snaps: list):
 
 def _refused_worker(rank, name: str, root: str, tp: int) -> str | None:
     from canzona_ds.integration.elastic import ElasticError
-    from canzona_ds.testing.models import batches
-    from canzona_ds.testing.moe import run_moe_tp_engine
+    from canzona_testkit.models import batches
+    from canzona_testkit.moe import run_moe_tp_engine
 
     _, (_, dp, ep), _, _ = REFUSED[name]
     try:
@@ -163,9 +163,9 @@ def _refused_worker(rank, name: str, root: str, tp: int) -> str | None:
 def _load_worker(rank, world, root, tp, jobs, refused=()):
     from test_moe_elastic import _as_torch, _snapshot
 
-    from canzona_ds.testing import megatron_standin as ms
-    from canzona_ds.testing.models import batches
-    from canzona_ds.testing.moe import reference_run, run_moe_tp_engine
+    from canzona_testkit import megatron_standin as ms
+    from canzona_testkit.models import batches
+    from canzona_testkit.moe import reference_run, run_moe_tp_engine
 
     ms.initialize_model_parallel(tp)
     out = {name: _refused_worker(rank, name, root, tp) for name in refused}
@@ -265,7 +265,7 @@ def _joined(res: list, key: str, tp: int) -> dict:
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_moe_tp_resume_at_new_size(name):
-    from canzona_ds.testing.moe import NUM_EXPERTS
+    from canzona_testkit.moe import NUM_EXPERTS
 
     _, (tp, dp, ep), stage, opt_type = SCENARIOS[name]
     res = _loaded(tp, dp)[name]

@@ -1,5 +1,5 @@
 """Same-size checkpoint round trip of DeepSpeed MoE x Megatron tensor parallelism, on real gloo
-processes: world 4 = TP 2 x DP 2 (the Megatron stand-in's mpu), ``testing.moe.TinyMoETP`` (a
+processes: world 4 = TP 2 x DP 2 (the Megatron stand-in's mpu), ``canzona_testkit.moe.TinyMoETP`` (a
 TP-split MLP hosted over the TP group, 4 whole experts).
 
 DeepSpeed 0.19.8's ``_save_moe_checkpoint`` lets expert-DP rank 0 (of each expert group; of the
@@ -36,7 +36,7 @@ from functools import lru_cache
 
 import pytest
 
-from canzona_ds.testing.dist import run_distributed, scratch_dir
+from canzona_testkit.dist import run_distributed, scratch_dir
 
 TP, DP, WORLD = 2, 2, 4
 MICRO = 2
@@ -85,7 +85,7 @@ def _resume(rank: int, world: int, cfg: dict, ep: int, folder: str, data: list, 
     every rank (no rank goes on to train alone)."""
     import torch.distributed as dist
 
-    from canzona_ds.testing.moe import run_moe_tp_engine
+    from canzona_testkit.moe import run_moe_tp_engine
 
     out = {}
 
@@ -113,8 +113,8 @@ def _scenario(rank: int, world: int, root: str, name: str, stage: int, opt_type,
     import torch.distributed as dist
     from deepspeed.utils import groups as ds_groups
 
-    from canzona_ds.testing.models import batches
-    from canzona_ds.testing.moe import moe_ds_config, run_moe_tp_engine
+    from canzona_testkit.models import batches
+    from canzona_testkit.moe import moe_ds_config, run_moe_tp_engine
 
     cfg = moe_ds_config(DP, optimizer=opt_type, stage=stage, micro=MICRO)
     data = batches(3, MICRO * DP)
@@ -153,7 +153,7 @@ def _scenario(rank: int, world: int, root: str, name: str, stage: int, opt_type,
 
 
 def _worker(rank: int, world: int, root: str) -> dict:
-    from canzona_ds.testing import megatron_standin as ms
+    from canzona_testkit import megatron_standin as ms
 
     ms.initialize_model_parallel(TP)
     out = {}

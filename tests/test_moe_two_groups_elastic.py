@@ -2,7 +2,7 @@
 buffer partitioned over its own expert-DP group) resumed at another DP size, TP=1, ZeRO 1 and 2;
 real gloo processes.
 
-``canzona_ds.testing.moe.TinyMoE(ep2=...)``: the tiny MoE model with a second MoE layer ``moe2``
+``canzona_testkit.moe.TinyMoE(ep2=...)``: the tiny MoE model with a second MoE layer ``moe2``
 (4 experts each).  Saved at world 4 with ``moe`` at ep_size 2 and ``moe2`` at ep_size 1 (groups
 ``ep_size_2``: expert-DP pairs; ``ep_size_1``: every expert on every rank, planned over all 4),
 resumed at world 2 with the same ep_sizes, and with them swapped (``moe`` at 1, ``moe2`` at 2: each
@@ -29,7 +29,7 @@ from functools import lru_cache
 import numpy as np
 import pytest
 
-from canzona_ds.testing.dist import run_distributed, scratch_dir
+from canzona_testkit.dist import run_distributed, scratch_dir
 
 SAVE_STEPS, MORE, SAVED_WORLD, WORLD = 2, 2, 4, 2
 
@@ -44,8 +44,8 @@ SCENARIOS = {
 def _save_worker(rank, world, root):
     from test_moe_elastic import _snapshot
 
-    from canzona_ds.testing.models import batches
-    from canzona_ds.testing.moe import moe_ds_config, run_moe_engine
+    from canzona_testkit.models import batches
+    from canzona_testkit.moe import moe_ds_config, run_moe_engine
 
     out = {}
     for name, ((ep, ep2), _, stage, opt_type) in SCENARIOS.items():
@@ -63,8 +63,8 @@ def _save_worker(rank, world, root):
 def _load_worker(rank, world, root, jobs):
     from test_moe_elastic import _as_torch, _snapshot
 
-    from canzona_ds.testing.models import batches
-    from canzona_ds.testing.moe import moe_ds_config, reference_run, run_moe_engine
+    from canzona_testkit.models import batches
+    from canzona_testkit.moe import moe_ds_config, reference_run, run_moe_engine
 
     out = {}
     for name, start in jobs.items():
@@ -123,7 +123,7 @@ def _eq(got, want, what: str) -> None:
 
 def _expert(name: str, eps: tuple[int, int]):
     """(the layer's ep_size, the global expert number) of an expert parameter, else None."""
-    from canzona_ds.testing.moe import EXPERTS, EXPERTS2, NUM_EXPERTS
+    from canzona_testkit.moe import EXPERTS, EXPERTS2, NUM_EXPERTS
 
     for prefix, ep in zip((EXPERTS, EXPERTS2), eps):
         if name.startswith(prefix):
@@ -137,7 +137,7 @@ def _expert(name: str, eps: tuple[int, int]):
 def test_two_expert_groups_resume_at_new_dp(name):
     from test_moe_elastic import _merge
 
-    from canzona_ds.testing.moe import NUM_EXPERTS
+    from canzona_testkit.moe import NUM_EXPERTS
 
     _, eps, stage, opt_type = SCENARIOS[name]
     res = _loaded()[name]

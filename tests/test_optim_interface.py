@@ -16,8 +16,8 @@ import torch
 
 from canzona_ds.optim import register_rule
 from canzona_ds.optim.rule import Flops, MatrixInfo, MatrixRule, check_number
-from canzona_ds.testing.dist import device_params, rank_device, run_distributed
-from canzona_ds.testing.models import ds_config, run_engine, run_reference
+from canzona_testkit.dist import device_params, rank_device, run_distributed
+from canzona_testkit.models import ds_config, run_engine, run_reference
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def _tp_worker(rank, tp, local, device="cpu"):
     import torch.distributed as dist
 
     from canzona_ds.optim.config import TPConfig
-    from canzona_ds.testing.baselines import ShardLocalTP
+    from canzona_testkit.baselines import ShardLocalTP
     from canzona_ds.tp.runtime import MicroGroupRuntime, TPMatrix
 
     rule = NormalizedMomentum(beta=0.8)

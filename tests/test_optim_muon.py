@@ -105,7 +105,7 @@ def test_per_head_matches_deepspeed_per_head_orthogonalisation():
     _, step_size = rule.scales(1.0, 0.0, info, 1)
     assert step_size == pytest.approx(original_muon._aspect_ratio_scale(head_dim, cols))
     # eager, as the main job and the test kit's ranks run DeepSpeed's Muon: its inductor-compiled CPU kernel
-    # corrupts the heap or returns NaN on some x86 CPUs (testing/dist.py)
+    # corrupts the heap or returns NaN on some x86 CPUs (canzona_testkit/dist.py)
     from torch import _dynamo
 
     with _dynamo.config.patch(disable=True):

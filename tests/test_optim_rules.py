@@ -13,7 +13,7 @@ from canzona_ds.optim.reference import ReferenceOptimizer
 from canzona_ds.optim.rule import MatrixInfo
 from canzona_ds.optim.shampoo import ShampooRule, inverse_root
 from canzona_ds.optim.soap import SOAPRule
-from canzona_ds.testing.models import HP, batches, make_model
+from canzona_testkit.models import HP, batches, make_model
 
 TYPES = ("CanzonaMuon", "CanzonaShampoo", "CanzonaSOAP")
 

@@ -1,7 +1,7 @@
 """Pipeline parallelism (DeepSpeed ``PipelineModule`` + ``PipelineEngine``) with the Canzona types,
 in real gloo processes, against the single-process reference.
 
-The reference (``testing/pipeline.run_pipe_reference``) is the same layers in ONE plain module,
+The reference (``canzona_testkit/pipeline.run_pipe_reference``) is the same layers in ONE plain module,
 fed every DP rank's micro-batches with ``gradient_accumulation_steps`` = 2, gradients averaged
 in the pipeline's order, the tied embedding receiving both uses' gradients (one shared
 parameter), then ``ReferenceOptimizer`` (for Muon: torch.optim.Muon + AdamW bit for bit,
@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from canzona_ds.testing.dist import run_distributed
-from canzona_ds.testing.models import HP, TYPES, max_abs_diff
-from canzona_ds.testing.pipeline import merge_stages, run_pipe_engine, run_pipe_reference
+from canzona_testkit.dist import run_distributed
+from canzona_testkit.models import HP, TYPES, max_abs_diff
+from canzona_testkit.pipeline import merge_stages, run_pipe_engine, run_pipe_reference
 
 STEPS, GAS, MICRO = 3, 2, 2
 
@@ -36,7 +36,7 @@ def _tied_pipe_engine(pp: int, cfg: dict):
     """(module, engine): the tied tiny decoder as a PipelineModule of ``pp`` stages under ``cfg``."""
     import deepspeed
 
-    from canzona_ds.testing.pipeline import build_pipe
+    from canzona_testkit.pipeline import build_pipe
 
     module = build_pipe(pp, True, 0)
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=list(module.parameters()), config=cfg)
@@ -129,8 +129,8 @@ def test_pipeline_clipping_equals_torch_clip_grad_norm(stage, tied):
 
 def _resume_worker(rank, world, pp, ckpt, new_dp_ranks):
     """Train STEPS; a second engine loads the checkpoint written after CUT steps and trains the rest."""
-    from canzona_ds.testing.models import params_of
-    from canzona_ds.testing.pipeline import canonical_name, dataset, rank_micro_batches
+    from canzona_testkit.models import params_of
+    from canzona_testkit.pipeline import canonical_name, dataset, rank_micro_batches
 
     dp = world // pp
     cfg = pipe_config("CanzonaMuon", dp)
@@ -211,8 +211,8 @@ class TPBlock(torch.nn.Module):
     group: full weights from a seed, this rank's shards kept."""
 
     def __init__(self, seed: int) -> None:
-        from canzona_ds.testing import megatron_standin as ms
-        from canzona_ds.testing.models import D
+        from canzona_testkit import megatron_standin as ms
+        from canzona_testkit.models import D
 
         super().__init__()
         self.fc1 = ms.ColumnParallelLinear(D, TP_FFN)
@@ -236,8 +236,8 @@ def _pp_tp_worker(rank, world, opt_type, pp, tp):
     from deepspeed.pipe import LayerSpec, PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, PipelineParallelGrid
 
-    from canzona_ds.testing import megatron_standin as ms
-    from canzona_ds.testing.pipeline import Embedding, Head, dataset, loss_fn, rank_micro_batches
+    from canzona_testkit import megatron_standin as ms
+    from canzona_testkit.pipeline import Embedding, Head, dataset, loss_fn, rank_micro_batches
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=world // (pp * tp))
@@ -308,7 +308,7 @@ def test_pipeline_with_tensor_parallel_hosts_whole_matrices(opt_type):
 def _elastic_worker(rank, world, pp, ckpt_in, ckpt_out):
     """ckpt_in None: one step at this size, then save.  Else: load ckpt_in (written at another DP
     size, same PP), save it again at once, then train one more step."""
-    from canzona_ds.testing.pipeline import dataset, rank_micro_batches
+    from canzona_testkit.pipeline import dataset, rank_micro_batches
 
     dp = world // pp
     module, engine = _tied_pipe_engine(pp, pipe_config("CanzonaSOAP", dp))
@@ -378,7 +378,7 @@ def test_pipeline_resume_at_another_pipeline_size_without_an_index_is_refused(tm
 
 
 def _replan_worker(rank, world, ckpt, params):
-    from canzona_ds.testing.pipeline import dataset, rank_micro_batches
+    from canzona_testkit.pipeline import dataset, rank_micro_batches
 
     # 7 layers over 4 stages: the last stage holds the final norm and the tied head only
     _, engine = _tied_pipe_engine(4, pipe_config("CanzonaMuon", 1, params=params))

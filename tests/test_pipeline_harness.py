@@ -1,4 +1,4 @@
-"""The pipeline test kit (canzona_ds/testing/pipeline.py) checked with DeepSpeed's own optimizer.
+"""The pipeline test kit (canzona_testkit/pipeline.py) checked with DeepSpeed's own optimizer.
 
 A real ``PipelineEngine`` (gloo processes, ``train_batch`` with 2 micro-batches) running stock
 ``"AdamW"`` (``torch_adam``: torch.optim.AdamW inside DeepSpeed; fp32, no clipping) must equal the
@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from canzona_ds.planning.params import default_is_matrix
-from canzona_ds.testing.dist import run_distributed
-from canzona_ds.testing.models import ds_config
-from canzona_ds.testing.pipeline import (CANONICAL, ReferenceDecoder, canonical_name, merge_stages,
+from canzona_testkit.dist import run_distributed
+from canzona_testkit.models import ds_config
+from canzona_testkit.pipeline import (CANONICAL, ReferenceDecoder, canonical_name, merge_stages,
                                          rank_micro_batches, run_pipe_engine, run_pipe_reference, dataset)
 
 STEPS, MICRO, GAS = 3, 2, 2

@@ -5,7 +5,7 @@ on the same values (world 2: two-term sums are commutative; replays of an owner'
 gradient it received; one kernel on both sides).  Where the two sides sum the same terms in another
 order (4-rank all-reduces, TP-split products), which bits come out depends on the CPU's kernels
 (AVX-512 or AVX2 sgemm, oneDNN's bf16 kernels or ATen's fallback where a CPU has none), and the
-tests bound the distance instead: ``canzona_ds.testing.models.muon_reordered_sum_tolerance``.
+tests bound the distance instead: ``canzona_testkit.models.muon_reordered_sum_tolerance``.
 These tests pin what that bound stands on, so a CPU on which it would not hold fails here, by name.
 
 CI runs the exactness-critical tests once more as an AVX2-only CPU would (``.ci/avx2``:
@@ -18,14 +18,14 @@ import pytest
 import torch
 
 from canzona_ds.optim.muon import newton_schulz
-from canzona_ds.testing.models import NS_FLIP_BOUND, TEST_MATRIX_ASPECT, make_model
+from canzona_testkit.models import NS_FLIP_BOUND, TEST_MATRIX_ASPECT, make_model
 
 pytestmark = pytest.mark.cpu_kernels
 
-#: every matrix shape the multi-rank tests' models hold (TinyLM; testing.moe's dense, expert and
+#: every matrix shape the multi-rank tests' models hold (TinyLM; canzona_testkit.moe's dense, expert and
 #: TP-split matrices)
 def _test_shapes() -> set[tuple[int, int]]:
-    from canzona_ds.testing.moe import TP_SPLIT, _shapes
+    from canzona_testkit.moe import TP_SPLIT, _shapes
 
     shapes = {tuple(p.shape) for p in make_model(0).parameters() if p.ndim == 2}
     shapes |= {tuple(s) for s in _shapes(4).values() if len(s) == 2}

@@ -1,7 +1,7 @@
 """MuonClip's QK-clip (optim/qk_clip.py, models/qk_record.py): the rule, the recording, and the
 DeepSpeed runs against a single-process reference written here from the published rule.
 
-Reference (one process): ZeRO's averaged gradient (testing.models.reference_grads, exact at
+Reference (one process): ZeRO's averaged gradient (canzona_testkit.models.reference_grads, exact at
 DP <= 2), ``torch.optim.Muon`` on the 2-D projections + ``torch.optim.AdamW`` on the rest, then
 the clip computed HERE from the logits of the reference model's own forward passes (every
 micro-batch of every DP rank of the step; q and k rebuilt from each attention layer's input with
@@ -27,8 +27,8 @@ from torch import nn
 from canzona_ds.models.qwen3 import Qwen3Config, Qwen3ForCausalLM, apply_rope
 from canzona_ds.optim.config import CanzonaConfig
 from canzona_ds.optim.qk_clip import QKClipConfig, max_logits, qk_clip_scales
-from canzona_ds.testing.dist import run_distributed
-from canzona_ds.testing.models import HP, ds_config, max_abs_diff, params_of, reference_grads, run_engine
+from canzona_testkit.dist import run_distributed
+from canzona_testkit.models import HP, ds_config, max_abs_diff, params_of, reference_grads, run_engine
 
 VOCAB, T, STEPS, MICRO = 48, 12, 4, 2
 #: below the heads' logits on every step (init_std 0.3 gives logits ~1-4): most heads clip
@@ -171,7 +171,7 @@ def test_hf_recorder_keeps_the_output_and_records_the_maxima(impl, kv):
 def test_unrecognised_attention_and_silent_layers_are_refused():
     from canzona_ds.models.qk_record import attach
     from canzona_ds.optim.qk_clip import AttentionLayer, QKClip
-    from canzona_ds.testing.models import TinyAttention
+    from canzona_testkit.models import TinyAttention
 
     with pytest.raises(ValueError, match=r"attention layer '' \(TinyAttention\) is neither"):
         attach([(TinyAttention(), "")])
@@ -395,7 +395,7 @@ def _zero3_worker(rank, dp, kv, tau):
 
     from canzona_ds.integration.runtime_info import canzona_optimizer
     from canzona_ds.optim.rule import rule_step
-    from canzona_ds.testing.zero3 import ShardedStepRecorder, gathered_params, train, zero3_config
+    from canzona_testkit.zero3 import ShardedStepRecorder, gathered_params, train, zero3_config
 
     import canzona_ds  # noqa: F401
     import deepspeed
@@ -577,7 +577,7 @@ def _mixed_precision_worker(rank, dp, kind):
     from canzona_ds.integration.accelerator import allow_fp16
     from canzona_ds.integration.runtime_info import canzona_optimizer
     from canzona_ds.optim.rule import rule_step
-    from canzona_ds.testing.models import MatrixStepRecorder
+    from canzona_testkit.models import MatrixStepRecorder
 
     extra = {"bf16": {"bf16": {"enabled": True}}, "moe": {}, "per_head": {},
              "fp16": {"fp16": {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000,

@@ -11,7 +11,7 @@ import torch
 from canzona_ds.models.qwen3 import Qwen3Config, build_model
 from canzona_ds.models.qwen3_pipe import (DecoderLayerPipe, InitialValues, LMHeadPipe, canonical_name,
                                           qwen3_initial_values)
-from canzona_ds.testing.dist import run_distributed
+from canzona_testkit.dist import run_distributed
 
 SEED = 3
 ADAMW = {"lr": 0.01, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
@@ -114,7 +114,7 @@ def _train_worker(rank, world, cfg, steps, gas, micro):
     import deepspeed
 
     from canzona_ds.models.qwen3_pipe import Qwen3Pipe
-    from canzona_ds.testing.models import ds_config
+    from canzona_testkit.models import ds_config
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     pipe = Qwen3Pipe(cfg, SEED, num_stages=world)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from canzona_ds.testing.dist import free_port
+from canzona_testkit.dist import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 SHM = Path("/dev/shm")

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from canzona_ds.testing.dist import run_distributed
-from canzona_ds.testing.models import batches, ds_config, make_model, params_of
+from canzona_testkit.dist import run_distributed
+from canzona_testkit.models import batches, ds_config, make_model, params_of
 
 pytestmark = pytest.mark.dist
 DP, MICRO = 2, 2

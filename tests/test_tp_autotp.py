@@ -21,7 +21,7 @@ from canzona_ds.optim.reference import ReferenceOptimizer
 from canzona_ds.optim.rule import MatrixRule
 from canzona_ds.optim.shampoo import ShampooRule
 from canzona_ds.optim.soap import SOAPRule
-from canzona_ds.testing.dist import run_distributed
+from canzona_testkit.dist import run_distributed
 
 pytest.importorskip("deepspeed")
 

@@ -42,8 +42,8 @@ import numpy as np
 import pytest
 import torch
 
-from canzona_ds.testing import megatron_standin as ms
-from canzona_ds.testing.dist import run_distributed
+from canzona_testkit import megatron_standin as ms
+from canzona_testkit.dist import run_distributed
 
 TP = 2
 CFG = dict(vocab=64, hidden=32, heads=4, kv_heads=2, head_dim=8, ffn=48)
@@ -95,8 +95,8 @@ def _numpy_sd(model: torch.nn.Module) -> dict[str, np.ndarray]:
 def _hook_run(optimizer: str, shard_local: bool = False) -> dict[str, Any]:
     """TP=2 (DP=1), optimizer built through the Megatron-DeepSpeed hook (stage 0), STEPS steps."""
     from canzona_ds.integration.megatron import patch_megatron_training
-    from canzona_ds.testing.baselines import ShardLocalTP
-    from canzona_ds.testing.comm import CommCounter
+    from canzona_testkit.baselines import ShardLocalTP
+    from canzona_testkit.comm import CommCounter
 
     model = ms.TinyGPTBlock(**CFG)
     model.load_state_dict(ms.shard_state_dict(ms.init_full_state_dict(CFG), CFG, TP,
@@ -255,7 +255,7 @@ def test_tp2_megatron_hook_matches_tp1_model(optimizer: str) -> None:
 
 
 def test_shard_local_muon_misses_tp1_by_far_more_than_tolerance() -> None:
-    """DeepSpeed-AutoTP-style shard-local Muon (testing.baselines.ShardLocalTP swapped in for
+    """DeepSpeed-AutoTP-style shard-local Muon (canzona_testkit.baselines.ShardLocalTP swapped in for
     the runtime): the tolerance above must reject it."""
     res = runs("shard_local")
     dev = max_deviation(assemble(res), reference("CanzonaMuon", "fused"), SPLIT)
@@ -374,7 +374,7 @@ def test_launch_shim_patches_real_import_path(tmp_path: Path) -> None:
     (tmp_path / "pretrain_gpt.py").write_text(
         "import json, sys\n"
         "from megatron import training\n"
-        "from canzona_ds.testing.megatron_standin import TinyGPTBlock\n"
+        "from canzona_testkit.megatron_standin import TinyGPTBlock\n"
         "opt = training.get_megatron_optimizer([TinyGPTBlock()])\n"
         f"json.dump({{'type': type(opt).__name__, 'rule': opt.rule.name, "
         f"'mult': [g['lr_mult'] for g in opt.param_groups], 'argv': sys.argv[1:]}}, open({str(out)!r}, 'w'))\n")

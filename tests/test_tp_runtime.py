@@ -36,8 +36,8 @@ from canzona_ds.optim.reference import ReferenceOptimizer
 from canzona_ds.optim.rule import MatrixRule
 from canzona_ds.optim.shampoo import ShampooRule
 from canzona_ds.optim.soap import SOAPRule
-from canzona_ds.testing.dist import run_distributed
-from canzona_ds.testing.megatron_standin import shard_tensor, unshard_tensor
+from canzona_testkit.dist import run_distributed
+from canzona_testkit.megatron_standin import shard_tensor, unshard_tensor
 from canzona_ds.tp import MicroGroupRuntime, TPMatrix
 
 TP, LR, WD, STEPS = 2, 0.05, 0.1, 4
@@ -104,8 +104,8 @@ def tp_matrix(name: str) -> TPMatrix:
 def _run_scenario(rank: int, rule: MatrixRule, scenario: str) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from canzona_ds.testing import baselines
-    from canzona_ds.testing.comm import CommCounter
+    from canzona_testkit import baselines
+    from canzona_testkit.comm import CommCounter
 
     baseline, tp_kw, names = SCENARIOS[scenario]
     mats = [tp_matrix(n) for n in names]

@@ -3,7 +3,7 @@ installed: ``pip install transformers accelerate``, ~25 s; see docs/main_job.md)
 
 With ``--model qwen3-moe-tiny`` the Trainer trains a real transformers ``Qwen3MoeForCausalLM``
 (3-D expert stacks) with each Canzona type; ``--record`` writes what every rank's model saw, and
-a single process replays the run with ``testing.hf_moe.PerExpertReference`` (torch.optim.Muon / the
+a single process replays the run with ``canzona_testkit.hf_moe.PerExpertReference`` (torch.optim.Muon / the
 rule on each expert slice as its own matrix, AdamW on the rest) from ZeRO's averaged gradients:
 the final weights must be equal bit for bit (fp32, DP=2)."""
 import json
@@ -54,7 +54,7 @@ def _replay(rank, world, out, opt_type):
     import torch
 
     from canzona_ds.optim.reference import zero_average
-    from canzona_ds.testing.hf_moe import PerExpertReference
+    from canzona_testkit.hf_moe import PerExpertReference
     from canzona_ds.train.hf_trainer import build_hf_moe
 
     saved = torch.load(Path(out) / "weights.pt")
@@ -94,7 +94,7 @@ MOE_RUNS = {
 
 @pytest.mark.parametrize("opt_type", list(MOE_RUNS))
 def test_hf_trainer_qwen3_moe_exact_against_per_expert_reference(tmp_path, opt_type):
-    from canzona_ds.testing.dist import run_distributed
+    from canzona_testkit.dist import run_distributed
 
     config, params = MOE_RUNS[opt_type]
     _launch(tmp_path, "--model", "qwen3-moe-tiny", "--ds-config", config, "--opt-params", json.dumps(params),

@@ -12,7 +12,7 @@ Tolerances (fp32):
   * DP=4: gloo's 4-rank reduction associates the sum in its own order (~1 ulp on gradients):
     Muon within the reordered-sum bound end to end; for every rule, each owner's updates are replayed in one
     process from the gradients it received and must match bit for bit
-    (testing.models.MatrixStepRecorder), which checks the machinery exactly where the
+    (canzona_testkit.models.MatrixStepRecorder), which checks the machinery exactly where the
     gradients cannot be reproduced (also bf16).
   * gradient clipping: tests/test_clipping.py (bit-exact against torch's clip_grad_norm_).
   * bf16 weights: replayed bit for bit, and the update (final - initial) is compared with the
@@ -24,8 +24,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from canzona_ds.testing.dist import device_params, run_distributed
-from canzona_ds.testing.models import (HP, MATRICES, TYPES, batches, ds_config, make_model, max_abs_diff,
+from canzona_testkit.dist import device_params, run_distributed
+from canzona_testkit.models import (HP, MATRICES, TYPES, batches, ds_config, make_model, max_abs_diff,
                                        muon_reordered_sum_tolerance, params_of, reference_grads,
                                        reordered_sum_bound, run_engine, run_reference)
 
@@ -35,7 +35,7 @@ STEPS = 4  # Shampoo/SOAP in HP refresh every 2 steps: two refreshes
 # ---------------------------------------------------------------------------- workers
 def _exact_worker(rank, dp, opt_type, stage, gas):
     """Train; also count the collectives of the inner optimizer's step calls."""
-    from canzona_ds.testing.comm import CommCounter
+    from canzona_testkit.comm import CommCounter
 
     inner_calls = []
 
@@ -60,7 +60,7 @@ def _exact_worker(rank, dp, opt_type, stage, gas):
 
 
 def _config_worker(rank, dp, cfg, steps, tags=None):
-    from canzona_ds.testing.models import MatrixStepRecorder
+    from canzona_testkit.models import MatrixStepRecorder
 
     model = make_model(0)
     for name, flag in (tags or {}).items():
@@ -116,7 +116,7 @@ def _comm_worker(rank, dp, cfg):
     import canzona_ds  # noqa: F401
     import deepspeed
 
-    from canzona_ds.testing.comm import CommCounter
+    from canzona_testkit.comm import CommCounter
 
     model = make_model(0)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)

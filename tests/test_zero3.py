@@ -12,7 +12,7 @@ Tolerances (fp32):
   * DP=4: gloo's 4-rank reduction associates the sum in its own order (~1 ulp on gradients):
     Muon within the reordered-sum bound end to end; for every rule every hosted update is replayed from the
     gradients the pieces held, in one process on the whole matrices, bit for bit
-    (testing.zero3.ShardedStepRecorder).
+    (canzona_testkit.zero3.ShardedStepRecorder).
   * gradient clipping (active on every step): rtol=atol=0 against torch's clip_grad_norm_ at
     DP=2 (integration/zero3.py's TorchNorm3 takes every whole gradient's norm as torch does).
   * bf16: replayed bit for bit; the update (final - initial) within 0.15 relative of the fp32
@@ -31,10 +31,10 @@ from functools import lru_cache
 import numpy as np
 import pytest
 
-from canzona_ds.testing.dist import run_distributed
-from canzona_ds.testing.models import (HP, MATRICES, TYPES, batches, make_model, max_abs_diff, muon_reordered_sum_tolerance,
+from canzona_testkit.dist import run_distributed
+from canzona_testkit.models import (HP, MATRICES, TYPES, batches, make_model, max_abs_diff, muon_reordered_sum_tolerance,
                                        run_reference)
-from canzona_ds.testing.zero3 import zero3_config
+from canzona_testkit.zero3 import zero3_config
 
 STEPS = 4  # Shampoo/SOAP in HP refresh every 2 steps: two refreshes
 CLIP = 0.5  # below the gradient norm (~1.3) on every step: every step clips
@@ -58,8 +58,8 @@ def _engine(cfg, model=None, zero_init=False, seed=0):
 
 def _run(rank, dp, cfg, steps=STEPS, gas=1, zero_init=False, record=True, data=None):
     """Train; return (engine, whole params, recorder, per-step counted vs planned collectives)."""
-    from canzona_ds.testing.comm import CommCounter
-    from canzona_ds.testing.zero3 import ShardedStepRecorder, gathered_params, train
+    from canzona_testkit.comm import CommCounter
+    from canzona_testkit.zero3 import ShardedStepRecorder, gathered_params, train
 
     engine = _engine(cfg, zero_init=zero_init)
     opt = engine.optimizer.optimizer
@@ -94,7 +94,7 @@ def _exact(rank, dp, opt_type, **kw):
 
 
 def _gas(rank, dp):
-    from canzona_ds.testing.zero3 import count_rule_calls, gathered_params, train
+    from canzona_testkit.zero3 import count_rule_calls, gathered_params, train
 
     engine = _engine(zero3_config(dp, gas=2))
     opt = engine.optimizer.optimizer
@@ -109,8 +109,8 @@ def _per_head(rank, dp):
     import canzona_ds  # noqa: F401
     import deepspeed
 
-    from canzona_ds.testing.models import make_attention_model
-    from canzona_ds.testing.zero3 import gathered_params, train
+    from canzona_testkit.models import make_attention_model
+    from canzona_testkit.zero3 import gathered_params, train
 
     cfg = zero3_config(dp, params=dict(HP["CanzonaMuon"], per_head_muon=True))
     with deepspeed.zero.Init(config_dict_or_path=cfg):
@@ -128,7 +128,7 @@ def _per_head_reference(dp):
     from canzona_ds.integration.heads import tag_heads
     from canzona_ds.optim.config import CanzonaConfig
     from canzona_ds.optim.reference import ReferenceOptimizer
-    from canzona_ds.testing.models import make_attention_model, params_of, reference_grads
+    from canzona_testkit.models import make_attention_model, params_of, reference_grads
 
     model = make_attention_model()
     cfg = CanzonaConfig.from_ds("CanzonaMuon", dict(HP["CanzonaMuon"], per_head_muon=True))
@@ -168,7 +168,7 @@ def _fp16(rank, dp):
     import torch
 
     from canzona_ds.integration.accelerator import allow_fp16
-    from canzona_ds.testing.zero3 import count_rule_calls, gathered_params
+    from canzona_testkit.zero3 import count_rule_calls, gathered_params
 
     cfg = zero3_config(dp, fp16={"enabled": True, "initial_scale_power": 8, "loss_scale_window": 1000,
                                  "hysteresis": 1})
@@ -194,8 +194,8 @@ def _fp16(rank, dp):
 def _scheduler(rank, dp):
     """WarmupLR (absolute lrs, split per group by the registry) at stage 3 equals the same run
     at stage 2 (itself bit-exact with the reference, tests/test_zero.py)."""
-    from canzona_ds.testing.models import ds_config, params_of
-    from canzona_ds.testing.zero3 import train
+    from canzona_testkit.models import ds_config, params_of
+    from canzona_testkit.zero3 import train
 
     sched = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.02, "warmup_num_steps": 10}}
     e3, p3, _, _ = _run(rank, dp, zero3_config(dp, scheduler=sched), record=False)
@@ -212,7 +212,7 @@ def _checkpoint(rank, dp, opt_type, ckpt_dir):
     import torch
     import torch.distributed as dist
 
-    from canzona_ds.testing.zero3 import gathered_params, train
+    from canzona_testkit.zero3 import gathered_params, train
 
     cfg = zero3_config(dp, optimizer=opt_type, zero_optimization={"stage3_gather_16bit_weights_on_model_save": True})
     data = batches(4, 2 * dp)
@@ -288,7 +288,7 @@ def _resume_resized(rank, dp, opt_type, path, tag, micro, save_tag=None, canzona
 
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-    from canzona_ds.testing.zero3 import gathered_params, train
+    from canzona_testkit.zero3 import gathered_params, train
 
     extra = {} if canzona_tp is None else {"canzona_tp": canzona_tp}
     engine = _engine(zero3_config(dp, optimizer=opt_type, micro=micro, **extra), seed=7)
@@ -325,7 +325,7 @@ def _edge(rank, dp):
     import canzona_ds  # noqa: F401
     import deepspeed
 
-    from canzona_ds.testing.zero3 import ShardedStepRecorder, gathered_params, train
+    from canzona_testkit.zero3 import ShardedStepRecorder, gathered_params, train
 
     model = _edge_model()
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
@@ -612,7 +612,7 @@ def test_dp4_more_ranks_than_matrices_and_a_frozen_parameter():
     frozen LayerNorm weight, clipping on.  Every hosted update replays bit for bit and the frozen
     weight is unchanged.  End to end: gloo's 4-rank sum moves every gradient, so the clip
     coefficient, by an ulp, which Muon's bf16 Newton-Schulz amplifies: within the reordered-sum bound
-    (testing.models.muon_reordered_sum_tolerance; measured 1.2e-4 on fc1, 0 on proj)."""
+    (canzona_testkit.models.muon_reordered_sum_tolerance; measured 1.2e-4 on fc1, 0 on proj)."""
     res = _get(4, "edge")
     ref = res[0]["ref"]
     dev = max(max_abs_diff(r["params"], ref) for r in res)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from canzona_ds.testing.dist import run_distributed
-from canzona_ds.testing.models import batches, ds_config, make_model, params_of
+from canzona_testkit.dist import run_distributed
+from canzona_testkit.models import batches, ds_config, make_model, params_of
 
 MICRO = 2
 

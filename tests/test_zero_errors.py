@@ -7,8 +7,8 @@ import warnings
 import numpy as np
 import pytest
 
-from canzona_ds.testing.dist import run_distributed
-from canzona_ds.testing.models import HP, ds_config, make_model, run_engine, run_reference
+from canzona_testkit.dist import run_distributed
+from canzona_testkit.models import HP, ds_config, make_model, run_engine, run_reference
 
 MUON = HP["CanzonaMuon"]
 # name: (ds_config overrides, text the message must contain)

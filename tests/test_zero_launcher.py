@@ -12,8 +12,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from canzona_ds.testing.dist import free_port
-from canzona_ds.testing.models import run_reference
+from canzona_testkit.dist import free_port
+from canzona_testkit.models import run_reference
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -23,7 +23,7 @@ import torch
 torch.set_num_threads(1)
 import canzona_ds  # the one line a user adds
 import deepspeed
-from canzona_ds.testing.models import ds_config, make_model, batches, params_of
+from canzona_testkit.models import ds_config, make_model, batches, params_of
 deepspeed.init_distributed(dist_backend="gloo")
 rank, dp = torch.distributed.get_rank(), torch.distributed.get_world_size()
 model = make_model(0)

@@ -9,15 +9,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from canzona_ds.testing.dist import run_distributed
-from canzona_ds.testing.models import (HP, TinyLM, batches, ds_config, make_attention_model, max_abs_diff, params_of,
+from canzona_testkit.dist import run_distributed
+from canzona_testkit.models import (HP, TinyLM, batches, ds_config, make_attention_model, max_abs_diff, params_of,
                                        run_engine, run_reference)
 
 STEPS = 4
 
 
 def _run(rank, dp, cfg, steps=STEPS, gas=1, model_fn=None):
-    from canzona_ds.testing.models import MatrixStepRecorder
+    from canzona_testkit.models import MatrixStepRecorder
 
     rec = []
     params, losses, engine = run_engine(rank, dp, cfg, steps, gas=gas, model=model_fn() if model_fn else None,
@@ -85,7 +85,7 @@ def test_per_head_muon_matches_per_head_reference():
         if per_head:
             tag_heads(model, list(model.named_parameters()))
         opt = ReferenceOptimizer(model.named_parameters(), cfg)
-        from canzona_ds.testing.models import reference_grads
+        from canzona_testkit.models import reference_grads
 
         for x, y in batches(STEPS, 4):
             grads = reference_grads(model, [x], [y], 2, 2)

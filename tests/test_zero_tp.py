@@ -18,7 +18,7 @@ processes, each in its own ``try`` so that one rule's failure fails only its own
   tests/test_tp_megatron.py's module doc): the TP=1 model trained on its own gradients;
 * the optimizer step's collectives are exactly the plan's ``all_to_all_single`` calls, all
   on the TP group, none on the DP group (a local counter that records each call's group
-  RANKS: ``testing.comm.CommCounter`` records group sizes only, and at DP2 x TP2 the TP and
+  RANKS: ``canzona_testkit.comm.CommCounter`` records group sizes only, and at DP2 x TP2 the TP and
   DP groups are both of size 2);
 * a checkpoint resumes bit-exactly: module weights and every matrix's rule state
   (``engine.optimizer.optimizer.matrix_state``, hosted TP matrices included).
@@ -41,8 +41,8 @@ import numpy as np
 import pytest
 import torch
 
-from canzona_ds.testing import megatron_standin as ms
-from canzona_ds.testing.dist import run_distributed
+from canzona_testkit import megatron_standin as ms
+from canzona_testkit.dist import run_distributed
 
 TP, DP = 2, 2
 WORLD = TP * DP
@@ -438,7 +438,7 @@ def test_zero1_tp_bf16_fp16(key: str, stage1_runs) -> None:
 #: contract: group['lr'] = lr * group.get('lr_mult', 1), group['weight_decay'] = wd * wd_mult.
 FAKE_MEGATRON = {
     "megatron/__init__.py": "_ARGS = None\ndef get_args():\n    return _ARGS\n",
-    "megatron/core/__init__.py": "from canzona_ds.testing.megatron_standin import mpu\n",
+    "megatron/core/__init__.py": "from canzona_testkit.megatron_standin import mpu\n",
     "megatron/optimizer/__init__.py": "def get_megatron_optimizer(model, *a, **k):\n    raise AssertionError('not patched')\n",
     "megatron/optimizer_param_scheduler.py": '''import math
 class OptimizerParamScheduler:
@@ -480,7 +480,7 @@ def setup_model_and_optimizer(model_provider_func):
     "pretrain_gpt.py": '''import json, sys, types
 import megatron
 import test_zero_tp as t
-from canzona_ds.testing import megatron_standin as ms
+from canzona_testkit import megatron_standin as ms
 cfg = json.load(open(sys.argv[sys.argv.index("--deepspeed_config") + 1]))
 megatron._ARGS = types.SimpleNamespace(deepspeed_config=None, deepspeed_config_dict=cfg, no_pipeline_parallel=True,
                                        lr=t.LR, min_lr=t.HOOK_MIN_LR, lr_decay_iters=t.HOOK_DECAY, weight_decay=t.WD)

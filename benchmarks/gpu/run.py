@@ -270,7 +270,7 @@ def section_plan_time(dry: bool, ns: dict, source: str) -> dict:
 
 
 def section_main_job(dry: bool, out_path: Path) -> dict:
-    from canzona_ds.testing.dist import free_port
+    from canzona_testkit.dist import free_port
 
     launcher = shutil.which("deepspeed")
     if launcher is None:

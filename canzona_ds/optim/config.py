@@ -124,7 +124,7 @@ class TPConfig:
             raise TypeError(f"Invalid canzona_tp={section!r}. Must be a JSON object of {sorted(_field_names(cls))}.")
         if "strategy" in section:
             raise ValueError("canzona_tp.strategy was removed: the runtime is always TP-ASC (micro-group hosting). "
-                             "The TP-SC and shard-local baselines are in canzona_ds.testing.baselines.")
+                             "TP-SC and shard-local TP are benchmark baselines, not options (docs/tp.md).")
         unknown = sorted(set(section) - _field_names(cls))
         if unknown:
             raise ValueError(f"Unknown canzona_tp key(s) {unknown}. Allowed: {sorted(_field_names(cls))}.")

@@ -157,8 +157,8 @@ def reference_run(world: int, ep_size: int, steps: int, optimizer: str = "Canzon
     fp32 master weights, the rule state and step of every matrix, AdamW's moments and step)."""
     from deepspeed.moe.sharded_moe import _route_slots, _sparse_decode, _sparse_encode, top1gating
 
-    from ..optim.config import CanzonaConfig
-    from ..optim.reference import ReferenceOptimizer
+    from canzona_ds.optim.config import CanzonaConfig
+    from canzona_ds.optim.reference import ReferenceOptimizer
 
     torch.set_num_threads(1)
     cfg = CanzonaConfig.from_ds(optimizer, dict(HP[optimizer] if params is None else params))
@@ -310,7 +310,7 @@ def run_moe_engine(rank: int, world: int, ep_size: int, cfg: dict, steps: int, m
     params = split_params_into_different_moe_groups_for_optimizer(
         {"params": list(model.parameters()), "name": "dense"}) if groups else list(model.parameters())
     if client:
-        from ..integration.megatron import build_tp_optimizer
+        from canzona_ds.integration.megatron import build_tp_optimizer
 
         optimizer = build_tp_optimizer(model, cfg, mpu=mpu)
         if after_build is not None:
@@ -445,8 +445,8 @@ def tp_reference_run(initial: dict, data: list, steps: int, optimizer: str = "Ca
     averaging associate differently): a closed-loop check of the gradients, within rounding."""
     from deepspeed.moe.sharded_moe import _route_slots, _sparse_decode, _sparse_encode, top1gating
 
-    from ..optim.config import CanzonaConfig
-    from ..optim.reference import ReferenceOptimizer
+    from canzona_ds.optim.config import CanzonaConfig
+    from canzona_ds.optim.reference import ReferenceOptimizer
 
     torch.set_num_threads(1)
     cfg = CanzonaConfig.from_ds(optimizer, dict(HP[optimizer] if params is None else params))

@@ -57,7 +57,7 @@ def _worker(rank, world_size, port, device, fn, args, queue):
 #: modules the fork server imports once, so that every rank starts with them loaded instead
 #: of spending ~20 s of CPU importing torch._dynamo and DeepSpeed (DeepSpeed's Muon module
 #: calls torch.compile at import); the server imports nothing that starts threads or devices
-PRELOAD = ["torch", "torch._dynamo", "deepspeed", "canzona_ds.integration.registry", "canzona_ds.testing.models"]
+PRELOAD = ["torch", "torch._dynamo", "deepspeed", "canzona_ds.integration.registry", "canzona_testkit.models"]
 _CTX = None
 
 

@@ -28,13 +28,13 @@ import torch.distributed as dist
 from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ..optim.config import CanzonaConfig
-from ..optim.optimizer import adamw_group_step
-from ..optim.rule import MatrixInfo, MatrixRule, apply_rule_update, rule_state, rule_step
-from ..planning.dp import OwnershipPlan, plan_dp
-from ..planning.params import ParamSpec
-from ..tp.async_tasks import Task, run_blocking, run_pipelined
-from ..tp.runtime import StepStats, TPMatrix
+from canzona_ds.optim.config import CanzonaConfig
+from canzona_ds.optim.optimizer import adamw_group_step
+from canzona_ds.optim.rule import MatrixInfo, MatrixRule, apply_rule_update, rule_state, rule_step
+from canzona_ds.planning.dp import OwnershipPlan, plan_dp
+from canzona_ds.planning.params import ParamSpec
+from canzona_ds.tp.async_tasks import Task, run_blocking, run_pipelined
+from canzona_ds.tp.runtime import StepStats, TPMatrix
 
 
 class SynchronousTP:

@@ -76,7 +76,7 @@ class ShardedStepRecorder:
     def replay(self) -> float | None:
         import torch.distributed as dist
 
-        from ..optim.rule import rule_step
+        from canzona_ds.optim.rule import rule_step
 
         opt = self.opt
         group = opt.placement.hosted.runtime.group

@@ -23,7 +23,7 @@ VOCAB, HIDDEN, EXPERTS, T = 64, 32, 4, 8
 
 
 class MoELM(nn.Module):
-    """(input_ids, labels) -> loss over a ``Qwen3MoeForCausalLM`` (the shape ``testing.models``'
+    """(input_ids, labels) -> loss over a ``Qwen3MoeForCausalLM`` (the shape ``canzona_testkit.models``'
     runners call); ``config`` is the HF model's, so the optimizer builder finds ``num_experts``."""
 
     def __init__(self, model: nn.Module) -> None:
