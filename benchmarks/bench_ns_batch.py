@@ -27,8 +27,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from canzona_ds.optim.config import CanzonaConfig  # noqa: E402
-from canzona_ds.optim.optimizer import _plan  # noqa: E402
+from canzona_ds.config import CanzonaConfig  # noqa: E402
+from canzona_ds.optimizer import _plan  # noqa: E402
 from canzona_ds.optim.rule import MatrixInfo, rule_steps  # noqa: E402
 from canzona_ds.planning.params import specs_from_named_shapes  # noqa: E402
 

@@ -135,7 +135,7 @@ def _worker(rank: int, world: int, steps: int, warmup: int, micro: int, gas: int
     import deepspeed
     from deepspeed.pipe import LayerSpec, PipelineModule
 
-    from canzona_ds.optim.optimizer import CanzonaOptimizer
+    from canzona_ds.optimizer import CanzonaOptimizer
     from canzona_ds.planning.report import dp_report, rank_costs
 
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)

@@ -67,7 +67,7 @@ def layer_matrices(layers: int, hidden: int, heads: int, kv_heads: int, head_dim
 
 def _build(label: str, tpm: list, rule, c_max: float | None) -> Any:
     """The runtime or baseline behind ``label`` (same step interface)."""
-    from canzona_ds.optim.config import TPConfig
+    from canzona_ds.config import TPConfig
     from canzona_testkit import baselines
     from canzona_ds.tp import MicroGroupRuntime
 

@@ -183,8 +183,8 @@ def _worker(rank: int, dp: int, shape: dict, kinds: dict, steps: int, warmup: in
     import deepspeed
     from deepspeed.runtime.zero.muon import original_muon
 
-    from canzona_ds.optim.config import CanzonaConfig
-    from canzona_ds.optim.optimizer import CanzonaOptimizer
+    from canzona_ds.config import CanzonaConfig
+    from canzona_ds.optimizer import CanzonaOptimizer
     from canzona_testkit.baselines import LayerwiseOptimizer
     from canzona_testkit.comm import CommCounter
 

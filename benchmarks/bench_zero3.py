@@ -126,7 +126,7 @@ class RuleTimer:
 
 
 def make_rule(name: str):
-    from canzona_ds.optim.config import CanzonaConfig
+    from canzona_ds.config import CanzonaConfig
 
     opt_type, params = RULE_PARAMS[name]
     return CanzonaConfig.from_ds(opt_type, params).rule
@@ -158,7 +158,7 @@ class Hosted:
     """hosted/<rule>: the Canzona ZeRO-3 optimizer step over FlatSplit pieces on the DP group."""
 
     def __init__(self, rule_name: str, mats, full: dict, rank: int, timer: RuleTimer) -> None:
-        from canzona_ds.optim.config import TPConfig
+        from canzona_ds.config import TPConfig
         from canzona_ds.tp import MicroGroupRuntime
 
         self.rule = make_rule(rule_name)
@@ -239,7 +239,7 @@ def engine_step(engine, x, y, timer: RuleTimer) -> dict:
 
 
 def _canzona_of(engine):
-    from canzona_ds.optim.optimizer import CanzonaOptimizer
+    from canzona_ds.optimizer import CanzonaOptimizer
 
     inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
     return inner if isinstance(inner, CanzonaOptimizer) else None

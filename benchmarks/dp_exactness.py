@@ -7,12 +7,12 @@ random byte windows (micro batch 2 per rank, seq 64), hyper-parameters of
 ``configs/ds_cpu_canzona.json``.  For DP = 2 and 4:
 
 * **CanzonaMuon under ZeRO-1** (DeepSpeed, gloo) vs the single-process reference
-  (``optim.reference.ReferenceOptimizer``: the Muon rule on whole matrices + AdamW);
+  (``reference.ReferenceOptimizer``: the Muon rule on whole matrices + AdamW);
 * **plain data parallelism driving ``torch.optim.Muon`` itself**: every rank all-reduces
   (sums) its gradients with gloo, divides by dp and steps ``torch.optim.Muon`` (matrices) +
   ``torch.optim.AdamW`` (the rest) on its full copy; vs the same torch optimizers in one process.
 
-Both single-process runs take the DP average in rank order (``optim.reference.zero_average``),
+Both single-process runs take the DP average in rank order (``reference.zero_average``),
 so a DP run differs from its reference only by how the all-reduce sums.  Reported: max |Δ|
 over the matrices and over the other parameters after the last step.  torch's Muon runs
 Newton–Schulz in bfloat16, so ulp-level differences in the summed gradient can move a matrix
@@ -82,8 +82,8 @@ def _params(model) -> dict:
 
 
 def single_process(dp: int, kind: str) -> dict:
-    from canzona_ds.optim.config import CanzonaConfig
-    from canzona_ds.optim.reference import ReferenceOptimizer, zero_average
+    from canzona_ds.config import CanzonaConfig
+    from canzona_ds.reference import ReferenceOptimizer, zero_average
 
     torch.set_num_threads(1)
     cfg = CanzonaConfig.from_ds("CanzonaMuon", dict(_section()["params"]))
@@ -119,7 +119,7 @@ def _canzona_worker(rank, world):
 def _plain_dp_worker(rank, world):
     import torch.distributed as dist
 
-    from canzona_ds.optim.config import CanzonaConfig
+    from canzona_ds.config import CanzonaConfig
 
     cfg = CanzonaConfig.from_ds("CanzonaMuon", dict(_section()["params"]))
     model = _model()
@@ -140,7 +140,7 @@ def _diff(a: dict, b: dict, names: list[str]) -> float:
 
 
 def main() -> int:
-    from canzona_ds.optim.config import CanzonaConfig
+    from canzona_ds.config import CanzonaConfig
     from canzona_testkit.dist import run_distributed
 
     cfg = CanzonaConfig.from_ds("CanzonaMuon", dict(_section()["params"]))

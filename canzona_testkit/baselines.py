@@ -28,8 +28,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from canzona_ds.optim.config import CanzonaConfig
-from canzona_ds.optim.optimizer import adamw_group_step
+from canzona_ds.config import CanzonaConfig
+from canzona_ds.optim.adamw import adamw_group_step
 from canzona_ds.optim.rule import MatrixInfo, MatrixRule, apply_rule_update, rule_state, rule_step
 from canzona_ds.planning.dp import OwnershipPlan, plan_dp
 from canzona_ds.planning.params import ParamSpec
@@ -106,7 +106,7 @@ class LayerwiseOptimizer(torch.optim.Optimizer):
     layer-wise optimizer's DDP mode does; §D.2 "Option A").  One step on rank r:
 
     1. the matrix rule (``rule_step``: ``init_state`` / ``direction`` / ``scales`` + ``apply_update``,
-       as :class:`~canzona_ds.optim.optimizer.CanzonaOptimizer` runs it) on the matrices of
+       as :class:`~canzona_ds.optimizer.CanzonaOptimizer` runs it) on the matrices of
        the layers r owns -- their rule state lives only on r;
     2. AdamW (torch's functional AdamW, bit-exact vs ``torch.optim.AdamW``) on every
        non-matrix parameter, on every rank (replicated: identical inputs, identical results);

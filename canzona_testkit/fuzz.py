@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Iterator
 
 from canzona_ds.optim import OPTIMIZER_TYPES, rule_class
-from canzona_ds.optim.config import CommonKeys, PlacementConfig, TPConfig
+from canzona_ds.config import CommonKeys, PlacementConfig, TPConfig
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ def invalid_settings() -> Iterator[Case]:
 
 def check(case: Case) -> tuple[bool, str]:
     """(refused with a message naming the key, the message)."""
-    from canzona_ds.optim.config import CanzonaConfig
+    from canzona_ds.config import CanzonaConfig
 
     try:
         CanzonaConfig.from_ds(case.optimizer_type, case.params, case.tp_section)

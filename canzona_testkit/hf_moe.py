@@ -80,7 +80,7 @@ class PerExpertReference:
     :meth:`step` after the model's gradients are set; the model's parameters are updated."""
 
     def __init__(self, model: nn.Module, opt_type: str, params: dict | None = None) -> None:
-        from canzona_ds.optim.config import CanzonaConfig
+        from canzona_ds.config import CanzonaConfig
 
         params = dict(HP[opt_type] if params is None else params)
         self.cfg = cfg = CanzonaConfig.from_ds(opt_type, params)

@@ -304,11 +304,11 @@ def reference_run(cfg: dict, tp: int, config, layout: str, steps: int, ids_of, l
                   lrs=None) -> tuple[dict[str, Tensor], list[str]]:
     """The single-process reference for a TP run: the TP=1 :class:`TinyGPTBlock` trained on its
     own gradients for ``steps`` steps (``ids_of(step)`` the batch, ``loss_of(model, ids)`` the
-    loss) with :class:`~canzona_ds.optim.reference.ReferenceOptimizer` and ``config``.  The rule
+    loss) with :class:`~canzona_ds.reference.ReferenceOptimizer` and ``config``.  The rule
     sees each matrix in ``layout`` "fused" (the TP=1 matrices) or "tp" (:func:`to_tp_layout`);
     ``lrs(step)`` sets the matrix lr of each step (AdamW's scaled by ``adam_lr_ratio``).
     Returns the trained parameters (TP=1 layout) and the names the matrix rule handled."""
-    from canzona_ds.optim.reference import ReferenceOptimizer
+    from canzona_ds.reference import ReferenceOptimizer
 
     if layout not in ("fused", "tp"):
         raise ValueError(f"layout must be 'fused' or 'tp', got {layout!r}")

@@ -9,7 +9,7 @@ equal-chunk split cuts matrices at DP=2 and DP=4.
 ``run_reference``  one process: each DP rank's gradient computed separately, averaged as
                    ZeRO averages them (each divided by dp, then summed), optionally
                    clipped by ``torch.nn.utils.clip_grad_norm_``, then
-                   ``optim.reference.ReferenceOptimizer``.
+                   ``reference.ReferenceOptimizer``.
 """
 from __future__ import annotations
 
@@ -132,7 +132,7 @@ def reference_grads(model: nn.Module, x: list, y: list, dp: int, micro: int, gas
       divide by dp and sum over ranks;
     * stage 2: every micro-step's gradient is averaged over the ranks right away (divided by
       dp, summed) and the averages are accumulated."""
-    from canzona_ds.optim.reference import zero_average
+    from canzona_ds.reference import zero_average
 
     def grads_of(r: int, steps: range) -> dict:
         model.zero_grad(set_to_none=True)
@@ -157,8 +157,8 @@ def run_reference(dp: int, steps: int, optimizer: str = "CanzonaMuon", params: d
     """The single-process reference on ZeRO's averaged gradients, clipped (``clip`` > 0) by torch's
     ``clip_grad_norm_(model.parameters(), clip)``, on ``device`` ("cuda": the first GPU, to
     compare with a CUDA run kernel for kernel)."""
-    from canzona_ds.optim.config import CanzonaConfig
-    from canzona_ds.optim.reference import ReferenceOptimizer
+    from canzona_ds.config import CanzonaConfig
+    from canzona_ds.reference import ReferenceOptimizer
 
     torch.set_num_threads(1)  # same reduction order as the 1-thread ranks
     cfg = CanzonaConfig.from_ds(optimizer, dict(HP[optimizer] if params is None else params))
@@ -233,7 +233,7 @@ def clone(module: nn.Module) -> nn.Module:
 
 
 class MatrixStepRecorder:
-    """Records what a :class:`~canzona_ds.optim.optimizer.CanzonaOptimizer` does to every matrix it
+    """Records what a :class:`~canzona_ds.optimizer.CanzonaOptimizer` does to every matrix it
     updates locally: per step, the gradient and master weight each saw, and the weight after.
 
     :meth:`replay` reruns the rule from those gradients in a single process and returns the

@@ -157,8 +157,8 @@ def reference_run(world: int, ep_size: int, steps: int, optimizer: str = "Canzon
     fp32 master weights, the rule state and step of every matrix, AdamW's moments and step)."""
     from deepspeed.moe.sharded_moe import _route_slots, _sparse_decode, _sparse_encode, top1gating
 
-    from canzona_ds.optim.config import CanzonaConfig
-    from canzona_ds.optim.reference import ReferenceOptimizer
+    from canzona_ds.config import CanzonaConfig
+    from canzona_ds.reference import ReferenceOptimizer
 
     torch.set_num_threads(1)
     cfg = CanzonaConfig.from_ds(optimizer, dict(HP[optimizer] if params is None else params))
@@ -445,8 +445,8 @@ def tp_reference_run(initial: dict, data: list, steps: int, optimizer: str = "Ca
     averaging associate differently): a closed-loop check of the gradients, within rounding."""
     from deepspeed.moe.sharded_moe import _route_slots, _sparse_decode, _sparse_encode, top1gating
 
-    from canzona_ds.optim.config import CanzonaConfig
-    from canzona_ds.optim.reference import ReferenceOptimizer
+    from canzona_ds.config import CanzonaConfig
+    from canzona_ds.reference import ReferenceOptimizer
 
     torch.set_num_threads(1)
     cfg = CanzonaConfig.from_ds(optimizer, dict(HP[optimizer] if params is None else params))

@@ -272,7 +272,7 @@ def run_pipe_engine(rank: int, world: int, cfg: dict, pp: int, steps: int, tied:
 def dp_average(per_rank: list[dict], stage: int) -> dict:
     """The DP average in DeepSpeed's order: ZeRO-0's all-reduce sums then scales by 1/dp
     (``allreduce_bucket``, postscale); ZeRO-1 sums grad/dp (``zero_average``)."""
-    from canzona_ds.optim.reference import zero_average
+    from canzona_ds.reference import zero_average
 
     if stage >= 1:
         return zero_average(per_rank)

@@ -4,7 +4,7 @@ One real 2-process gloo run: a three-layer model whose layers differ in size, so
 layer LPT gives the heaviest layer to one rank and the other two to the other.  Each rank
 updates only the matrices of its layers (their Muon state lives only there), AdamW runs
 replicated, owners broadcast their matrices; the fp32 result equals the single-process
-reference (``canzona_testkit.models.run_reference`` -> ``optim.reference.ReferenceOptimizer``) bit
+reference (``canzona_testkit.models.run_reference`` -> ``reference.ReferenceOptimizer``) bit
 for bit: at DP=2 DeepSpeed's all-reduced average is exact.
 """
 from __future__ import annotations
@@ -59,7 +59,7 @@ def _layerwise(rank: int, dp: int, steps: int) -> dict:
     import canzona_ds  # noqa: F401 - registration, as in a user job
     import deepspeed
 
-    from canzona_ds.optim.config import CanzonaConfig
+    from canzona_ds.config import CanzonaConfig
     from canzona_testkit.baselines import LayerwiseOptimizer
 
     model = make_stack(0)

@@ -61,8 +61,8 @@ def _hook_worker(rank, world, per_head):
 
 
 def _reference(per_head: bool) -> dict[str, np.ndarray]:
-    from canzona_ds.optim.config import CanzonaConfig
-    from canzona_ds.optim.reference import ReferenceOptimizer
+    from canzona_ds.config import CanzonaConfig
+    from canzona_ds.reference import ReferenceOptimizer
 
     torch.set_num_threads(1)
     params = {n: torch.nn.Parameter(t) for n, t in _full(0).items()}
@@ -118,7 +118,7 @@ def test_zero3_with_tensor_or_pipeline_parallelism_is_refused(axis, what):
     import torch
 
     from canzona_ds.integration.builder import RunSettings, build_optimizer
-    from canzona_ds.optim.config import CanzonaConfig
+    from canzona_ds.config import CanzonaConfig
     from canzona_ds.parallel import ParallelGroups
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))

@@ -83,8 +83,8 @@ def _resume(rank, dp, ckpt, stage, opt_type, out):
 
 
 def _reference(n: int, m: int, opt_type: str) -> dict:
-    from canzona_ds.optim.config import CanzonaConfig
-    from canzona_ds.optim.reference import ReferenceOptimizer
+    from canzona_ds.config import CanzonaConfig
+    from canzona_ds.reference import ReferenceOptimizer
     from canzona_testkit.models import reference_grads
 
     torch.set_num_threads(1)
@@ -449,8 +449,8 @@ def _pipe(rank, world, pp, ckpt, out):
 def _pipe_reference(modes: list[str]) -> dict:
     """The tied tiny decoder in one process (DP 1), one step per entry of ``modes`` (how that
     step sums the tied weight's two uses), clipped by torch's clip_grad_norm_."""
-    from canzona_ds.optim.config import CanzonaConfig
-    from canzona_ds.optim.reference import ReferenceOptimizer
+    from canzona_ds.config import CanzonaConfig
+    from canzona_ds.reference import ReferenceOptimizer
     from canzona_testkit.pipeline import ReferenceDecoder, dataset, rank_micro_batches
 
     torch.set_num_threads(1)

@@ -11,7 +11,7 @@ CASES = list(invalid_settings())
 
 
 def test_the_fuzz_covers_every_key_of_every_type():
-    from canzona_ds.optim.config import all_keys
+    from canzona_ds.config import all_keys
 
     assert len(CASES) > 300
     for opt_type in ("CanzonaMuon", "CanzonaShampoo", "CanzonaSOAP"):

@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 import torch
 
-from canzona_ds.optim.config import CanzonaConfig
-from canzona_ds.optim.optimizer import CanzonaOptimizer
-from canzona_ds.optim.reference import ReferenceOptimizer
+from canzona_ds.config import CanzonaConfig
+from canzona_ds.optimizer import CanzonaOptimizer
+from canzona_ds.reference import ReferenceOptimizer
 from canzona_testkit.dist import cuda_count, run_distributed
 from canzona_testkit.models import HP, TYPES, batches, make_model
 
@@ -53,7 +53,7 @@ SHAPES = {"col": ((64, 32), 0), "row": ((32, 48), 1)}
 
 
 def _tp_on_gpu(rank, tp, opt_type):
-    from canzona_ds.optim.config import TPConfig
+    from canzona_ds.config import TPConfig
     from canzona_ds.tp.runtime import MicroGroupRuntime, TPMatrix
 
     rule = CanzonaConfig.from_ds(opt_type, HP[opt_type]).rule

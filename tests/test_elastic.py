@@ -51,8 +51,8 @@ def _resume(rank, dp, ckpt, opt_type, stage):
 
 
 def _reference(n: int, m: int, opt_type: str) -> dict:
-    from canzona_ds.optim.config import CanzonaConfig
-    from canzona_ds.optim.reference import ReferenceOptimizer
+    from canzona_ds.config import CanzonaConfig
+    from canzona_ds.reference import ReferenceOptimizer
     from canzona_testkit.models import reference_grads
 
     torch.set_num_threads(1)

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from canzona_ds import checkpoint as ck
-from canzona_ds.optim.config import CheckpointConfig
+from canzona_ds.config import CheckpointConfig
 from canzona_testkit.dist import run_distributed
 from canzona_testkit.models import batches, ds_config, make_model, params_of, run_engine
 

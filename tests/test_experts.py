@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 import torch
 
-from canzona_ds.optim.config import CanzonaConfig
-from canzona_ds.optim.optimizer import CanzonaOptimizer
+from canzona_ds.config import CanzonaConfig
+from canzona_ds.optimizer import CanzonaOptimizer
 from canzona_ds.optim.rule import MatrixInfo, rule_step
 from canzona_ds.planning.cost import task_cost
 from canzona_ds.planning.params import ParamSpec, expert_stack, matrix_experts
@@ -96,7 +96,7 @@ def test_megatron_grouped_mlp_is_refused_by_name():
     model.decoder.mlp.experts = _GroupedMLP()
     model.decoder.mlp.router = torch.nn.Linear(8, 4, bias=False)
     for build in (lambda cfg: CanzonaOptimizer(model.named_parameters(), cfg),
-                  lambda cfg: __import__("canzona_ds.optim.reference", fromlist=["x"]).ReferenceOptimizer(
+                  lambda cfg: __import__("canzona_ds.reference", fromlist=["x"]).ReferenceOptimizer(
                       list(model.named_parameters()), cfg)):
         with pytest.raises(ValueError, match=r"'decoder\.mlp\.experts\.weight1' \[8, 24\]: Megatron-LM's GroupedMLP"):
             build(CanzonaConfig.from_ds("CanzonaMuon", {}))
@@ -429,7 +429,7 @@ def test_whole_stacks_against_per_expert_units_at_qwen3_30b_scale():
 
 
 def test_optimizer_warns_when_a_stack_bounds_the_plan():
-    from canzona_ds.optim.optimizer import _plan
+    from canzona_ds.optimizer import _plan
 
     model = make_moe_model(0)
     cfg = CanzonaConfig.from_ds("CanzonaMuon", {})

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from canzona_ds.optim.config import TPConfig
+from canzona_ds.config import TPConfig
 from canzona_ds.optim.muon import MuonRule
 from canzona_ds.optim.rule import MatrixInfo, rule_step
 from canzona_ds.optim.shampoo import ShampooRule

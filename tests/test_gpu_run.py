@@ -105,8 +105,8 @@ def test_time_cost_model_balances_time_where_flops_do_not():
     """Many small matrices carry a fixed per-matrix time FLOPs do not see: with 3 large matrices
     on 4 ranks the FLOPs plan puts all 60 small ones on the fourth rank (their FLOPs are far
     below one large matrix's); the time model's plan spreads them (busiest/mean in TIME)."""
-    from canzona_ds.optim.config import CanzonaConfig
-    from canzona_ds.optim.optimizer import _plan
+    from canzona_ds.config import CanzonaConfig
+    from canzona_ds.optimizer import _plan
     from canzona_ds.planning.params import specs_from_named_shapes
 
     rule = MuonRule()

@@ -140,7 +140,7 @@ def test_auto_rule_and_knobs():
 
 
 def test_config_keys_are_validated():
-    from canzona_ds.optim.config import CanzonaConfig
+    from canzona_ds.config import CanzonaConfig
 
     cfg = CanzonaConfig.from_ds("CanzonaMuon", {"layout": "mixed", "max_padding": 0.1})
     assert cfg.placement.layout == "mixed" and cfg.placement.max_padding == 0.1
@@ -155,8 +155,8 @@ def test_mixed_with_tensor_parallel_matrices_needs_the_grid_group():
     """Without a DP x TP grid group (ParallelGroups.grid_group, built by the DeepSpeed integration)
     TP-split matrices cannot be hosted: "mixed" is refused, "auto" keeps owned and says so
     (tests/test_layout_mixed_tp.py runs the grid)."""
-    from canzona_ds.optim.config import CanzonaConfig
-    from canzona_ds.optim.optimizer import _plan
+    from canzona_ds.config import CanzonaConfig
+    from canzona_ds.optimizer import _plan
 
     specs = [ParamSpec(f"w{i}", (8 + 4 * i, 16), tp_partition_dim=0, tp_size=2) for i in range(4)]
     big = [ParamSpec(f"w{i}", (512 * (2 + i), 1024), tp_partition_dim=0, tp_size=2) for i in range(4)]
@@ -359,8 +359,8 @@ def _resume(rank, dp, ckpt, opt_type, layout, saved_dp):
 
 
 def _reference(n: int, m: int, opt_type: str) -> dict:
-    from canzona_ds.optim.config import CanzonaConfig
-    from canzona_ds.optim.reference import ReferenceOptimizer
+    from canzona_ds.config import CanzonaConfig
+    from canzona_ds.reference import ReferenceOptimizer
     from canzona_testkit.models import reference_grads
 
     torch.set_num_threads(1)
@@ -425,8 +425,8 @@ def test_canzona_plan_shows_both_layouts(capsys):
 
 
 def test_main_job_summary_of_a_mixed_plan():
-    from canzona_ds.optim.config import CanzonaConfig
-    from canzona_ds.optim.optimizer import CanzonaOptimizer
+    from canzona_ds.config import CanzonaConfig
+    from canzona_ds.optimizer import CanzonaOptimizer
     from canzona_ds.parallel import ParallelGroups
     from canzona_ds.planning.cost import MASTER_GRAD_BYTES, task_cost
     from canzona_ds.train.plan_summary import summarize

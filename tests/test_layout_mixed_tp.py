@@ -159,8 +159,8 @@ def test_same_layout_compares_the_grid_hosts_tp_ranks():
 def test_plan_hosts_tp_matrices_only_with_a_grid_group():
     import warnings
 
-    from canzona_ds.optim.config import CanzonaConfig
-    from canzona_ds.optim.optimizer import _plan
+    from canzona_ds.config import CanzonaConfig
+    from canzona_ds.optimizer import _plan
     from canzona_ds.planning.dp import DEFAULT_MAX_PADDING
     from canzona_ds.planning.params import ParamSpec
 

@@ -175,8 +175,8 @@ def _own_gradient_reference(results: list, opt_type: str, clip: float) -> dict:
     import torch
     import torch.nn as nn
 
-    from canzona_ds.optim.config import CanzonaConfig
-    from canzona_ds.optim.reference import ReferenceOptimizer
+    from canzona_ds.config import CanzonaConfig
+    from canzona_ds.reference import ReferenceOptimizer
     from canzona_testkit.models import HP
     from canzona_testkit.moe import whole_names
 

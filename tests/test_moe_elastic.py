@@ -79,7 +79,7 @@ def _snapshot(engine) -> dict:
     """What this rank holds, by whole-model name (numpy, picklable)."""
     import torch.distributed as dist
 
-    from canzona_ds.optim.optimizer import MATRIX
+    from canzona_ds.optimizer import MATRIX
 
     zopt = engine.optimizer
     opt = getattr(zopt, "optimizer", zopt)

@@ -382,8 +382,8 @@ def test_auto_picks_mixed_per_matrix_group_under_moe():
     another size: tests/test_moe_mixed_elastic.py); "owned" keeps owned."""
     import torch
 
-    from canzona_ds.optim.config import CanzonaConfig
-    from canzona_ds.optim.optimizer import CanzonaOptimizer
+    from canzona_ds.config import CanzonaConfig
+    from canzona_ds.optimizer import CanzonaOptimizer
     from canzona_ds.parallel import ExpertGroups, ParallelGroups
 
     shapes = {"qkv": (3072, 128), "proj": (1024, 128), "fc1": (2560, 128), "fc2": (1024, 320)}
@@ -406,8 +406,8 @@ def test_auto_keeps_owned_under_moe_with_tensor_parallelism():
     """MoE x TP: a mixed checkpoint does not resize (refused by name), so ``"auto"`` keeps the owned
     layout there, saying why; ``"mixed"`` still forces it (world 4 TP x MoE x mixed above)."""
     from canzona_ds.optim import cost_model
-    from canzona_ds.optim.config import CanzonaConfig
-    from canzona_ds.optim.optimizer import _plan
+    from canzona_ds.config import CanzonaConfig
+    from canzona_ds.optimizer import _plan
     from canzona_ds.planning.params import ParamSpec
 
     specs = [ParamSpec(n, s) for n, s in (("qkv", (3072, 128)), ("proj", (1024, 128)), ("fc1", (2560, 128)),

@@ -16,7 +16,7 @@ Per scenario (each in its own ``try``; one failing scenario fails one test):
 * **the reference on the run's own gradients, bit for bit**: every rank's pre-clip averaged
   gradient partitions (as ZeRO hands them to the clip and the step) are gathered into the whole
   model's gradients (TP shards joined along their partition dim, every expert once, every copy
-  checked equal), and :class:`~canzona_ds.optim.reference.ReferenceOptimizer` (the rule on every
+  checked equal), and :class:`~canzona_ds.reference.ReferenceOptimizer` (the rule on every
   whole matrix, torch AdamW on the rest) runs them in one process from the gathered initial
   weights: every rank's parameters equal it with rtol=atol=0 (Muon, Shampoo, SOAP; ZeRO 1, 2);
 * **closed loop**: the TP=1 model (``canzona_testkit.moe.tp_reference_run``: every weight whole, every
@@ -258,8 +258,8 @@ def _reference(results: list, opt_type: str, clip: float) -> dict:
     import torch
     import torch.nn as nn
 
-    from canzona_ds.optim.config import CanzonaConfig
-    from canzona_ds.optim.reference import ReferenceOptimizer
+    from canzona_ds.config import CanzonaConfig
+    from canzona_ds.reference import ReferenceOptimizer
     from canzona_testkit.models import HP
     from canzona_testkit.moe import TP_SPLIT
 
@@ -479,8 +479,8 @@ def test_optimizer_refuses_tensor_parallel_experts():
     """CanzonaOptimizer itself (whatever builds it) refuses a TP-split expert matrix by name."""
     import torch.nn as nn
 
-    from canzona_ds.optim.config import CanzonaConfig
-    from canzona_ds.optim.optimizer import CanzonaOptimizer
+    from canzona_ds.config import CanzonaConfig
+    from canzona_ds.optimizer import CanzonaOptimizer
     from canzona_ds.parallel import ExpertGroups, ParallelGroups
     from canzona_testkit.models import HP
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from canzona_ds.optim.config import CanzonaConfig, TPConfig, all_keys, markdown
+from canzona_ds.config import CanzonaConfig, TPConfig, all_keys, markdown
 from canzona_ds.planning.params import is_matrix
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,9 +124,9 @@ def test_fingerprint_covers_every_setting():
 
 
 def test_generated_key_table_is_in_sync():
-    """docs/config.md is generated (`python -m canzona_ds.optim.config > docs/config.md`)."""
+    """docs/config.md is generated (`python -m canzona_ds.config > docs/config.md`)."""
     doc = (ROOT / "docs" / "config.md").read_text()
-    assert doc == markdown(), "docs/config.md is stale: run `python -m canzona_ds.optim.config > docs/config.md`"
+    assert doc == markdown(), "docs/config.md is stale: run `python -m canzona_ds.config > docs/config.md`"
     for opt_type in ("CanzonaMuon", "CanzonaShampoo", "CanzonaSOAP"):
         for key in all_keys(opt_type):
             assert f"`{key}`" in doc, (opt_type, key)

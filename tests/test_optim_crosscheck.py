@@ -122,8 +122,8 @@ import pytest
 import torch
 
 import canzona_ds.optim.shampoo as shampoo_module
-from canzona_ds.optim.config import CanzonaConfig
-from canzona_ds.optim.reference import ReferenceOptimizer
+from canzona_ds.config import CanzonaConfig
+from canzona_ds.reference import ReferenceOptimizer
 from canzona_ds.optim.rule import MatrixInfo
 from canzona_ds.optim.shampoo import ShampooRule
 from canzona_ds.optim.soap import SOAPRule

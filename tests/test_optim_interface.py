@@ -73,7 +73,7 @@ FULL = {"col": ((12, 6), 0), "row": ((6, 10), 1), "col2": ((8, 6), 0)}
 def _tp_worker(rank, tp, local, device="cpu"):
     import torch.distributed as dist
 
-    from canzona_ds.optim.config import TPConfig
+    from canzona_ds.config import TPConfig
     from canzona_testkit.baselines import ShardLocalTP
     from canzona_ds.tp.runtime import MicroGroupRuntime, TPMatrix
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from canzona_ds.optim.config import CanzonaConfig
+from canzona_ds.config import CanzonaConfig
 from canzona_ds.optim.muon import MuonRule, newton_schulz
-from canzona_ds.optim.optimizer import CanzonaOptimizer
-from canzona_ds.optim.reference import ReferenceOptimizer
+from canzona_ds.optimizer import CanzonaOptimizer
+from canzona_ds.reference import ReferenceOptimizer
 from canzona_ds.optim.rule import MatrixInfo
 
 SHAPES = [(16, 16), (48, 16), (16, 40), (7, 33)]

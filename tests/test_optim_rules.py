@@ -7,9 +7,9 @@ import copy
 import pytest
 import torch
 
-from canzona_ds.optim.config import CanzonaConfig
-from canzona_ds.optim.optimizer import CanzonaOptimizer
-from canzona_ds.optim.reference import ReferenceOptimizer
+from canzona_ds.config import CanzonaConfig
+from canzona_ds.optimizer import CanzonaOptimizer
+from canzona_ds.reference import ReferenceOptimizer
 from canzona_ds.optim.rule import MatrixInfo
 from canzona_ds.optim.shampoo import ShampooRule, inverse_root
 from canzona_ds.optim.soap import SOAPRule

@@ -53,8 +53,8 @@ def _load_error(engine, ckpt: str) -> str | None:
 
 
 def _reference(opt_type: str, dp: int, tied: bool, stage: int = 1, params: dict | None = None) -> dict:
-    from canzona_ds.optim.config import CanzonaConfig
-    from canzona_ds.optim.reference import ReferenceOptimizer
+    from canzona_ds.config import CanzonaConfig
+    from canzona_ds.reference import ReferenceOptimizer
 
     cfg = CanzonaConfig.from_ds(opt_type, dict(HP[opt_type] if params is None else params))
     return run_pipe_reference(STEPS, dp, GAS, lambda named: ReferenceOptimizer(named, cfg), micro=MICRO, tied=tied,
@@ -115,8 +115,8 @@ def test_pipeline_clipping_equals_torch_clip_grad_norm(stage, tied):
     """gradient_clipping under PP=2 x DP=2: the norm covers every stage (the tied weight once),
     in torch's arithmetic; DeepSpeed's own stage-0 clip under a pipeline counts only the first
     stage's gradients."""
-    from canzona_ds.optim.config import CanzonaConfig
-    from canzona_ds.optim.reference import ReferenceOptimizer
+    from canzona_ds.config import CanzonaConfig
+    from canzona_ds.reference import ReferenceOptimizer
 
     res = run_distributed(_worker, 4, pipe_config("CanzonaMuon", 2, stage, gradient_clipping=CLIP), 2, tied)
     cfg = CanzonaConfig.from_ds("CanzonaMuon", dict(HP["CanzonaMuon"]))
@@ -172,8 +172,8 @@ def _toy_worker(rank, world, cfg, pp):
 @pytest.mark.dist
 def test_toy_rule_defined_in_a_test_file_runs_under_pipeline():
     """The interface test's toy rule (tests/test_optim_interface.py) under PP=2 x DP=2, exact."""
-    from canzona_ds.optim.config import CanzonaConfig
-    from canzona_ds.optim.reference import ReferenceOptimizer
+    from canzona_ds.config import CanzonaConfig
+    from canzona_ds.reference import ReferenceOptimizer
     from tests.test_optim_interface import PARAMS
 
     res = run_distributed(_toy_worker, 4, pipe_config("CanzonaToy", 2, params=PARAMS), 2)
@@ -278,7 +278,7 @@ def test_pipeline_with_tensor_parallel_hosts_whole_matrices(opt_type):
     the rule on the concatenated gradient of the two shards, from the shards' own values."""
     import torch
 
-    from canzona_ds.optim.config import CanzonaConfig
+    from canzona_ds.config import CanzonaConfig
     from canzona_ds.optim.rule import MatrixInfo, rule_step
 
     res = run_distributed(_pp_tp_worker, 4, opt_type, 2, 2)

@@ -19,10 +19,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from canzona_ds.flops import Flops
 from canzona_ds.optim import cost_model
 from canzona_ds.optim.muon import GRAM_RESTART
 from canzona_ds.optim.rule import EIGH_FLOPS_PER_K3, QR_FLOPS_PER_K3, MatrixInfo, MatrixRule
-from canzona_ds.planning.cost import (AUX_BYTES_PER_ELEMENT, COST_MODELS, MASTER_GRAD_BYTES, Flops, cost_vector,
+from canzona_ds.planning.cost import (AUX_BYTES_PER_ELEMENT, COST_MODELS, MASTER_GRAD_BYTES, cost_vector,
                                       slice_cost, task_cost)
 from canzona_ds.planning.models import matrix_specs, model_specs
 from canzona_ds.planning.params import ParamSpec

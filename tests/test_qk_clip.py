@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from canzona_ds.models.qwen3 import Qwen3Config, Qwen3ForCausalLM, apply_rope
-from canzona_ds.optim.config import CanzonaConfig
+from canzona_ds.config import CanzonaConfig
 from canzona_ds.optim.qk_clip import QKClipConfig, max_logits, qk_clip_scales
 from canzona_testkit.dist import run_distributed
 from canzona_testkit.models import HP, ds_config, max_abs_diff, params_of, reference_grads, run_engine

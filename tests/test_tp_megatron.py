@@ -191,7 +191,7 @@ def tp_layout(per_rank: list[dict[str, np.ndarray]], name: str) -> torch.Tensor:
 def reference_on_run_gradients(optimizer: str, res: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     """ReferenceOptimizer on the concatenated TP layout, fed the TP=2 run's own gradients."""
     from canzona_ds.integration.megatron import config_from_ds_config
-    from canzona_ds.optim.reference import ReferenceOptimizer
+    from canzona_ds.reference import ReferenceOptimizer
 
     init = ms.init_full_state_dict(CFG)
     params = {n: torch.nn.Parameter(_to_tp(t, n)) for n, t in init.items()}
@@ -314,7 +314,7 @@ def test_placeholder_route_hands_deepspeed_no_optimizer_and_retargets_the_schedu
     mpu, and Megatron's scheduler as a callable that re-targets it at the optimizer DeepSpeed
     builds (matrix group lr_mult 1, AdamW group adam_lr / lr)."""
     from canzona_ds.integration.megatron import MegatronSchedulerTarget, config_from_ds_config, patch_megatron_training
-    from canzona_ds.optim.optimizer import CanzonaOptimizer
+    from canzona_ds.optimizer import CanzonaOptimizer
 
     calls: list[dict[str, Any]] = []
     fake_ds = types.SimpleNamespace(initialize=lambda **k: calls.append(k) or "engine")

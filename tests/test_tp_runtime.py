@@ -30,9 +30,9 @@ import numpy as np
 import pytest
 import torch
 
-from canzona_ds.optim.config import CanzonaConfig, TPConfig
+from canzona_ds.config import CanzonaConfig, TPConfig
 from canzona_ds.optim.muon import NS_COEFFICIENTS, MuonRule, _standard_iterations
-from canzona_ds.optim.reference import ReferenceOptimizer
+from canzona_ds.reference import ReferenceOptimizer
 from canzona_ds.optim.rule import MatrixRule
 from canzona_ds.optim.shampoo import ShampooRule
 from canzona_ds.optim.soap import SOAPRule

@@ -53,7 +53,7 @@ def _replay(rank, world, out, opt_type):
     """In a worker (this process's BLAS): the recorded run replayed by the per-expert reference."""
     import torch
 
-    from canzona_ds.optim.reference import zero_average
+    from canzona_ds.reference import zero_average
     from canzona_testkit.hf_moe import PerExpertReference
     from canzona_ds.train.hf_trainer import build_hf_moe
 

@@ -1,5 +1,5 @@
 """Canzona optimizers under DeepSpeed ZeRO stage 1 and 2 (real gloo processes) against the
-single-process reference (``optim.reference.ReferenceOptimizer`` fed ZeRO's averaged gradient).
+single-process reference (``reference.ReferenceOptimizer`` fed ZeRO's averaged gradient).
 
 Every scenario runs in its own process group, so one failure fails one test.
 
@@ -65,7 +65,7 @@ def _config_worker(rank, dp, cfg, steps, tags=None):
     model = make_model(0)
     for name, flag in (tags or {}).items():
         model.get_parameter(name).use_muon = flag
-    from canzona_ds.optim.optimizer import CanzonaOptimizer
+    from canzona_ds.optimizer import CanzonaOptimizer
 
     recorder = []
 

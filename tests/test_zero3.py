@@ -1,5 +1,5 @@
 """Canzona optimizers under DeepSpeed ZeRO stage 3 (real gloo processes) against the
-single-process reference (``optim.reference.ReferenceOptimizer`` fed ZeRO's averaged gradient).
+single-process reference (``reference.ReferenceOptimizer`` fed ZeRO's averaged gradient).
 
 ZeRO-3 cuts every parameter over the DP group (``stage3_param_persistence_threshold: 0``, so
 even this tiny model's parameters are really partitioned); the sharded placement sends each
@@ -126,8 +126,8 @@ def _per_head(rank, dp):
 
 def _per_head_reference(dp):
     from canzona_ds.integration.heads import tag_heads
-    from canzona_ds.optim.config import CanzonaConfig
-    from canzona_ds.optim.reference import ReferenceOptimizer
+    from canzona_ds.config import CanzonaConfig
+    from canzona_ds.reference import ReferenceOptimizer
     from canzona_testkit.models import make_attention_model, params_of, reference_grads
 
     model = make_attention_model()

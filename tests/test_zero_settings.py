@@ -70,8 +70,8 @@ def test_per_head_muon_matches_per_head_reference():
     v_proj as 2, o_proj whole (DeepSpeed's head resolution); DP=2 equals the single-process
     reference with the same tags bit for bit, and differs from whole-matrix Muon."""
     from canzona_ds.integration.heads import tag_heads
-    from canzona_ds.optim.config import CanzonaConfig
-    from canzona_ds.optim.reference import ReferenceOptimizer
+    from canzona_ds.config import CanzonaConfig
+    from canzona_ds.reference import ReferenceOptimizer
 
     params = dict(HP["CanzonaMuon"], per_head_muon=True)
     res = run_distributed(_run, 2, ds_config(2, params=params), STEPS, 1, make_attention_model)

@@ -278,7 +278,7 @@ def global_rank(dp_rank: int, tp_rank: int) -> int:
 
 
 def _config(optimizer: str, weight_decay: float = WD) -> Any:
-    from canzona_ds.optim.config import CanzonaConfig
+    from canzona_ds.config import CanzonaConfig
 
     params = dict(PARAMS[optimizer], weight_decay=weight_decay)
     return CanzonaConfig.from_ds(optimizer, params)
@@ -288,7 +288,7 @@ def reference_on_run_gradients(optimizer: str, res: list[dict[str, Any]],
                                lrs: Callable[[int], float] | None = None) -> dict[str, torch.Tensor]:
     """ReferenceOptimizer on the concatenated TP layout, fed the run's gradients averaged over
     DP as ZeRO averages them; ``lrs(step)`` the matrix lr of each step (AdamW's scaled alike)."""
-    from canzona_ds.optim.reference import ReferenceOptimizer, zero_average
+    from canzona_ds.reference import ReferenceOptimizer, zero_average
 
     config = _config(optimizer)
     params = {n: torch.nn.Parameter(to_tp(t, n)) for n, t in ms.init_full_state_dict(CFG).items()}

@@ -231,8 +231,8 @@ def section_newton_schulz(dry: bool, peak_tflops: float | None) -> dict:
 def section_plan_time(dry: bool, ns: dict, source: str) -> dict:
     """Busiest / mean MEASURED-time load at Qwen3-32B DP=32 under the default plan and under a
     plan balancing a cost model fitted to the measured times."""
-    from canzona_ds.optim.config import CanzonaConfig
-    from canzona_ds.optim.optimizer import _plan
+    from canzona_ds.config import CanzonaConfig
+    from canzona_ds.optimizer import _plan
     from canzona_ds.planning.models import matrix_specs, model_specs
     from canzona_ds.planning.time_model import TimeCostModel, fit_results
 

@@ -32,8 +32,8 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
-from ..optim.config import CanzonaConfig
-from ..optim.optimizer import CanzonaOptimizer
+from ..config import CanzonaConfig
+from ..optimizer import CanzonaOptimizer
 from ..parallel import ParallelGroups
 from ..planning.params import model_num_experts
 from .agreement import check_agreement

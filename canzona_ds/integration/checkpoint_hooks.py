@@ -37,7 +37,7 @@ import logging
 import os
 
 from .. import checkpoint as ck
-from ..optim.config import CheckpointConfig
+from ..config import CheckpointConfig
 
 #: top-level ds_config section read by :func:`checkpoint_config`
 DS_CONFIG_CHECKPOINT_KEY = "canzona_checkpoint"

@@ -702,7 +702,7 @@ def write(engine, src: Universal | SavedCheckpoint, gather: bool = True) -> dict
     closing all-gather."""
     from deepspeed import comm as dist
 
-    from ..optim.optimizer import MATRIX
+    from ..optimizer import MATRIX
     from ..tp.layout import tp_blocks
     from ..tp.runtime import FlatSplit, GridSplit, TPMatrix
     from .runtime_info import canzona_optimizer
@@ -999,7 +999,7 @@ def load_stage0_moe(engine, stock_load, ckpt_dir: str, tag: str | None, load_mod
     expert-parallel rank that held it, found by whole-model name (each file records its param
     groups' parameters by local and by global name): AdamW's moments and step for the rest, the
     rule state and step count for a matrix.  Nothing is recomputed: the state is copied."""
-    from ..optim.optimizer import MATRIX
+    from ..optimizer import MATRIX
     from .runtime_info import canzona_optimizer
 
     tag = resolve_tag(ckpt_dir, tag)

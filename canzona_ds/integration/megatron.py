@@ -45,8 +45,8 @@ from collections.abc import MutableMapping
 from typing import Any, Callable, Mapping
 
 from ..optim import OPTIMIZER_TYPES
-from ..optim.config import CanzonaConfig
-from ..optim.optimizer import MATRIX, CanzonaOptimizer
+from ..config import CanzonaConfig
+from ..optimizer import MATRIX, CanzonaOptimizer
 from .groups import groups_from_deepspeed, groups_from_mpu
 from .registry import DS_CONFIG_TP_KEY
 

@@ -1,4 +1,4 @@
-"""ds_config ``"type"`` names -> :class:`~canzona_ds.optim.optimizer.CanzonaOptimizer`; engine patches.
+"""ds_config ``"type"`` names -> :class:`~canzona_ds.optimizer.CanzonaOptimizer`; engine patches.
 
 :func:`install` (run by ``import canzona_ds`` as soon as ``deepspeed`` is imported) wraps
 ``DeepSpeedEngine`` methods on the class; each falls through to the stock code unless the
@@ -32,8 +32,8 @@ import os
 import torch
 
 from ..optim import OPTIMIZER_TYPES
-from ..optim.config import CanzonaConfig, CheckpointConfig
-from ..optim.optimizer import MATRIX, CanzonaOptimizer
+from ..config import CanzonaConfig, CheckpointConfig
+from ..optimizer import MATRIX, CanzonaOptimizer
 from .pinned import check_deepspeed
 
 DS_CONFIG_TP_KEY = "canzona_tp"

@@ -80,8 +80,8 @@ class TimerTap:
 
 
 def canzona_optimizer(engine):
-    """The :class:`~canzona_ds.optim.optimizer.CanzonaOptimizer` ``engine`` steps, or None."""
-    from ..optim.optimizer import CanzonaOptimizer
+    """The :class:`~canzona_ds.optimizer.CanzonaOptimizer` ``engine`` steps, or None."""
+    from ..optimizer import CanzonaOptimizer
 
     for obj in (getattr(engine, "basic_optimizer", None), getattr(engine, "optimizer", None),
                 getattr(getattr(engine, "optimizer", None), "optimizer", None)):

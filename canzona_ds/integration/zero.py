@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from ..optim.optimizer import MATRIX, CanzonaOptimizer, FlatView
+from ..optimizer import MATRIX, CanzonaOptimizer, FlatView
 from .pinned import check_instance
 
 LAYOUT_KEY = "canzona_layout"

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from ..optim.optimizer import MATRIX, CanzonaOptimizer
+from ..optimizer import MATRIX, CanzonaOptimizer
 from ..placement import FlatPiece
 from ..tp.runtime import FlatSplit
 from .pinned import check_instance

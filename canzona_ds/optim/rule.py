@@ -33,7 +33,7 @@ from typing import Any, ClassVar, Mapping
 import torch
 from torch import Tensor
 
-from ..planning.cost import Flops
+from ..flops import Flops
 
 
 @dataclass(frozen=True)

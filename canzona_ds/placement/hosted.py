@@ -25,7 +25,7 @@ from typing import Sequence
 
 from torch import Tensor
 
-from ..optim.config import TPConfig
+from ..config import TPConfig
 from ..optim.rule import MatrixInfo, MatrixRule
 from ..planning.params import ParamSpec
 from ..tp.runtime import FlatSplit, GridSplit, MicroGroupRuntime, StepStats, TPMatrix

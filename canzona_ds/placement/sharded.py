@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from ..optim.config import TPConfig
+from ..config import TPConfig
 from ..optim.rule import MatrixRule
 from ..tp.runtime import FlatSplit
 from .base import Placement

@@ -232,7 +232,7 @@ def plan_expert_parallel(mats, dp: int, ep: int, planner: str, cost: str, cost_m
         if specs and mixed:
             plans[key] = plan_mixed_dp(specs, world, cost_vector(specs, cost, cost_model), cost, cost_model)
         elif specs and not joint:
-            # the runtime relabels ranks so that rank 0 owns a matrix (optim/optimizer.py _plan)
+            # the runtime relabels ranks so that rank 0 owns a matrix (optimizer.py _plan)
             plans[key] = plan_dp(specs, world, planner=planner, cost=cost, model=cost_model).nonempty_first()
     out: dict = {"ep": ep, "expert_dp": dp // ep, "units": {"dense": len(dense), "experts_per_ep_rank": len(experts)}}
     held = useful = 0.0

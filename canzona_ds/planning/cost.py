@@ -29,9 +29,9 @@ group, on the FULL matrix.  So
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+from ..flops import Flops
 from .params import ParamSpec
 
 #: bytes per element of the fp32 master weight + fp32 gradient partition
@@ -40,16 +40,6 @@ MASTER_GRAD_BYTES = 4 + 4
 AUX_BYTES_PER_ELEMENT = MASTER_GRAD_BYTES + 2 * 4
 
 COST_MODELS = ("numel", "flops", "peak_flops", "memory")
-
-
-@dataclass(frozen=True)
-class Flops:
-    """FLOPs of one matrix's optimizer step: ``amortised`` over the refresh period of any
-    periodic work (a preconditioner eigendecomposition every f steps counts 1/f per step),
-    and ``peak``, the step that does all of it."""
-
-    amortised: float
-    peak: float
 
 
 class CostModel(Protocol):

@@ -30,7 +30,8 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from .cost import CostModel, Flops
+from ..flops import Flops
+from .cost import CostModel
 
 TIME_MODELS = Path(__file__).resolve().parent / "time_models"
 TERMS = ("c0", "c1_per_flop", "c2_per_element")

@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..optim.config import TPConfig
+from ..config import TPConfig
 from ..optim.rule import MatrixInfo, MatrixRule, apply_rule_update, rule_direction
 from ..planning.params import ParamSpec
 from ..planning.tp import MicroGroup, MicroGroupPlan, plan_tp

@@ -1,4 +1,4 @@
-"""The main job's single-process reference (``--compare``): ``optim.reference.ReferenceOptimizer``
+"""The main job's single-process reference (``--compare``): ``reference.ReferenceOptimizer``
 with the run's optimizer settings, same init, same global batches, same lr schedule.
 
 It walks each step's global batch micro-batch by micro-batch in the order the DP ranks
@@ -21,7 +21,7 @@ DEEPSPEED_ONLY_KEYS = ("torch_adam", "adam_w_mode", "fused")
 def reference_config(optimizer_section: dict):
     """The CanzonaConfig the reference runs, from a ds_config ``optimizer`` section."""
     from canzona_ds.optim import OPTIMIZER_TYPES
-    from canzona_ds.optim.config import CanzonaConfig
+    from canzona_ds.config import CanzonaConfig
 
     opt_type = str(optimizer_section.get("type"))
     params = dict(optimizer_section.get("params") or {})
@@ -35,7 +35,7 @@ def reference_config(optimizer_section: dict):
 
 def run_reference(cfg: RunConfig, dp: int, optimizer_section: dict, steps: int) -> list[dict]:
     """Losses of the first ``steps`` optimizer steps: ``[{"step": n, "loss": ...}, ...]``."""
-    from canzona_ds.optim.reference import ReferenceOptimizer
+    from canzona_ds.reference import ReferenceOptimizer
 
     accum, _ = cfg.batch_layout(dp)
     config = reference_config(optimizer_section)

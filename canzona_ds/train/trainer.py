@@ -106,7 +106,7 @@ def check_optimizer_section(ds: dict, path: str | Path) -> None:
     DeepSpeed and the optimizer make later, but here every rank fails at once, naming the key)."""
     from canzona_ds.integration.config_check import check_optimizer_type
     from canzona_ds.optim import OPTIMIZER_TYPES
-    from canzona_ds.optim.config import CanzonaConfig
+    from canzona_ds.config import CanzonaConfig
 
     check_optimizer_type(ds["optimizer"]["type"], f"ds_config {str(path)!r}")
     opt_type = str(ds["optimizer"]["type"])

@@ -35,7 +35,7 @@ drives them.  The optimizer's step count (``param_groups[matrix]["step"]``) is t
 ``step`` the rules see.  A parameter without a gradient is stepped with a zero gradient
 (momentum and weight decay still apply): DeepSpeed's ZeRO does the same for every
 optimizer, since its flat gradient partition has no "None", and the single-process
-reference (``optim/reference.py``) follows the same rule so that results stay equal.
+reference (``reference.py``) follows the same rule so that results stay equal.
 
 Per-matrix rule state lives in ``matrix_state`` (name -> dict of tensors, on the matrix's
 device), saved under ``"canzona"`` in :meth:`state_dict`.  Keyed by name, it can follow
@@ -56,22 +56,22 @@ from typing import Iterable, Mapping
 
 import torch
 from torch import Tensor
-from torch.optim.adamw import adamw as _adamw_functional
 
-from ..parallel import ParallelGroups
-from ..placement import HOLDING, FlatView, HostedPlacement, StepContext, describe_matrix
-from ..planning.cost import stack_bound
-from ..planning.dp import OwnershipPlan, choose_layout
-from ..planning.params import ParamSpec
+from .parallel import ParallelGroups
+from .placement import HOLDING, FlatView, HostedPlacement, StepContext, describe_matrix
+from .planning.cost import stack_bound
+from .planning.dp import OwnershipPlan, choose_layout
+from .planning.params import ParamSpec
 from .config import CanzonaConfig
-from .rule import MatrixInfo
+from .optim.adamw import adamw_group_step
+from .optim.rule import MatrixInfo
 
 MATRIX, AUX = "matrix", "aux"
 #: warn when keeping expert stacks whole forces the busiest DP rank above this x the average load
 STACK_WARN_RATIO = 1.25
 STATE_KEY = "canzona"
 
-__all__ = ["AUX", "MATRIX", "STATE_KEY", "CanzonaOptimizer", "FlatView", "adamw_group_step"]
+__all__ = ["AUX", "MATRIX", "STATE_KEY", "CanzonaOptimizer", "FlatView"]
 
 
 class CanzonaOptimizer(torch.optim.Optimizer):
@@ -271,9 +271,9 @@ class CanzonaOptimizer(torch.optim.Optimizer):
                                "stage 1/2 needs placement='owned'.")
         make = self._hosted
         if dp_hosted:
-            from ..placement import HostedSet
-            from ..planning.mixed import tp_cells
-            from ..tp.runtime import GridSplit
+            from .placement import HostedSet
+            from .planning.mixed import tp_cells
+            from .tp.runtime import GridSplit
 
             if partition not in self.plans:
                 raise RuntimeError(f"bind_partition: no ownership plan for partition {partition!r} (plans: "
@@ -368,7 +368,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
 
         Every q/k projection must be a matrix of the rule (AdamW's flat pieces are not head
         rows) and an expert-free 2-D parameter of this optimizer."""
-        from .qk_clip import QKClip
+        from .optim.qk_clip import QKClip
 
         if self.config.qk_clip is None:
             raise ValueError("enable_qk_clip on an optimizer whose config has no qk_clip section.")
@@ -509,30 +509,3 @@ def _plan(specs: list[ParamSpec], dp: int, config: CanzonaConfig, rule, grid: bo
     if plan.mixed:
         return plan
     return plan.nonempty_first()  # rank 0 must own a matrix (planning/layout.py): relabel ranks
-
-
-def adamw_group_step(group: dict, state_of) -> None:
-    """One torch.optim.AdamW step (bit-exact) of a param group; ``state_of[p]`` is p's state dict.
-
-    A parameter without a gradient steps with a zero one (DeepSpeed ZeRO's semantics)."""
-    params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-    for p in group["params"]:
-        state = state_of[p]
-        if len(state) == 0:
-            # torch.optim.AdamW's state layout: the step count is a host scalar, as torch keeps it
-            # (capturable=False), so reading it never syncs with the device
-            state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        params.append(p)
-        grads.append(p.grad if p.grad is not None else torch.zeros_like(p))
-        exp_avgs.append(state["exp_avg"])
-        exp_avg_sqs.append(state["exp_avg_sq"])
-        steps.append(state["step"])
-    beta1, beta2 = group["betas"]
-    _adamw_functional(
-        params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=False, capturable=False,
-        differentiable=False, fused=None, grad_scale=None, found_inf=None, has_complex=False,
-        amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-        eps=group["eps"], maximize=False,
-    )

@@ -20,7 +20,7 @@ DP run computes.  Gradient clipping in the reference is torch's own
 of DeepSpeed's path: ``gradient_clipping`` must equal it (integration/clip.py).
 
 A parameter without a gradient is stepped with a zero gradient, as in
-:class:`~canzona_ds.optim.optimizer.CanzonaOptimizer` (DeepSpeed ZeRO's semantics).
+:class:`~canzona_ds.optimizer.CanzonaOptimizer` (DeepSpeed ZeRO's semantics).
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from .config import CanzonaConfig
-from .rule import MatrixInfo, rule_step
+from .optim.rule import MatrixInfo, rule_step
 
 
 class ReferenceOptimizer:

@@ -1,0 +1,85 @@
+"""The rooms' import arrows point down (docs/architecture.md, "Rooms and what they may touch").
+
+Read from the source (``ast``, every import statement, module level or inside a function,
+relative ones resolved), so a lazy import cannot hide an arrow pointing up:
+
+* ``optim/`` is the math: it imports nothing of canzona_ds but itself and the ``flops`` leaf
+  (not placement/, tp/, planning/, integration/, parallel, the orchestrator ``optimizer.py``
+  or the user config ``config.py``, which sit above it);
+* ``planning/`` is the bottom: itself and the ``flops`` leaf only;
+* ``optim/``, ``placement/``, ``tp/``, ``planning/`` and ``parallel.py`` never import DeepSpeed.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "canzona_ds"
+
+
+def _module_name(path: Path, pkg: Path = PKG) -> str:
+    parts = list(path.relative_to(pkg.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path, pkg: Path = PKG) -> set[str]:
+    """Every module ``path`` imports (``from a import b`` gives ``a`` and ``a.b``), absolute names."""
+    name = _module_name(path, pkg)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module
+            found.add(module)
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _files(room: str) -> list[Path]:
+    return sorted((PKG / room).rglob("*.py")) if (PKG / room).is_dir() else [PKG / f"{room}.py"]
+
+
+def _inside(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _own_modules() -> set[str]:
+    """canzona_ds's modules and packages (``from canzona_ds.optim import rule`` names one)."""
+    return {_module_name(p) for p in PKG.rglob("*.py")}
+
+
+@pytest.mark.parametrize("room,allowed", [
+    ("optim", ("canzona_ds.optim", "canzona_ds.flops")),
+    ("planning", ("canzona_ds.planning", "canzona_ds.flops")),
+])
+def test_room_imports_only_below_it(room: str, allowed: tuple[str, ...]) -> None:
+    own = _own_modules()
+    bad = sorted(f"{path.relative_to(PKG)}: {name}" for path in _files(room) for name in imports_of(path)
+                 if name in own and name != "canzona_ds" and not _inside(name, allowed))
+    assert not bad, f"canzona_ds/{room}/ imports above itself:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("room", ["optim", "placement", "tp", "planning", "parallel"])
+def test_no_deepspeed_outside_integration(room: str) -> None:
+    bad = sorted(f"{path.relative_to(PKG)}: {name}" for path in _files(room) for name in imports_of(path)
+                 if _inside(name, ("deepspeed",)))
+    assert not bad, "\n".join(bad)
+
+
+def test_the_check_sees_relative_and_lazy_imports(tmp_path: Path) -> None:
+    """The reader itself: lazy relative imports are resolved to their absolute names."""
+    probe = tmp_path / "canzona_ds" / "optim" / "probe.py"
+    probe.parent.mkdir(parents=True)
+    probe.write_text("def f():\n    from ..placement import HostedSet\n    from . import rule\n    import deepspeed.moe\n")
+    assert imports_of(probe, tmp_path / "canzona_ds") == {
+        "canzona_ds.placement", "canzona_ds.placement.HostedSet", "canzona_ds.optim", "canzona_ds.optim.rule",
+        "deepspeed.moe"}
