@@ -5,7 +5,7 @@ runs it::
 
     placement="local"  every matrix is updated here (one process; ZeRO stage 0, where every
                        DP rank steps everything)
-    placement="owned"  ZeRO stage 1/2: the DP ownership plan (planning/dp.py) over
+    placement="owned"  ZeRO stage 1/2: the DP ownership plan (planning/dp/) over
                        ``groups.dp_size``; ZeRO lays the matrix group out by it and binds this
                        rank's flat fp32 partition (:meth:`bind_partition`); no collective
     placement="sharded" ZeRO stage 3: every matrix in flat pieces over the DP group
