@@ -7,7 +7,10 @@ relative ones resolved), so a lazy import cannot hide an arrow pointing up:
   (not placement/, tp/, planning/, integration/, parallel, the orchestrator ``optimizer.py``
   or the user config ``config.py``, which sit above it);
 * ``planning/`` is the bottom: itself and the ``flops`` leaf only;
-* ``optim/``, ``placement/``, ``tp/``, ``planning/`` and ``parallel.py`` never import DeepSpeed.
+* ``optim/``, ``placement/``, ``tp/``, ``planning/`` and ``parallel.py`` never import DeepSpeed;
+* the main job sits on top: nothing of the library imports ``train/``, ``cli/``, ``data/`` or the
+  job's model (``models/qwen3*``); the one module of ``models/`` the library uses is
+  ``qk_record`` (QK-clip's instrumentation of any model's attention, integration/builder.py).
 """
 from __future__ import annotations
 
@@ -73,6 +76,15 @@ def test_no_deepspeed_outside_integration(room: str) -> None:
     bad = sorted(f"{path.relative_to(PKG)}: {name}" for path in _files(room) for name in imports_of(path)
                  if _inside(name, ("deepspeed",)))
     assert not bad, "\n".join(bad)
+
+
+def test_main_job_sits_on_top() -> None:
+    job = ("canzona_ds.train", "canzona_ds.cli", "canzona_ds.data", "canzona_ds.models")
+    own = _own_modules()
+    bad = sorted(f"{path.relative_to(PKG)}: {name}" for path in sorted(PKG.rglob("*.py"))
+                 if not _inside(_module_name(path), job) for name in imports_of(path)
+                 if name in own and _inside(name, job) and name != "canzona_ds.models.qk_record")
+    assert not bad, "the library imports the main job:\n" + "\n".join(bad)
 
 
 def test_the_check_sees_relative_and_lazy_imports(tmp_path: Path) -> None:
