@@ -18,7 +18,7 @@ measured  A one-layer Qwen3-shaped model (models/qwen3.py preset "tiny" with num
           over the model's parameters, the bytes every rank sends per step by collective
           (canzona_testkit.comm.CommCounter over forward + backward + step: deepspeed.comm's
           collectives and the hosted all-to-alls), and each layout's final weights against the
-          single-process reference (reference on ZeRO's averaged gradients, computed in a
+          single-process reference (canzona_ds.reference on ZeRO's averaged gradients, computed in a
           rank process), matrices and AdamW parameters apart: gloo's 8-rank sum differs from
           the reference's by ulps, which AdamW turns into ~lr on parameters whose gradient is
           rounding noise, and which Muon's bf16 Newton-Schulz can flip (tests/test_layout_mixed.py

@@ -85,7 +85,7 @@ def _ds_path_of(cfg: RunConfig, opt_type: str) -> str:
 
 def _reference_table(curves: dict[str, list[dict]], ref: list[dict]) -> str:
     names = [n for n in curves if n.lower() in REFERENCE_TYPES]
-    lines = ["single-process reference (reference: the rule on whole matrices + AdamW) vs the ZeRO runs, "
+    lines = ["single-process reference (canzona_ds.reference: the rule on whole matrices + AdamW) vs the ZeRO runs, "
              "loss per step:",
              "step".rjust(5) + "reference".rjust(12) + "".join(n.rjust(14) for n in names)]
     for i, r in enumerate(ref):
