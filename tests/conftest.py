@@ -78,9 +78,14 @@ def created_since(baseline: set[tuple[str, int]], shm: Path = SHM, prefix: str =
             if name.startswith(prefix) and (name, st.st_ino) not in baseline}
 
 
-def mappers(shm: Path = SHM) -> dict[str, set[int]]:
-    """path -> pids of live processes mapping it (a deleted file's mapping names no path)."""
-    found: dict[str, set[int]] = {}
+def mappers(shm: Path = SHM) -> dict[tuple[int, int, int], set[int]]:
+    """(device major, minor, inode) -> pids of live processes mapping that file of ``shm``.
+
+    By inode, not path: glibc's ``sem_open`` (multiprocessing's named semaphores, ``sem.mp-*``)
+    creates the file under a temporary name, maps it and only then links it to its real name,
+    so the mapping shows ``/dev/shm/sem.XXXXXX (deleted)``; by path a live semaphore would look
+    abandoned, and a session ending beside another one removed it under that one's children."""
+    found: dict[tuple[int, int, int], set[int]] = {}
     prefix = f"{shm}/"
     for maps in Path("/proc").glob("[0-9]*/maps"):
         try:
@@ -90,9 +95,15 @@ def mappers(shm: Path = SHM) -> dict[str, set[int]]:
         pid = int(maps.parent.name)
         for line in text.splitlines():
             parts = line.split(None, 5)
-            if len(parts) == 6 and parts[5].startswith(prefix) and not parts[5].endswith(" (deleted)"):
-                found.setdefault(parts[5], set()).add(pid)
+            if len(parts) == 6 and parts[5].startswith(prefix):
+                major, minor = (int(x, 16) for x in parts[3].split(":"))
+                found.setdefault((major, minor, int(parts[4])), set()).add(pid)
     return found
+
+
+def file_key(st: os.stat_result) -> tuple[int, int, int]:
+    """The key :func:`mappers` gives the file ``st`` describes."""
+    return os.major(st.st_dev), os.minor(st.st_dev), st.st_ino
 
 
 def _age(st: os.stat_result, now: float) -> float:
@@ -116,14 +127,14 @@ def sweep(candidates: dict[str, os.stat_result], shm: Path = SHM, wait: bool = T
         young = {}
         for name, st in pending.items():
             path = shm / name
-            if set(mapped.get(str(path), ())) - ignore_pids:
-                continue  # a live process uses it
             try:
                 cur = path.stat()
             except FileNotFoundError:
                 continue
             if cur.st_ino != st.st_ino:
                 continue  # another file took the name meanwhile
+            if set(mapped.get(file_key(cur), ())) - ignore_pids:
+                continue  # a live process uses it
             if _age(cur, now) < settle_s:
                 young[name] = cur
                 continue
@@ -182,7 +193,7 @@ def session_leaks(baseline: set[tuple[str, int]], shm: Path = SHM, settle_s: flo
     now = time.time()
     leaks = []
     for name, st in sorted(left.items()):
-        pids = mapped.get(str(shm / name), set())
+        pids = mapped.get(file_key(st), set())
         if not pids and _age(st, now) >= settle_s:
             leaks.append(f"{shm / name} ({st.st_size} bytes): unmapped, not removed")
         elif pids & ours:

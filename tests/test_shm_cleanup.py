@@ -263,3 +263,25 @@ def test_session_end_check(tmp_path, leak_process):
                 pass
         for suffix in ("_unmapped", "_mapped"):
             (SHM / f"{name}{suffix}").unlink(missing_ok=True)
+
+
+def test_a_file_mapped_under_another_name_is_live(tmp_path):
+    """glibc's sem_open (multiprocessing's ``sem.mp-*``) maps a temporary file and then links it
+    to its name, so its mapping reads ``<tmp> (deleted)``: the sweep must see it as mapped (by
+    inode), or a session ending beside another removes that one's semaphores under its children."""
+    final = tmp_path / "sem.mp-canzona-test"
+    code = ("import mmap, os, sys\ntmp, final = sys.argv[1], sys.argv[2]\n"
+            "f = open(tmp, 'w+b'); f.write(b'\\0' * 4096); f.flush()\n"
+            "m = mmap.mmap(f.fileno(), 4096)\nos.link(tmp, final); os.unlink(tmp)\n"
+            "print('mapped', flush=True)\nsys.stdin.read()\n")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "sem.XXXXXX"), str(final)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "mapped"
+        assert conftest.sweep(conftest.created_since(set(), tmp_path), tmp_path, settle_s=0.2) == []
+        assert final.exists()
+        assert "still mapped" in conftest.session_leaks(set(), tmp_path, settle_s=0.2)[0]
+    finally:
+        holder.stdin.close()
+        holder.wait()
+    assert conftest.sweep(conftest.created_since(set(), tmp_path), tmp_path, settle_s=0.2) == [final.name]
