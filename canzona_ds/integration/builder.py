@@ -275,15 +275,11 @@ def qk_clip_refusal(s: RunSettings, cfg: CanzonaConfig, groups: ParallelGroups, 
     """What ``optimizer.params.qk_clip`` is not implemented (or not tested) with, named.
 
     Implemented and tested: ZeRO stage 0, 1, 2 (layouts owned and mixed) and 3, CPU optimizer
-    offload, DP >= 1, pipeline parallelism (each stage its own layers, reduced over its DP
-    group), gradient accumulation, fp32, bf16 and fp16 (an overflow-skipped step clips nothing),
-    per_head_muon, transformers MoE models (expert stacks)."""
-    name = s.optimizer_type
-    where = None
-    if groups.tp_size > 1:
-        where = f"tensor parallelism (tp_size={groups.tp_size}: q/k heads split over TP ranks)"
-    elif moe:
-        where = "DeepSpeed MoE (expert groups)"
-    if where is not None:
-        raise ValueError(f"{name} qk_clip is not implemented with {where}. QK-clip runs at ZeRO stage 0-3 "
-                         "with data and pipeline parallelism (docs/qk_clip.md).")
+    offload, DP >= 1, tensor parallelism (each TP rank its own heads, reduced over its DP group;
+    ZeRO-3 x TP is refused for every optimizer), pipeline parallelism (each stage its own layers,
+    reduced over its DP group), gradient accumulation, fp32, bf16 and fp16 (an overflow-skipped
+    step clips nothing), per_head_muon, transformers MoE models (expert stacks)."""
+    if moe:
+        raise ValueError(f"{s.optimizer_type} qk_clip is not implemented with DeepSpeed MoE (expert groups). "
+                         "QK-clip runs at ZeRO stage 0-3 with data, tensor and pipeline parallelism and with "
+                         "transformers MoE models (docs/qk_clip.md).")
