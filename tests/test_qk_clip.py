@@ -263,7 +263,7 @@ def _params(tau):
 def _worker(rank, dp, kv, tau, stage, gas, kind="own", zero_extra=None, params_extra=None):
     from canzona_ds.integration.runtime_info import canzona_optimizer
 
-    stats = []
+    stats = {}  # step -> figures (DeepSpeed MoE's two matrix groups call row_scales twice a step)
 
     def after_init(engine):
         qk = canzona_optimizer(engine).qk_clip
@@ -271,7 +271,7 @@ def _worker(rank, dp, kv, tau, stage, gas, kind="own", zero_extra=None, params_e
 
         def row_scales(step, device=None):
             out = stock(step, device)
-            stats.append((qk.stats.clipped_heads, qk.stats.max_logit))
+            stats[step] = (qk.stats.clipped_heads, qk.stats.max_logit)
             return out
 
         qk.row_scales = row_scales
@@ -281,7 +281,8 @@ def _worker(rank, dp, kv, tau, stage, gas, kind="own", zero_extra=None, params_e
     params, _, engine = run_engine(rank, dp, cfg, STEPS, micro=MICRO, gas=gas, model=MODELS[kind](kv),
                                    after_init=after_init, data=_data(STEPS, dp, gas))
     hosted = canzona_optimizer(engine).placement.hosted
-    return dict(params=params, stats=stats, bytes=canzona_optimizer(engine).qk_clip.collective_bytes,
+    return dict(params=params, stats=[stats[k] for k in sorted(stats)],
+                bytes=canzona_optimizer(engine).qk_clip.collective_bytes,
                 split=sorted(hosted.split) if hosted is not None else [])
 
 
@@ -694,11 +695,14 @@ class TPAttention(nn.Module):
         super().__init__()
         from canzona_ds.testing import megatron_standin as ms
 
+        # without a TP group: plain Linears (nothing tagged tensor-parallel), the same F.linear
+        linear = ms.ColumnParallelLinear if ms._tp_group_or_none() is not None else \
+            (lambda i, o: nn.Linear(i, o, bias=False))
         # (registered k, v, q: at DP2 x TP2 MHA the mixed layout's DP cut then falls inside q_proj,
         # which the layout hosts over the DP x TP grid)
-        self.k_proj = ms.ColumnParallelLinear(HIDDEN, kv * HEAD_DIM)
-        self.v_proj = ms.ColumnParallelLinear(HIDDEN, kv * HEAD_DIM)
-        self.q_proj = ms.ColumnParallelLinear(HIDDEN, heads * HEAD_DIM)
+        self.k_proj = linear(HIDDEN, kv * HEAD_DIM)
+        self.v_proj = linear(HIDDEN, kv * HEAD_DIM)
+        self.q_proj = linear(HIDDEN, heads * HEAD_DIM)
         self.o_proj = nn.Linear(heads * HEAD_DIM, HIDDEN, bias=False)
         self.head_dim = HEAD_DIM
         self.tp = heads * HEAD_DIM // self.q_proj.weight.shape[0]
@@ -742,7 +746,8 @@ class TPLM(nn.Module):
     def full_state(kv: int, heads: int = 4) -> dict:
         g = torch.Generator().manual_seed(0)
         w = lambda *s: torch.randn(*s, generator=g) * 0.3  # noqa: E731  (logits ~1-4: most heads clip at LOW_TAU)
-        return {"embed.weight": torch.randn(VOCAB, HIDDEN, generator=g), "attn.q_proj.weight": w(heads * HEAD_DIM, HIDDEN),
+        return {"embed.weight": torch.randn(VOCAB, HIDDEN, generator=g),
+                "attn.q_proj.weight": w(heads * HEAD_DIM, HIDDEN),
                 "attn.k_proj.weight": w(kv * HEAD_DIM, HIDDEN), "attn.v_proj.weight": w(kv * HEAD_DIM, HIDDEN),
                 "attn.o_proj.weight": w(HIDDEN, heads * HEAD_DIM), "norm": torch.ones(HIDDEN),
                 "lm_head.weight": w(VOCAB, HIDDEN)}
@@ -840,7 +845,8 @@ def test_tensor_parallel_runs_equal_the_reference(case):
             assert max_abs_diff(r["params"], ref) == 0.0, f"{case} tau={tau}: differs from Muon + AdamW + clip"
             assert r["bytes"] == 4 * 4 // tp  # this rank's heads only: one fp32 per head
         # the TP-split q/k shards went through a hosted runtime (TP group; the mixed layout: the grid)
-        kinds = {n: {r["split"][n] for r in res if n in r["split"]} for n in ("attn.q_proj.weight", "attn.k_proj.weight")}
+        kinds = {n: {r["split"][n] for r in res if n in r["split"]}
+                 for n in ("attn.q_proj.weight", "attn.k_proj.weight")}
         assert all(kinds.values()), kinds
         if layout == "mixed":  # q_proj's TP shards cut into DP pieces, each piece scaled by its rank
             assert kinds["attn.q_proj.weight"] == {"GridSplit"}, kinds
@@ -854,6 +860,29 @@ def test_tensor_parallel_runs_equal_the_reference(case):
         else:
             assert ref_clipped == [0] * STEPS
             assert max_abs_diff(ref, _tp_reference(kv, float("inf"), dp, stage)[0]) == 0.0
+
+
+def _tp_refusal_worker(rank, world):
+    """q_proj tagged as split on its columns (partition_dim 1): its TP shard is not its heads' rows."""
+    import canzona_ds  # noqa: F401
+    import deepspeed
+    from canzona_ds.testing import megatron_standin as ms
+
+    ms.initialize_model_parallel(world)
+    model = TPLM(2)
+    model.attn.q_proj.weight.partition_dim = 1
+    try:
+        deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                             config=ds_config(1, micro=MICRO, params=_params(1.0), stage=1), mpu=ms.mpu)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.dist
+def test_tensor_parallel_q_k_not_split_by_heads_is_refused():
+    for err in run_distributed(_tp_refusal_worker, 2):
+        assert err is not None and "'attn.q_proj.weight' is tensor-parallel (partition_dim=1" in err, err
 
 
 def _autotp_worker(rank, world, kv, tau):
@@ -912,3 +941,72 @@ def test_autotp_tracks_the_reference():
         assert float(abs(w - ref[n]).max()) < 2e-3, n
         assert float(abs(w - unclipped[n]).max()) > 0.1, n
     assert res[0]["qk"].keys() == res[1]["qk"].keys() and len(res[0]["qk"]) == 4
+
+
+# ---------------------------------------------------------------------------- DeepSpeed MoE
+class DSMoELM(nn.Module):
+    """Embedding -> attention (plain: TPAttention without a TP group) -> a DeepSpeed MoE layer
+    (``deepspeed.moe.layer.MoE``, 2 bias-free experts, ep_size 1: every rank holds both, the expert
+    group is the DP group; top-1, no token dropped) -> RMS norm -> lm_head; loss + 0.01 x the
+    gate's load-balancing loss.  The attention is dense, as in every DeepSpeed MoE model."""
+
+    def __init__(self, kv: int) -> None:
+        super().__init__()
+        from deepspeed.moe.layer import MoE
+
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.attn = TPAttention(4, kv)
+        expert = nn.Sequential(nn.Linear(HIDDEN, 48, bias=False), nn.GELU(), nn.Linear(48, HIDDEN, bias=False))
+        self.moe = MoE(hidden_size=HIDDEN, expert=expert, num_experts=2, ep_size=1, k=1, capacity_factor=2.0,
+                       eval_capacity_factor=2.0, min_capacity=0, drop_tokens=True, use_rts=False)
+        self.norm = nn.Parameter(torch.ones(HIDDEN))
+        self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        with torch.no_grad():
+            for n, p in self.named_parameters():
+                if "proj" in n:
+                    p.normal_(0.0, 0.3)  # (logits ~1-4: heads clip at LOW_TAU)
+
+    def forward(self, x, y):
+        h = self.embed(x)
+        h = h + self.attn(h)
+        out, l_aux, _ = self.moe(h)
+        h = h + out
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm
+        return F.cross_entropy(self.lm_head(h).flatten(0, 1), y.flatten()) + 0.01 * l_aux
+
+    attention_modules = TPLM.attention_modules
+    q_k_scale = TPLM.q_k_scale
+
+
+MODELS["dsmoe"] = DSMoELM
+
+
+def _dsmoe_reference_worker(rank, world, kv, tau):
+    """The reference in a 1-rank world (DeepSpeed MoE's forward needs its expert group, here of
+    one rank: its all-to-alls are copies), each DP rank's micro-batch run in turn as _reference does."""
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")  # (deepspeed.comm over this 1-rank world)
+
+    def run(t):
+        model = DSMoELM(kv)
+        model.moe.set_deepspeed_parallelism()
+        return _reference(2, kv, t, 1, 1, "dsmoe", model=model)
+
+    params, clipped = run(tau)
+    return params, clipped, run(float("inf"))[0]
+
+
+@pytest.mark.dist
+def test_deepspeed_moe_runs_equal_the_reference():
+    """DeepSpeed MoE (expert groups), ZeRO-1, DP=2, ep_size 1: the dense attention's maxima reduced
+    over the DP group, its q/k rows clipped as without MoE; bit for bit against the reference."""
+    res = run_distributed(_worker, 2, 2, LOW_TAU, 1, 1, "dsmoe")
+    ref, ref_clipped, unclipped = run_distributed(_dsmoe_reference_worker, 1, 2, LOW_TAU)[0]
+    for r in res:
+        assert any("deepspeed_experts" in n for n in r["params"])
+        assert max_abs_diff(r["params"], ref) == 0.0, "DeepSpeed MoE: differs from Muon + AdamW + clip"
+        assert [c for c, _ in r["stats"]] == ref_clipped
+    assert sum(c > 0 for c in ref_clipped) >= STEPS - 1, ref_clipped
+    assert max_abs_diff(ref, unclipped) > 1e-3

@@ -391,8 +391,9 @@ class CanzonaOptimizer(torch.optim.Optimizer):
                     if tpm.partition_dim != 0 or tpm.shard_sizes[r] != rows:
                         raise ValueError(
                             f"qk_clip: {n!r} is tensor-parallel (partition_dim={tpm.partition_dim}, shard rows "
-                            f"{list(tpm.shard_sizes)}) but its attention layer on TP rank {r} has {rows // layer.head_dim}"
-                            f" heads x {layer.head_dim} = {rows} rows: QK-clip needs W_q/W_k split on their rows "
+                            f"{list(tpm.shard_sizes)}) but its attention layer on TP rank {r} has "
+                            f"{rows // layer.head_dim} heads x {layer.head_dim} = {rows} rows: QK-clip needs W_q/W_k "
+                            "split on their rows "
                             "(column-parallel, unfused), each TP rank's shard holding exactly its own heads.")
                     layer.tp_rows[n] = (sum(tpm.shard_sizes[:r]), info.shape[0])
                 elif info.num_experts is not None or len(info.shape) != 2 or info.shape[0] != rows:

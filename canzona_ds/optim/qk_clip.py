@@ -16,7 +16,9 @@ Where a matrix is scaled: by whoever updates it, right after its rule update, on
 a whole matrix (``placement.base.Placement.step``: the ZeRO-1/2 owner's fp32 master slice, which
 DeepSpeed then copies into the bit16 weight and all-gathers; the stage-0 parameter) by its rows,
 a matrix updated in pieces (ZeRO-3, the mixed layout's hosted matrices, TP shards) piece by
-piece (``placement.hosted.scale_piece``).  DeepSpeed MoE is refused by name (integration/builder.py).
+piece (``placement.hosted.scale_piece``).  DeepSpeed MoE's matrix groups (dense, then each
+expert group) share the step's one collective (:meth:`QKClip.row_scales` caches it per step); its
+attention is dense, so its q/k matrices are clipped as without MoE.
 
 Tensor parallelism (Megatron-style or AutoTP; W_q / W_k column-parallel, split on their rows)::
 
