@@ -688,14 +688,18 @@ class TPAttention(nn.Module):
     """Megatron-style tensor-parallel attention (the stand-in's ColumnParallelLinear: weights
     tagged ``tensor_model_parallel``, ``partition_dim`` 0): each TP rank computes its own query and
     key/value heads, records them (``qk_observer``, the project's protocol), and the heads'
-    outputs are gathered in head order into a replicated o_proj.  Built without a TP group it is
-    the TP=1 layer, the same arithmetic per head."""
+    outputs are gathered in head order into a replicated o_proj.
 
-    def __init__(self, heads: int, kv: int) -> None:
+    Without a TP group the projections are plain Linears holding every head, and ``shards`` = tp
+    makes the layer compute as the TP ranks do, one shard's heads at a time (each shard's GEMMs
+    and attention, concatenated): the same function, and the same arithmetic on every CPU (a GEMM
+    over a subset of W's rows need not round as the whole GEMM's rows do, e.g. with MKL's AVX2
+    kernels)."""
+
+    def __init__(self, heads: int, kv: int, shards: int = 1) -> None:
         super().__init__()
         from canzona_ds.testing import megatron_standin as ms
 
-        # without a TP group: plain Linears (nothing tagged tensor-parallel), the same F.linear
         linear = ms.ColumnParallelLinear if ms._tp_group_or_none() is not None else \
             (lambda i, o: nn.Linear(i, o, bias=False))
         # (registered k, v, q: at DP2 x TP2 MHA the mixed layout's DP cut then falls inside q_proj,
@@ -706,17 +710,27 @@ class TPAttention(nn.Module):
         self.o_proj = nn.Linear(heads * HEAD_DIM, HIDDEN, bias=False)
         self.head_dim = HEAD_DIM
         self.tp = heads * HEAD_DIM // self.q_proj.weight.shape[0]
+        self.shards = shards
         self.qk_observer = None
+
+    def project(self, x):
+        """q, k, v (B, heads, L, d) of the heads this layer holds, one shard's GEMM at a time."""
+        B, L, _ = x.shape
+        out = []
+        for proj in (self.q_proj, self.k_proj, self.v_proj):
+            y = proj(x) if self.shards == 1 else torch.cat([F.linear(x, w) for w in proj.weight.chunk(self.shards)], -1)
+            out.append(y.view(B, L, -1, HEAD_DIM).transpose(1, 2))
+        return out
 
     def forward(self, x):
         B, L, _ = x.shape
-        q = self.q_proj(x).view(B, L, -1, HEAD_DIM).transpose(1, 2)
-        k = self.k_proj(x).view(B, L, -1, HEAD_DIM).transpose(1, 2)
-        v = self.v_proj(x).view(B, L, -1, HEAD_DIM).transpose(1, 2)
+        q, k, v = self.project(x)
         if self.qk_observer is not None and self.training:
             self.qk_observer.observe(q, k, HEAD_DIM ** -0.5, causal=True)
         rep = q.shape[1] // k.shape[1]
-        y = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True)
+        parts = zip(q.chunk(self.shards, 1), k.chunk(self.shards, 1), v.chunk(self.shards, 1))
+        y = torch.cat([F.scaled_dot_product_attention(qs, ks.repeat_interleave(rep, 1), vs.repeat_interleave(rep, 1),
+                                                      is_causal=True) for qs, ks, vs in parts], dim=1)
         if self.tp > 1:
             y = _GatherHeads.apply(y)
         return self.o_proj(y.transpose(1, 2).reshape(B, L, -1))
@@ -728,11 +742,11 @@ class TPLM(nn.Module):
     gradient, so no TP reduction reorders a sum: the TP run's arithmetic is the TP=1 model's, and
     the single-process reference is bit for bit comparable."""
 
-    def __init__(self, kv: int, heads: int = 4) -> None:
+    def __init__(self, kv: int, heads: int = 4, shards: int = 1) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, HIDDEN)
         self.embed.weight.requires_grad_(False)
-        self.attn = TPAttention(heads, kv)
+        self.attn = TPAttention(heads, kv, shards)
         self.norm = nn.Parameter(torch.ones(HIDDEN))
         self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
 
@@ -763,10 +777,7 @@ class TPLM(nn.Module):
 
     @staticmethod
     def q_k_scale(mod, args, kwargs):
-        (x,) = args
-        B, L, _ = x.shape
-        q = mod.q_proj(x).view(B, L, -1, HEAD_DIM).transpose(1, 2)
-        k = mod.k_proj(x).view(B, L, -1, HEAD_DIM).transpose(1, 2)
+        q, k, _ = mod.project(args[0])
         return q, k, HEAD_DIM ** -0.5, q.shape[1], k.shape[1], HEAD_DIM
 
 
@@ -823,13 +834,14 @@ TP_CASES = {  # name: (world, tp, kv, stage, layout)
 }
 
 
-def _tp_reference(kv, tau, dp, stage):
-    model = TPLM(kv)
+def _tp_reference(kv, tau, dp, stage, tp=2):
+    model = TPLM(kv, shards=tp)
     model.load_state_dict(TPLM.full_state(kv))
     return _reference(dp, kv, tau, stage, 1, "tp", model=model)
 
 
 @pytest.mark.dist
+@pytest.mark.cpu_kernels
 @pytest.mark.parametrize("case", list(TP_CASES))
 def test_tensor_parallel_runs_equal_the_reference(case):
     """Megatron-style TP: each TP rank records its own heads (reduced over its DP group only) and
@@ -999,6 +1011,7 @@ def _dsmoe_reference_worker(rank, world, kv, tau):
 
 
 @pytest.mark.dist
+@pytest.mark.cpu_kernels
 def test_deepspeed_moe_runs_equal_the_reference():
     """DeepSpeed MoE (expert groups), ZeRO-1, DP=2, ep_size 1: the dense attention's maxima reduced
     over the DP group, its q/k rows clipped as without MoE; bit for bit against the reference."""
