@@ -383,7 +383,20 @@ class CanzonaOptimizer(torch.optim.Optimizer):
                     raise ValueError(f"qk_clip: {n!r} is {why}; QK-clip scales the head rows of q/k projections "
                                      "updated by the matrix rule.")
                 info = self.infos[n]
-                if info.num_experts is not None or len(info.shape) != 2 or info.shape[0] != rows:
+                tpm = self.tp_matrices.get(n)
+                if tpm is not None:
+                    # tensor-parallel: this rank records its own heads, which must be exactly the
+                    # rows of its shard (column-parallel, one block: the TP layout is the natural one)
+                    r = self.groups.tp_rank
+                    if tpm.partition_dim != 0 or tpm.shard_sizes[r] != rows:
+                        raise ValueError(
+                            f"qk_clip: {n!r} is tensor-parallel (partition_dim={tpm.partition_dim}, shard rows "
+                            f"{list(tpm.shard_sizes)}) but its attention layer on TP rank {r} has "
+                            f"{rows // layer.head_dim} heads x {layer.head_dim} = {rows} rows: QK-clip needs W_q/W_k "
+                            "split on their rows "
+                            "(column-parallel, unfused), each TP rank's shard holding exactly its own heads.")
+                    layer.tp_rows[n] = (sum(tpm.shard_sizes[:r]), info.shape[0])
+                elif info.num_experts is not None or len(info.shape) != 2 or info.shape[0] != rows:
                     raise ValueError(f"qk_clip: {n!r} has shape {list(info.shape)}, not ({rows}, hidden) as its "
                                      f"attention layer's {layer.num_heads} heads x {layer.head_dim} imply.")
         self.qk_clip = QKClip(self.config.qk_clip, layers, group)

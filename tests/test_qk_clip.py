@@ -263,7 +263,7 @@ def _params(tau):
 def _worker(rank, dp, kv, tau, stage, gas, kind="own", zero_extra=None, params_extra=None):
     from canzona_ds.integration.runtime_info import canzona_optimizer
 
-    stats = []
+    stats = {}  # step -> figures (DeepSpeed MoE's two matrix groups call row_scales twice a step)
 
     def after_init(engine):
         qk = canzona_optimizer(engine).qk_clip
@@ -271,7 +271,7 @@ def _worker(rank, dp, kv, tau, stage, gas, kind="own", zero_extra=None, params_e
 
         def row_scales(step, device=None):
             out = stock(step, device)
-            stats.append((qk.stats.clipped_heads, qk.stats.max_logit))
+            stats[step] = (qk.stats.clipped_heads, qk.stats.max_logit)
             return out
 
         qk.row_scales = row_scales
@@ -281,7 +281,8 @@ def _worker(rank, dp, kv, tau, stage, gas, kind="own", zero_extra=None, params_e
     params, _, engine = run_engine(rank, dp, cfg, STEPS, micro=MICRO, gas=gas, model=MODELS[kind](kv),
                                    after_init=after_init, data=_data(STEPS, dp, gas))
     hosted = canzona_optimizer(engine).placement.hosted
-    return dict(params=params, stats=stats, bytes=canzona_optimizer(engine).qk_clip.collective_bytes,
+    return dict(params=params, stats=[stats[k] for k in sorted(stats)],
+                bytes=canzona_optimizer(engine).qk_clip.collective_bytes,
                 split=sorted(hosted.split) if hosted is not None else [])
 
 
@@ -304,13 +305,13 @@ def _published_clip(Wq, Wk, S, tau, KV, d) -> int:
     return int((S > tau).sum())
 
 
-def _reference(dp, kv, tau, stage, gas, kind="own"):
+def _reference(dp, kv, tau, stage, gas, kind="own", model=None):
     """torch.optim.Muon + torch.optim.AdamW on ZeRO's averaged gradients, then the published clip."""
     torch.set_num_threads(1)
     cls = MODELS[kind]
-    model = cls(kv)
+    model = cls(kv) if model is None else model
     hp = HP["CanzonaMuon"]
-    named = list(model.named_parameters())
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     mats = [p for n, p in named if p.ndim == 2 and "embed" not in n and "lm_head" not in n]
     rest = [p for n, p in named if not (p.ndim == 2 and "embed" not in n and "lm_head" not in n)]
     muon = torch.optim.Muon(mats, lr=hp["lr"], weight_decay=hp["weight_decay"], momentum=hp["momentum"])
@@ -656,3 +657,369 @@ def test_mixed_precision_moe_per_head_replayed(kind):
     assert len(res[0]["clipped"]) == applied and sum(c > 0 for c in res[0]["clipped"]) >= applied - 1
     if kind == "fp16":  # the skipped step reached no optimizer step and left no maxima behind
         assert res[0]["skipped"] == 1 and all(m is None for m in res[0]["after_skip_running"])
+
+
+# ---------------------------------------------------------------------------- tensor parallelism
+HIDDEN, HEAD_DIM = 32, 8
+
+
+class _GatherHeads(torch.autograd.Function):
+    """(B, h, T, d) of this TP rank's heads -> (B, H, T, d) of every rank's, in head order (an
+    all-gather); backward: this rank's heads of the (replicated) gradient."""
+
+    @staticmethod
+    def forward(ctx, y):
+        import torch.distributed as dist
+
+        from canzona_testkit import megatron_standin as ms
+
+        group = ms.get_tensor_model_parallel_group()
+        parts = [torch.empty_like(y) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, y.contiguous(), group=group)
+        ctx.rank, ctx.h = dist.get_rank(group), y.shape[1]
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.narrow(1, ctx.rank * ctx.h, ctx.h).contiguous()
+
+
+class TPAttention(nn.Module):
+    """Megatron-style tensor-parallel attention (the stand-in's ColumnParallelLinear: weights
+    tagged ``tensor_model_parallel``, ``partition_dim`` 0): each TP rank computes its own query and
+    key/value heads, records them (``qk_observer``, the project's protocol), and the heads'
+    outputs are gathered in head order into a replicated o_proj.
+
+    Without a TP group the projections are plain Linears holding every head, and ``shards`` = tp
+    makes the layer compute as the TP ranks do, one shard's heads at a time (each shard's GEMMs
+    and attention, concatenated): the same function, and the same arithmetic on every CPU (a GEMM
+    over a subset of W's rows need not round as the whole GEMM's rows do, e.g. with MKL's AVX2
+    kernels)."""
+
+    def __init__(self, heads: int, kv: int, shards: int = 1) -> None:
+        super().__init__()
+        from canzona_testkit import megatron_standin as ms
+
+        linear = ms.ColumnParallelLinear if ms._tp_group_or_none() is not None else \
+            (lambda i, o: nn.Linear(i, o, bias=False))
+        # (registered k, v, q: at DP2 x TP2 MHA the mixed layout's DP cut then falls inside q_proj,
+        # which the layout hosts over the DP x TP grid)
+        self.k_proj = linear(HIDDEN, kv * HEAD_DIM)
+        self.v_proj = linear(HIDDEN, kv * HEAD_DIM)
+        self.q_proj = linear(HIDDEN, heads * HEAD_DIM)
+        self.o_proj = nn.Linear(heads * HEAD_DIM, HIDDEN, bias=False)
+        self.head_dim = HEAD_DIM
+        self.tp = heads * HEAD_DIM // self.q_proj.weight.shape[0]
+        self.shards = shards
+        self.qk_observer = None
+
+    def project(self, x):
+        """q, k, v (B, heads, L, d) of the heads this layer holds, one shard's GEMM at a time."""
+        B, L, _ = x.shape
+        out = []
+        for proj in (self.q_proj, self.k_proj, self.v_proj):
+            y = proj(x) if self.shards == 1 else torch.cat([F.linear(x, w) for w in proj.weight.chunk(self.shards)], -1)
+            out.append(y.view(B, L, -1, HEAD_DIM).transpose(1, 2))
+        return out
+
+    def forward(self, x):
+        B, L, _ = x.shape
+        q, k, v = self.project(x)
+        if self.qk_observer is not None and self.training:
+            self.qk_observer.observe(q, k, HEAD_DIM ** -0.5, causal=True)
+        rep = q.shape[1] // k.shape[1]
+        parts = zip(q.chunk(self.shards, 1), k.chunk(self.shards, 1), v.chunk(self.shards, 1))
+        y = torch.cat([F.scaled_dot_product_attention(qs, ks.repeat_interleave(rep, 1), vs.repeat_interleave(rep, 1),
+                                                      is_causal=True) for qs, ks, vs in parts], dim=1)
+        if self.tp > 1:
+            y = _GatherHeads.apply(y)
+        return self.o_proj(y.transpose(1, 2).reshape(B, L, -1))
+
+
+class TPLM(nn.Module):
+    """Frozen embedding -> one TPAttention (residual) -> RMS norm (AdamW) -> lm_head (AdamW).
+    Under TP every computation outside the heads is replicated and the embedding takes no
+    gradient, so no TP reduction reorders a sum: the TP run's arithmetic is the TP=1 model's, and
+    the single-process reference is bit for bit comparable."""
+
+    def __init__(self, kv: int, heads: int = 4, shards: int = 1) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.embed.weight.requires_grad_(False)
+        self.attn = TPAttention(heads, kv, shards)
+        self.norm = nn.Parameter(torch.ones(HIDDEN))
+        self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, x, y):
+        h = self.embed(x)
+        h = h + self.attn(h)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm
+        return F.cross_entropy(self.lm_head(h).flatten(0, 1), y.flatten())
+
+    @staticmethod
+    def full_state(kv: int, heads: int = 4) -> dict:
+        g = torch.Generator().manual_seed(0)
+        w = lambda *s: torch.randn(*s, generator=g) * 0.3  # noqa: E731  (logits ~1-4: most heads clip at LOW_TAU)
+        return {"embed.weight": torch.randn(VOCAB, HIDDEN, generator=g),
+                "attn.q_proj.weight": w(heads * HEAD_DIM, HIDDEN),
+                "attn.k_proj.weight": w(kv * HEAD_DIM, HIDDEN), "attn.v_proj.weight": w(kv * HEAD_DIM, HIDDEN),
+                "attn.o_proj.weight": w(HIDDEN, heads * HEAD_DIM), "norm": torch.ones(HIDDEN),
+                "lm_head.weight": w(VOCAB, HIDDEN)}
+
+    @staticmethod
+    def shard(full: dict, tp: int, rank: int) -> dict:
+        split = ("attn.q_proj.weight", "attn.k_proj.weight", "attn.v_proj.weight")
+        return {n: t.chunk(tp, dim=0)[rank].clone() if n in split else t.clone() for n, t in full.items()}
+
+    @staticmethod
+    def attention_modules(model):
+        return [m for m in model.modules() if isinstance(m, TPAttention)]
+
+    @staticmethod
+    def q_k_scale(mod, args, kwargs):
+        q, k, _ = mod.project(args[0])
+        return q, k, HEAD_DIM ** -0.5, q.shape[1], k.shape[1], HEAD_DIM
+
+
+MODELS["tp"] = TPLM
+
+
+def _tp_worker(rank, world, tp, kv, tau, stage, layout):
+    """DP x TP through deepspeed.initialize(mpu=...): the stand-in's Megatron groups (TP = contiguous
+    ranks, DP stride tp); returns the whole (TP=1) parameters, the clip counts of this TP rank's
+    heads per step, and where the q/k shards were updated."""
+    import torch.distributed as dist
+
+    import canzona_ds  # noqa: F401
+    import deepspeed
+    from canzona_ds.integration.runtime_info import canzona_optimizer
+    from canzona_testkit import megatron_standin as ms
+
+    torch.set_num_threads(1)
+    ms.initialize_model_parallel(tp)
+    dp, tp_rank, dp_rank = world // tp, ms.get_tensor_model_parallel_rank(), ms.get_data_parallel_rank()
+    model = TPLM(kv)
+    model.load_state_dict(TPLM.shard(TPLM.full_state(kv), tp, tp_rank))
+    cfg = ds_config(dp, micro=MICRO, params={**_params(tau), "layout": layout}, stage=stage)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                      config=cfg, mpu=ms.mpu)
+    opt = canzona_optimizer(engine)
+    stats, stock = [], opt.qk_clip.row_scales
+
+    def row_scales(step, device=None):
+        out = stock(step, device)
+        stats.append(opt.qk_clip.stats.clipped_heads)
+        return out
+
+    opt.qk_clip.row_scales = row_scales
+    for x, y in _data(STEPS, dp, 1):
+        rows = slice(dp_rank * MICRO, (dp_rank + 1) * MICRO)
+        engine.backward(engine(x[rows], y[rows]))
+        engine.step()
+    local = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    shards: list = [None] * tp
+    dist.all_gather_object(shards, local, group=ms.get_tensor_model_parallel_group())
+    whole = {n: torch.cat([s[n] for s in shards]) if ("q_proj" in n or "k_proj" in n or "v_proj" in n) else local[n]
+             for n in local}
+    hosted = opt.placement.hosted
+    return dict(params={n: t.numpy() for n, t in whole.items()}, stats=stats, tp_rank=tp_rank,
+                split={n: type(m).__name__ for n, m in hosted.split.items()} if hosted is not None else {},
+                bytes=opt.qk_clip.collective_bytes)
+
+
+TP_CASES = {  # name: (world, tp, kv, stage, layout)
+    "tp2-gqa-z1": (2, 2, 2, 1, "owned"),
+    "tp2-mha-z0": (2, 2, 4, 0, "owned"),
+    "tp2-dp2-mha-z1-mixed": (4, 2, 4, 1, "mixed"),
+}
+
+
+def _tp_reference(kv, tau, dp, stage, tp=2):
+    model = TPLM(kv, shards=tp)
+    model.load_state_dict(TPLM.full_state(kv))
+    return _reference(dp, kv, tau, stage, 1, "tp", model=model)
+
+
+@pytest.mark.dist
+@pytest.mark.cpu_kernels
+@pytest.mark.parametrize("case", list(TP_CASES))
+def test_tensor_parallel_runs_equal_the_reference(case):
+    """Megatron-style TP: each TP rank records its own heads (reduced over its DP group only) and
+    scales its own shard's rows after the hosted update; the whole matrices equal the single-process
+    Muon + AdamW + published clip bit for bit, with heads clipping on most steps (each TP rank's
+    heads on at least two) and with a threshold that never clips."""
+    world, tp, kv, stage, layout = TP_CASES[case]
+    dp = world // tp
+    for tau in (LOW_TAU, HIGH_TAU) if case == "tp2-gqa-z1" else (LOW_TAU,):
+        res = run_distributed(_tp_worker, world, tp, kv, tau, stage, layout)
+        ref, ref_clipped = _tp_reference(kv, tau, dp, stage)
+        for r in res:
+            assert max_abs_diff(r["params"], ref) == 0.0, f"{case} tau={tau}: differs from Muon + AdamW + clip"
+            assert r["bytes"] == 4 * 4 // tp  # this rank's heads only: one fp32 per head
+        # the TP-split q/k shards went through a hosted runtime (TP group; the mixed layout: the grid)
+        kinds = {n: {r["split"][n] for r in res if n in r["split"]}
+                 for n in ("attn.q_proj.weight", "attn.k_proj.weight")}
+        assert all(kinds.values()), kinds
+        if layout == "mixed":  # q_proj's TP shards cut into DP pieces, each piece scaled by its rank
+            assert kinds["attn.q_proj.weight"] == {"GridSplit"}, kinds
+        # each TP rank counts its own heads; together they are the reference's count
+        per_tp = {r["tp_rank"]: r["stats"] for r in res}
+        assert [sum(c) for c in zip(*per_tp.values())] == ref_clipped
+        if tau == LOW_TAU:
+            assert sum(c > 0 for c in ref_clipped) >= STEPS - 1, ref_clipped
+            assert all(sum(c > 0 for c in counts) >= 2 for counts in per_tp.values()), per_tp  # both ranks' rows
+            assert max_abs_diff(ref, _tp_reference(kv, float("inf"), dp, stage)[0]) > 1e-3
+        else:
+            assert ref_clipped == [0] * STEPS
+            assert max_abs_diff(ref, _tp_reference(kv, float("inf"), dp, stage)[0]) == 0.0
+
+
+def _tp_refusal_worker(rank, world):
+    """q_proj tagged as split on its columns (partition_dim 1): its TP shard is not its heads' rows."""
+    import canzona_ds  # noqa: F401
+    import deepspeed
+    from canzona_testkit import megatron_standin as ms
+
+    ms.initialize_model_parallel(world)
+    model = TPLM(2)
+    model.attn.q_proj.weight.partition_dim = 1
+    try:
+        deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                             config=ds_config(1, micro=MICRO, params=_params(1.0), stage=1), mpu=ms.mpu)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.dist
+def test_tensor_parallel_q_k_not_split_by_heads_is_refused():
+    for err in run_distributed(_tp_refusal_worker, 2):
+        assert err is not None and "'attn.q_proj.weight' is tensor-parallel (partition_dim=1" in err, err
+
+
+def _autotp_worker(rank, world, kv, tau):
+    """The project's model (LM) under DeepSpeed AutoTP (tensor_parallel.autotp_size = world, DP 1,
+    ZeRO-1): this TP rank's clipped heads and largest logit per step, and the whole q/k matrices."""
+    import torch.distributed as dist
+
+    import canzona_ds  # noqa: F401
+    import deepspeed
+    from canzona_ds.integration.runtime_info import canzona_optimizer
+
+    torch.set_num_threads(1)
+    model = LM(kv)
+    cfg = ds_config(1, micro=MICRO, params=_params(tau), stage=1, tensor_parallel={"autotp_size": world})
+    del cfg["train_batch_size"]  # (DeepSpeed checks it against the world size under AutoTP)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters()], config=cfg)
+    opt = canzona_optimizer(engine)
+    stats, stock = [], opt.qk_clip.row_scales
+
+    def row_scales(step, device=None):
+        out = stock(step, device)
+        stats.append((opt.qk_clip.stats.clipped_heads, opt.qk_clip.stats.max_logit))
+        return out
+
+    opt.qk_clip.row_scales = row_scales
+    for x, y in _data(STEPS, 1, 1):
+        engine.backward(engine(x, y))
+        engine.step()
+    qk = {n: p.detach().clone() for n, p in engine.module.named_parameters() if "q_proj" in n or "k_proj" in n}
+    shards: list = [None] * world
+    dist.all_gather_object(shards, qk, group=opt.groups.tp_group)
+    return dict(stats=stats, heads=[l.num_heads for l in opt.qk_clip.layers], tp_rows=opt.qk_clip.layers[0].tp_rows,
+                qk={n: torch.cat([s[n] for s in shards]).numpy() for n in qk})
+
+
+@pytest.mark.dist
+def test_autotp_tracks_the_reference():
+    """DeepSpeed AutoTP (tensor_parallel.autotp_size 2, 2 ranks = DP 1 x TP 2, ZeRO-1) on the
+    project's Llama-style model: AutoTP splits q_proj / k_proj on their rows and divides the
+    attention's head counts, so each TP rank records its own 2 heads (read from the rows it
+    holds) and scales its own shard.  Against the single-process reference: the clipped heads
+    (summed over the TP ranks) equal every step, the first step's largest logit is the
+    reference's, and the clipped q/k matrices agree to rounding.  Not bit for bit: AutoTP's
+    row-parallel o_proj / down_proj all-reduce sums in another order than one GEMM, and bf16
+    Newton-Schulz amplifies that (the bit-for-bit TP checks are the Megatron-style ones above)."""
+    res = run_distributed(_autotp_worker, 2, 2, LOW_TAU)
+    ref, ref_clipped = _reference(1, 2, LOW_TAU, 1, 1)
+    assert all(r["heads"] == [2, 2] for r in res), [r["heads"] for r in res]  # 4 heads over 2 TP ranks
+    assert res[1]["tp_rows"]["lm.model.layers.0.self_attn.q_proj.weight"] == (16, 32)  # rank 1: heads 2-3
+    assert [a[0] + b[0] for a, b in zip(res[0]["stats"], res[1]["stats"])] == ref_clipped
+    assert sum(c > 0 for c in ref_clipped) >= STEPS - 1, ref_clipped
+    # the clip moves these matrices by up to 0.72 (clipped vs unclipped reference); the run is
+    # 6e-4 from the clipped reference (measured; the bf16 Newton-Schulz drift of a 2-rank sum order)
+    unclipped, _ = _reference(1, 2, float("inf"), 1, 1)
+    for n, w in res[0]["qk"].items():
+        assert float(abs(w - ref[n]).max()) < 2e-3, n
+        assert float(abs(w - unclipped[n]).max()) > 0.1, n
+    assert res[0]["qk"].keys() == res[1]["qk"].keys() and len(res[0]["qk"]) == 4
+
+
+# ---------------------------------------------------------------------------- DeepSpeed MoE
+class DSMoELM(nn.Module):
+    """Embedding -> attention (plain: TPAttention without a TP group) -> a DeepSpeed MoE layer
+    (``deepspeed.moe.layer.MoE``, 2 bias-free experts, ep_size 1: every rank holds both, the expert
+    group is the DP group; top-1, no token dropped) -> RMS norm -> lm_head; loss + 0.01 x the
+    gate's load-balancing loss.  The attention is dense, as in every DeepSpeed MoE model."""
+
+    def __init__(self, kv: int) -> None:
+        super().__init__()
+        from deepspeed.moe.layer import MoE
+
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.attn = TPAttention(4, kv)
+        expert = nn.Sequential(nn.Linear(HIDDEN, 48, bias=False), nn.GELU(), nn.Linear(48, HIDDEN, bias=False))
+        self.moe = MoE(hidden_size=HIDDEN, expert=expert, num_experts=2, ep_size=1, k=1, capacity_factor=2.0,
+                       eval_capacity_factor=2.0, min_capacity=0, drop_tokens=True, use_rts=False)
+        self.norm = nn.Parameter(torch.ones(HIDDEN))
+        self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        with torch.no_grad():
+            for n, p in self.named_parameters():
+                if "proj" in n:
+                    p.normal_(0.0, 0.3)  # (logits ~1-4: heads clip at LOW_TAU)
+
+    def forward(self, x, y):
+        h = self.embed(x)
+        h = h + self.attn(h)
+        out, l_aux, _ = self.moe(h)
+        h = h + out
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm
+        return F.cross_entropy(self.lm_head(h).flatten(0, 1), y.flatten()) + 0.01 * l_aux
+
+    attention_modules = TPLM.attention_modules
+    q_k_scale = TPLM.q_k_scale
+
+
+MODELS["dsmoe"] = DSMoELM
+
+
+def _dsmoe_reference_worker(rank, world, kv, tau):
+    """The reference in a 1-rank world (DeepSpeed MoE's forward needs its expert group, here of
+    one rank: its all-to-alls are copies), each DP rank's micro-batch run in turn as _reference does."""
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")  # (deepspeed.comm over this 1-rank world)
+
+    def run(t):
+        model = DSMoELM(kv)
+        model.moe.set_deepspeed_parallelism()
+        return _reference(2, kv, t, 1, 1, "dsmoe", model=model)
+
+    params, clipped = run(tau)
+    return params, clipped, run(float("inf"))[0]
+
+
+@pytest.mark.dist
+@pytest.mark.cpu_kernels
+def test_deepspeed_moe_runs_equal_the_reference():
+    """DeepSpeed MoE (expert groups), ZeRO-1, DP=2, ep_size 1: the dense attention's maxima reduced
+    over the DP group, its q/k rows clipped as without MoE; bit for bit against the reference."""
+    res = run_distributed(_worker, 2, 2, LOW_TAU, 1, 1, "dsmoe")
+    ref, ref_clipped, unclipped = run_distributed(_dsmoe_reference_worker, 1, 2, LOW_TAU)[0]
+    for r in res:
+        assert any("deepspeed_experts" in n for n in r["params"])
+        assert max_abs_diff(r["params"], ref) == 0.0, "DeepSpeed MoE: differs from Muon + AdamW + clip"
+        assert [c for c, _ in r["stats"]] == ref_clipped
+    assert sum(c > 0 for c in ref_clipped) >= STEPS - 1, ref_clipped
+    assert max_abs_diff(ref, unclipped) > 1e-3

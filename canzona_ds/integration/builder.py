@@ -11,7 +11,6 @@ Every path runs the same steps, in this order::
     data_before_refusal    if pp > 1, MoE in a stage, use_data_before_expert_parallelism  # the same exchange
     check_agreement(what every rank must share)        # before anything a rank could wait in
     check_settings(settings)                           # refuse what cannot work, by name
-    qk_clip_refusal(...) if qk_clip                    # what QK-clip does not cover, by name
     require_tp_group(...)                              # TP-tagged params need a TP group
     tag_heads(...)   if per_head_muon                  # DeepSpeed's own head resolution
     with_grid_group(groups)  at ZeRO 1/2 with TP, unless layout="owned" (the mixed layout's grid)
@@ -238,8 +237,6 @@ def build_optimizer(named: list, cfg: CanzonaConfig, groups: ParallelGroups, set
         check_moe(settings, groups, zero_config or {}, named, modules or [])
         info = moe_info(named, modules or [], groups)
     check_settings(settings, cfg)
-    if cfg.qk_clip is not None:
-        qk_clip_refusal(settings, cfg, groups, bool(partitions or settings.moe))
     if settings.zero_stage == 3 and (groups.tp_size > 1 or groups.pp_size > 1):
         kind, size = ("tensor parallelism (tp_size", groups.tp_size) if groups.tp_size > 1 else \
             ("pipeline parallelism (pp_size", groups.pp_size)
@@ -270,20 +267,3 @@ def build_optimizer(named: list, cfg: CanzonaConfig, groups: ParallelGroups, set
         opt.enable_qk_clip(attach([(m, "") for m, _ in modules or ()]), groups.dp_group)
     return opt
 
-
-def qk_clip_refusal(s: RunSettings, cfg: CanzonaConfig, groups: ParallelGroups, moe: bool) -> None:
-    """What ``optimizer.params.qk_clip`` is not implemented (or not tested) with, named.
-
-    Implemented and tested: ZeRO stage 0, 1, 2 (layouts owned and mixed) and 3, CPU optimizer
-    offload, DP >= 1, pipeline parallelism (each stage its own layers, reduced over its DP
-    group), gradient accumulation, fp32, bf16 and fp16 (an overflow-skipped step clips nothing),
-    per_head_muon, transformers MoE models (expert stacks)."""
-    name = s.optimizer_type
-    where = None
-    if groups.tp_size > 1:
-        where = f"tensor parallelism (tp_size={groups.tp_size}: q/k heads split over TP ranks)"
-    elif moe:
-        where = "DeepSpeed MoE (expert groups)"
-    if where is not None:
-        raise ValueError(f"{name} qk_clip is not implemented with {where}. QK-clip runs at ZeRO stage 0-3 "
-                         "with data and pipeline parallelism (docs/qk_clip.md).")

@@ -38,8 +38,7 @@ def attach(modules: Iterable[tuple[nn.Module, str]]) -> list[AttentionLayer]:
     layers: list[AttentionLayer] = []
     for root, prefix in modules:
         for mod_name, mod in root.named_modules():
-            if not (isinstance(getattr(mod, "q_proj", None), nn.Linear)
-                    and isinstance(getattr(mod, "k_proj", None), nn.Linear)):
+            if not (_is_projection(getattr(mod, "q_proj", None)) and _is_projection(getattr(mod, "k_proj", None))):
                 continue
             where = ".".join(x for x in (prefix.rstrip("."), mod_name) if x)
             norm = next((a for a in _QK_NORM_ATTRS if isinstance(getattr(mod, a, None), nn.Module)), None)
@@ -62,15 +61,30 @@ def attach(modules: Iterable[tuple[nn.Module, str]]) -> list[AttentionLayer]:
     return layers
 
 
+def _is_projection(m) -> bool:
+    """A linear projection: ``nn.Linear``, or a tensor-parallel one (Megatron's column-parallel
+    linear, DeepSpeed AutoTP's ``LinearLayer``) holding a 2-D ``weight``."""
+    w = getattr(m, "weight", None)
+    return isinstance(m, nn.Module) and isinstance(w, nn.Parameter) and len(_rows_cols(w)) == 2
+
+
+def _rows_cols(w) -> tuple[int, ...]:
+    return tuple(getattr(w, "ds_shape", None) or w.shape)  # (ZeRO-3: the partitioned parameter's shape)
+
+
 def _layer_of(mod: nn.Module, where: str) -> AttentionLayer:
-    cfg = getattr(mod, "config", None)
-    heads = getattr(mod, "num_heads", None) or getattr(cfg, "num_attention_heads", None)
-    kv = getattr(mod, "num_kv_heads", None) or getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(mod, "head_dim", None)
-    if not heads or not head_dim:
-        raise ValueError(f"qk_clip: attention layer {where!r} has q_proj/k_proj but no head count / head_dim the "
-                         "recorder can read (num_heads or config.num_attention_heads, head_dim).")
-    if mod.q_proj.bias is not None or mod.k_proj.bias is not None:
+    if not head_dim:
+        raise ValueError(f"qk_clip: attention layer {where!r} has q_proj/k_proj but no head_dim the recorder can "
+                         "read.")
+    # the heads this rank computes, from the rows it holds (under tensor parallelism: its own heads,
+    # whatever the module's or its config's head counts say)
+    q_rows, k_rows = _rows_cols(mod.q_proj.weight)[0], _rows_cols(mod.k_proj.weight)[0]
+    if q_rows % head_dim or k_rows % head_dim or not k_rows or (q_rows // head_dim) % (k_rows // head_dim):
+        raise ValueError(f"qk_clip: attention layer {where!r}: q_proj rows {q_rows} and k_proj rows {k_rows} are not "
+                         f"whole heads of head_dim {head_dim} with key heads dividing query heads.")
+    heads, kv = q_rows // head_dim, k_rows // head_dim
+    if getattr(mod.q_proj, "bias", None) is not None or getattr(mod.k_proj, "bias", None) is not None:
         raise ValueError(f"qk_clip: attention layer {where!r} has q/k biases: scaling W_q/W_k rows alone would not "
                          "scale its logits (biases are not clipped here).")
     return AttentionLayer(f"{where}.q_proj.weight", f"{where}.k_proj.weight", int(heads), int(kv), int(head_dim))

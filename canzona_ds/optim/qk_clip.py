@@ -15,9 +15,23 @@ Plain torch (``torch.distributed`` for the one collective), no DeepSpeed.  Three
 Where a matrix is scaled: by whoever updates it, right after its rule update, on the same tensor:
 a whole matrix (``placement.base.Placement.step``: the ZeRO-1/2 owner's fp32 master slice, which
 DeepSpeed then copies into the bit16 weight and all-gathers; the stage-0 parameter) by its rows,
-a matrix updated in pieces (ZeRO-3, the mixed layout's hosted matrices) piece by piece
-(``placement.hosted.scale_piece``).  Tensor parallelism and DeepSpeed MoE are refused by name
-(integration/builder.py).
+a matrix updated in pieces (ZeRO-3, the mixed layout's hosted matrices, TP shards) piece by
+piece (``placement.hosted.scale_piece``).  DeepSpeed MoE's matrix groups (dense, then each
+expert group) share the step's one collective (:meth:`QKClip.row_scales` caches it per step); its
+attention is dense, so its q/k matrices are clipped as without MoE.
+
+Tensor parallelism (Megatron-style or AutoTP; W_q / W_k column-parallel, split on their rows)::
+
+    whole W_q (H*d rows, the TP layout = the shards concatenated in TP-rank order)
+    | heads of TP rank 0 | heads of TP rank 1 | ...        rank r's rows start at sum(shard_sizes[:r])
+
+Each TP rank's forward sees only its own heads, so it records their maxima and reduces them over
+its DP group (the ranks with the same heads); no TP collective is needed: after the hosted
+runtime's scatter, every TP rank applies the update to its own shard and then scales that shard,
+whose rows are exactly its own heads.  Its factors are placed at its rows of a whole-matrix vector
+(ones elsewhere, :attr:`AttentionLayer.tp_rows`), which ``scale_piece`` cuts as it cut the update
+(the TP shard itself, or the mixed layout's DP pieces of it).  The logged figures of a rank are
+those of its own heads (the main job reduces them over TP, train/trainer.qk_clip_metrics).
 
 Row layout of the projections (HF / the project's model; ``d`` = head_dim)::
 
@@ -31,6 +45,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -185,6 +200,19 @@ class AttentionLayer:
     head_dim: int
     #: (num_heads,) fp32 running max over this step's forward passes (None: none recorded yet)
     running: Tensor | None = field(default=None, repr=False)
+    #: tensor parallelism: projection name -> (first row of this rank's heads, rows of the whole
+    #: matrix) in the TP layout (empty: the projections are whole here); set by the optimizer
+    tp_rows: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def whole_rows(self, name: str, local: Tensor) -> Tensor:
+        """``local`` (this rank's heads' per-row factors of ``name``) laid out as the whole
+        matrix: at this rank's rows, ones elsewhere (the other TP ranks' heads, scaled by them)."""
+        if name not in self.tp_rows:
+            return local
+        start, rows = self.tp_rows[name]
+        whole = torch.ones(rows, dtype=local.dtype, device=local.device)
+        whole[start:start + local.numel()] = local
+        return whole
 
     def observe(self, q: Tensor, k: Tensor, scale: float, mask: Tensor | None = None, causal: bool = False) -> None:
         m = max_logits(q, k, scale, mask, causal)
@@ -251,8 +279,13 @@ class QKClip:
                 and dist.get_world_size(self.group) > 1:
             dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self.group)
         self.reset()
-        silent = [l.q_name for l, s in zip(self.layers, flat.split([l.num_heads for l in self.layers]))
-                  if bool(torch.isneginf(s).all())]
+        # the step's one device-to-host copy (on a GPU: its one sync): which layers recorded,
+        # which clip, and the logged figures are read from it; the factors stay on the device
+        host = flat.cpu().numpy()
+        sizes = [l.num_heads for l in self.layers]
+        bounds = [sum(sizes[:i + 1]) for i in range(len(sizes))]
+        host_maxima = np.split(host, bounds[:-1])  # (numpy on the host copy: no device sync below)
+        silent = [l.q_name for l, vs in zip(self.layers, host_maxima) if np.isneginf(vs).all()]
         if silent:
             # (after the collective: every rank of the group sees the same maxima and raises alike)
             raise RuntimeError(f"qk_clip: attention layer of {silent[0]!r} recorded no logit in this step on any "
@@ -261,16 +294,16 @@ class QKClip:
         out: dict[str, Tensor] = {}
         per_layer, clipped = {}, 0
         tau = self.config.threshold
-        for l, s in zip(self.layers, flat.split([l.num_heads for l in self.layers])):
-            per_layer[l.q_name] = s.tolist()
-            n = int((s > tau).sum())
+        for l, s, values in zip(self.layers, flat.split(sizes), host_maxima):
+            per_layer[l.q_name] = [float(v) for v in values]
+            n = np.count_nonzero(values > np.float32(tau))  # (fp32, as qk_clip_scales compares)
             if n == 0:  # nothing to scale: the weights are not touched
                 continue
-            clipped += n
+            clipped += int(n)
             q_scale, k_scale = qk_clip_scales(s, tau, l.num_kv_heads)
-            out[l.q_name] = q_scale.repeat_interleave(l.head_dim)
-            out[l.k_name] = k_scale.repeat_interleave(l.head_dim)
-        self.stats = QKStats(max_logit=float(flat.max()) if flat.numel() else float("-inf"),
+            out[l.q_name] = l.whole_rows(l.q_name, q_scale.repeat_interleave(l.head_dim))
+            out[l.k_name] = l.whole_rows(l.k_name, k_scale.repeat_interleave(l.head_dim))
+        self.stats = QKStats(max_logit=max((v for vs in per_layer.values() for v in vs), default=float("-inf")),
                              clipped_heads=clipped, per_layer=per_layer)
         self._cache = (step, out)
         return out

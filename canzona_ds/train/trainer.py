@@ -482,12 +482,15 @@ def qk_clip_metrics(engine) -> dict:
     if qk is None:
         return {}
     max_logit, clipped = qk.stats.max_logit, qk.stats.clipped_heads
-    if opt.groups.pp_size > 1:  # each stage knows its own layers: the whole model's figures (every rank calls)
-        m = torch.tensor([max_logit], dtype=torch.float64)
-        n = torch.tensor([float(clipped)], dtype=torch.float64)
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=opt.groups.pp_group)
-        dist.all_reduce(n, group=opt.groups.pp_group)
-        max_logit, clipped = float(m[0]), int(n[0])
+    # each pipeline stage knows its own layers, each TP rank its own heads: the whole model's
+    # figures (every rank calls; logging, not the clip, which needs no TP collective)
+    for size, group in ((opt.groups.tp_size, opt.groups.tp_group), (opt.groups.pp_size, opt.groups.pp_group)):
+        if size > 1:
+            m = torch.tensor([max_logit], dtype=torch.float64)
+            n = torch.tensor([float(clipped)], dtype=torch.float64)
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+            dist.all_reduce(n, group=group)
+            max_logit, clipped = float(m[0]), int(n[0])
     return {"qk_max_logit": max_logit, "qk_clipped_heads": clipped}
 
 
