@@ -372,9 +372,18 @@ class CanzonaOptimizer(torch.optim.Optimizer):
 
         if self.config.qk_clip is None:
             raise ValueError("enable_qk_clip on an optimizer whose config has no qk_clip section.")
-        if not layers and self.groups.pp_size == 1:  # (a pipeline stage may hold no attention layer)
+        found = len(layers)
+        if self.groups.pp_size > 1:  # a stage may hold no attention layer, the whole pipeline must
+            import torch.distributed as dist
+
+            count = torch.tensor([found], dtype=torch.int64, device=self._device())
+            dist.all_reduce(count, group=self.groups.pp_group)  # once, at construction
+            found = int(count.item())
+        if not found:
             raise ValueError("qk_clip is on but the model has no attention layer it can clip (looked for q_proj/k_proj "
-                             "attention modules: the project's Qwen3Attention, transformers' Llama-style attention).")
+                             "attention modules: the project's Qwen3Attention, transformers' Llama-style attention"
+                             + (f"; none on any of the {self.groups.pp_size} pipeline stages" if self.groups.pp_size > 1
+                                else "") + ").")
         for layer in layers:
             for n, rows in ((layer.q_name, layer.num_heads * layer.head_dim),
                             (layer.k_name, layer.num_kv_heads * layer.head_dim)):

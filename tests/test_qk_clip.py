@@ -492,6 +492,30 @@ def test_what_qk_clip_does_not_cover_is_refused_by_name():
         assert res[name] is not None and text in res[name], (name, res[name])
 
 
+def _pipeline_without_attention_worker(rank, world):
+    import canzona_ds  # noqa: F401
+    import deepspeed
+
+    from canzona_testkit.pipeline import build_pipe
+
+    module = build_pipe(2)  # the pipeline kit's decoder: MLP blocks, no attention on either stage
+    cfg = ds_config(1, micro=MICRO, params=_params(1.0))
+    try:
+        deepspeed.initialize(model=module, model_parameters=[p for p in module.parameters() if p.requires_grad],
+                             config=cfg)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.dist
+def test_a_pipeline_with_no_attention_on_any_stage_is_refused():
+    """Each stage may hold no attention layer; the whole pipeline holding none is refused on
+    every stage (it would clip nothing, silently)."""
+    for msg in run_distributed(_pipeline_without_attention_worker, 2):
+        assert msg is not None and "no attention layer it can clip" in msg and "2 pipeline stages" in msg, msg
+
+
 @pytest.mark.dist
 def test_main_job_logs_the_max_logit_and_clipped_heads(tmp_path):
     """configs/run_tiny_qkclip.yaml through DeepSpeed's launcher (2 ranks), its ds_config with a
