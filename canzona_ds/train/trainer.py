@@ -209,8 +209,9 @@ def _initialize(model, ds: dict, ds_path: str = "the ds_config"):
     return engine
 
 
-def _global_mean(value: float, count: int) -> float:
-    t = torch.tensor([value, float(count)], dtype=torch.float64)
+def _global_mean(value: float, count: int, device: torch.device) -> float:
+    # (on the engine's device: NCCL reduces device tensors only)
+    t = torch.tensor([value, float(count)], dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(t)
     return float(t[0] / t[1]) if t[1] else float("nan")
@@ -232,7 +233,7 @@ def evaluate(engine, sampler: BatchSampler, n_batches: int, batch: int, rank: in
             total += float(module(x.to(engine.device), y.to(engine.device))[1])
             count += 1
     module.train(was_training)
-    return _global_mean(total, count)
+    return _global_mean(total, count, engine.device)
 
 
 @torch.no_grad()
@@ -253,7 +254,7 @@ def evaluate_pipe(engine, sampler: BatchSampler, n_batches: int, batch: int, ran
     total, count = 0.0, 0
     if engine.is_last_stage() and counted:
         total, count = sum(float(loss) for loss in losses), len(losses)
-    return _global_mean(total, count)
+    return _global_mean(total, count, engine.device)
 
 
 def stage_plans(engine, plan: dict) -> tuple[list[dict], int]:
@@ -392,7 +393,7 @@ def train(cfg: RunConfig, name: str | None = None, progress: bool = True) -> Run
                 engine.step()
                 loss_sum += float(loss.detach())
             step_ms = (time.perf_counter() - t0) * 1e3
-            loss_mean = _global_mean(loss_sum, accum)
+            loss_mean = _global_mean(loss_sum, accum, engine.device)
         times = tap.drain()
         times.update(qk_clip_metrics(engine))
         done = step + 1
@@ -486,8 +487,9 @@ def qk_clip_metrics(engine) -> dict:
     # figures (every rank calls; logging, not the clip, which needs no TP collective)
     for size, group in ((opt.groups.tp_size, opt.groups.tp_group), (opt.groups.pp_size, opt.groups.pp_group)):
         if size > 1:
-            m = torch.tensor([max_logit], dtype=torch.float64)
-            n = torch.tensor([float(clipped)], dtype=torch.float64)
+            # (on the engine's device: NCCL reduces device tensors only)
+            m = torch.tensor([max_logit], dtype=torch.float64, device=engine.device)
+            n = torch.tensor([float(clipped)], dtype=torch.float64, device=engine.device)
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
             dist.all_reduce(n, group=group)
             max_logit, clipped = float(m[0]), int(n[0])
