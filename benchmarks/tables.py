@@ -874,9 +874,31 @@ MOE_NS_QK = {
 }
 
 
+# ============================================================================ startup.json
+def _startup_rows(d: Data) -> Iterable[Row]:
+    for name, summary in d["summary"].items():
+        yield {**summary, "tree": f"{name} ({d['commits'][name]})", "walls": [r["wall_s"] for r in d["runs"][name]]}
+
+
+STARTUP = {
+    "startup": Table(
+        "startup", "bench_startup: wall time of a 2-step launch/train.sh per code tree, interleaved, and its phases.",
+        _startup_rows,
+        lambda d: _cols(("code", "{tree}"), ("wall s, each run", "{walls:list.1f}"),
+                        ("median wall s", "{median_wall_s:.1f}"),
+                        *((f"{phase} (median s)", f"{{median_phases_s[{phase}]:.2f}}")
+                          for phase in next(iter(d["summary"].values()))["median_phases_s"]))),
+    "startup_trace": Table(
+        "startup", "bench_startup --trace: the launcher's and rank 0's imports and calls, timed, in one run.",
+        "traced.spans",
+        _cols(("process", "{process}"), ("what", "`{what}`"), ("starts at s", "{start_s:.2f}"),
+              ("takes s", "{duration_s:.2f}"))),
+}
+
+
 #: table name -> its spec
 TABLES: dict[str, Table] = {**PAPER_EXPERIMENTS, **PLANS, **PIPELINE_TP, **BENCH_ZERO, **MISC, **MAIN_JOB,
-                            **CHECKPOINTS, **LAYOUTS, **MOE_NS_QK}
+                            **CHECKPOINTS, **LAYOUTS, **MOE_NS_QK, **STARTUP}
 
 
 def load(stem: str, results: Path | str | None = None) -> Data:
