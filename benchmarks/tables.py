@@ -959,7 +959,7 @@ def check_text(text: str, results: Path | str | None = None) -> list[str]:
         name = m.group("name")
         try:
             fresh = render(name, results)
-        except (ValueError, FileNotFoundError, KeyError) as e:
+        except (ValueError, FileNotFoundError, KeyError, IndexError, TypeError) as e:  # also a JSON the spec misfits
             stale.append(f"{name}: cannot render ({e})")
             continue
         if m.group("body") != fresh + "\n":
