@@ -248,9 +248,9 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1) + "\n")
     import tables
-    print(tables.pipeline_planned(data))
+    print(tables.render_data("pipeline_planned", data))
     print()
-    print(tables.pipeline_measured(data))
+    print(tables.render_data("pipeline_measured", data))
     print(f"\nwrote {out} in {data['wall_s']:.0f} s")
 
 

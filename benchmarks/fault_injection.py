@@ -269,40 +269,13 @@ def main(argv=None) -> int:
     return 0
 
 
-def _short(reason: str) -> str:
-    """``file: sha256 mismatch (expected ..., got ...)`` -> ``file: sha256 mismatch``."""
-    return re.sub(r" \((expected|\d+ bytes, manifest|the save was)[^)]*\)", "", reason)
-
-
 def fault_table(records: list) -> str:
-    """The table alone (header, separator, one row per fault) from ``faults.json["faults"]``."""
-    def what_happened(r):
-        if r["exit"] != 0:
-            err = next((s for s in r["said"] if "checkpoint error" in s), "")
-            found = err.split(": ", 2)[-1].split(": ", 1)[-1] if "no intact checkpoint in" in err else err
-            return f"exit {r['exit']}, refused: no intact checkpoint; `{_short(found)}`"
-        out = f"exit 0, resumed from {r['resumed_from']}"
-        for s in r["said"]:
-            m = re.search(r"checkpoint (\S+) is corrupt or incomplete \((.*)\); skipped", s)
-            if m:
-                out += f"; {m.group(1)} skipped: `{_short(m.group(2))}`"
-            elif "no 'latest' file" in s:
-                out += "; no `latest`: newest published tag"
-        return out
+    """The table alone (header, separator, one row per fault) from ``faults.json["faults"]``
+    (benchmarks/tables.py's ``faults`` table)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import tables
 
-    def nothing_lost(r):
-        if r["exit"] != 0:
-            return "yes: checkpoints untouched" if r["untouched_on_refusal"] else "NO"
-        ok = (r["losses_identical"] and r["source_untouched"]
-              and r["final_checkpoint_same_state_as_uninterrupted"] is True)
-        return ("yes" if ok else
-                f"NO (losses identical={r['losses_identical']}, source untouched={r['source_untouched']}, "
-                f"final={r['final_checkpoint_same_state_as_uninterrupted']})")
-
-    lines = ["| fault injected | what happened | nothing lost | /dev/shm left |", "|---|---|---|---|"]
-    for r in records:
-        lines.append(f"| {r['injected']} | {what_happened(r)} | {nothing_lost(r)} | {len(r['shm_left'])} |")
-    return "\n".join(lines)
+    return tables.render_table(tables.TABLES["faults"], {"faults": records})
 
 
 def markdown(meta: dict, records: list, last: str, nxt: str) -> str:

@@ -9,6 +9,8 @@
   launcher, the ranks, the suite).
 * A script that imports canzona_ds and uses DeepSpeed's CPU comm leaves no /dev/shm buffer
   after a normal exit, without calling anything.
+* DeepSpeed's launch.py, forked from the launcher, starts every rank as the runner's command
+  would and returns a failing rank's status.
 """
 from __future__ import annotations
 
@@ -221,3 +223,29 @@ def test_launch_command_is_the_runners_local_command():
                        "--config", "x.yaml"]
     with pytest.raises(ValueError, match="num_ranks=0"):
         local_launch_command(0, 1, "m", [])
+
+
+PROBE = """import os, sys
+with open(os.path.join(os.environ["PROBE_DIR"], "rank" + os.environ["RANK"]), "w") as f:
+    f.write(" ".join([os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"], os.environ["MASTER_PORT"], *sys.argv[1:]]))
+sys.exit(3 if "fail" in sys.argv and os.environ["RANK"] == "1" else 0)
+"""
+
+
+@pytest.mark.parametrize("outcome", ["ok", "fail"])
+def test_forked_launcher_starts_every_rank_and_returns_their_status(tmp_path, outcome):
+    """canzona_ds.integration.launcher.fork_local_launch: DeepSpeed's launch.py, run in a forked
+    child (the launcher imported deepspeed already), starts every rank with DeepSpeed's
+    environment and the arguments given, and its exit status is the job's (a failing rank's)."""
+    (tmp_path / "rank_probe.py").write_text(PROBE)
+    port = free_port()
+    script = ("import os\nfrom canzona_ds.integration.launcher import fork_local_launch\n"
+              f"pid = fork_local_launch(2, {port}, 'rank_probe', ['--x', '{outcome}'])\n"
+              "print('status', os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "LOCAL_RANK")}
+    env.update(PROBE_DIR=str(tmp_path), RANK="7", PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]))
+    r = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert f"status {3 if outcome == 'fail' else 0}" in r.stdout, r.stdout + r.stderr
+    for rank in (0, 1):
+        assert (tmp_path / f"rank{rank}").read_text() == f"2 {rank} {port} --local_rank={rank} --x {outcome}"

@@ -29,7 +29,7 @@ def _load_tables():
 
 tables = _load_tables()
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-AVAILABLE = [name for name, (stem, _) in tables.TABLES.items() if (RESULTS / f"{stem}.json").is_file()]
+AVAILABLE = [name for name, table in tables.TABLES.items() if (RESULTS / f"{table.stem}.json").is_file()]
 
 
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
@@ -67,7 +67,7 @@ def test_tampered_block_is_detected_and_update_fixes_it(tmp_path: Path) -> None:
     doc = tmp_path / "doc.md"
     doc.write_text(f"# intro\n\n<!-- table:{name} -->\n| old | table |\n<!-- /table:{name} -->\n\ntext after\n")
     assert tables.check_text(doc.read_text()) == [f"{name}: stale (differs from its rendering of "
-                                                  f"{tables.TABLES[name][0]}.json)"]
+                                                  f"{tables.TABLES[name].stem}.json)"]
     assert tables.main(["--check", str(doc)]) == 1
     assert tables.main(["--update", str(doc)]) == 0
     text = doc.read_text()
@@ -145,3 +145,27 @@ def test_main_job_doc_figures_come_from_the_results_file() -> None:
     prose = re.sub(r"<!-- table:(\S+) -->.*?<!-- /table:\1 -->", "", text, flags=re.S)
     stale = re.findall(r"[^\n]*(?:\d[\d,.]*\s?(?:tokens/s|tok/s|MB/s)|~\s?\d[\d.,]*\s?(?:s|ms|min)\b)[^\n]*", prose)
     assert not stale, stale
+
+
+def test_the_renderer_formats_every_spec() -> None:
+    """The declarative spec's renderer (benchmarks/tables.py): templates over each row, the named
+    specs, None as the table's ``none`` text, text shown as is, headers from the whole JSON."""
+    spec = tables.Table(
+        "x", "a synthetic table", "runs",
+        (tables.Col("run of {label}", "{name}"), tables.Col("share", "{share:pct} / {share:pct2}"),
+         tables.Col("size", "{mib:mib} ({numel:bucket})"), tables.Col("ms", "{seconds:ms.1f}"),
+         tables.Col("ratio", "{ratio:x.2f}"), tables.Col("per rank", "{ranks:list.1f}"),
+         tables.Col("split", "{n:.0f}{n:split}"), tables.Col("rows", lambda r: str(len(r)))),
+        none="n/a")
+    data = {"label": "test", "runs": [
+        {"name": "a", "share": 0.25, "mib": 2048.0, "numel": 40_000_000, "seconds": 0.0125, "ratio": 1.5,
+         "ranks": [1.0, 2.25], "n": 3},
+        {"name": "b", "share": "quoted", "mib": 12.5, "numel": None, "seconds": None, "ratio": None, "ranks": [],
+         "n": 0}]}
+    assert tables.render_table(spec, data).splitlines() == [
+        "| run of test | share | size | ms | ratio | per rank | split | rows |",
+        "|---|---|---|---|---|---|---|---|",
+        "| a | 25.0% / 25.00% | 2.00 GiB (40M) | 12.5 | 1.50x | 1.0, 2.2 | 3, 3 split | 8 |",
+        "| b | quoted / quoted | 12.5 MiB (one bucket) | n/a | n/a |  | 0 | 8 |"]
+    with pytest.raises(KeyError):
+        tables.render_table(tables.Table("x", "a typo", "runs", (tables.Col("h", "{nmae}"),)), data)

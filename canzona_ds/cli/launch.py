@@ -16,10 +16,11 @@ In order, in this one process:
    included), the batch layout, the optimizer type (with "did you mean"), the Canzona
    params: one line and exit 2; an unwritable checkpoint folder, or ``--resume`` naming a
    folder without a checkpoint: one line and exit 4.
-2. **Launch**: DeepSpeed's per-node launcher (``python -m deepspeed.launcher.launch``, this
-   interpreter's, the command DeepSpeed's ``deepspeed`` runner would build:
-   canzona_ds/integration/launcher.py) in a session of its own, ranks running
-   ``canzona_ds.cli.train``.
+2. **Launch**: DeepSpeed's per-node launcher (``deepspeed.launcher.launch`` with the
+   arguments DeepSpeed's ``deepspeed`` runner would give it: canzona_ds/integration/launcher.py)
+   in a forked child of this process, in a session of its own, ranks running
+   ``canzona_ds.cli.train``.  Forked, not a new interpreter: this process imported deepspeed
+   for step 1, so the launcher starts without paying ``import deepspeed`` again.
    ``TORCH_EXTENSIONS_DIR`` is this environment's op cache (``canzona_ds.op_cache_dir``, set
    by ``import canzona_ds``), the folder ``launch/install.sh`` built DeepSpeed's CPU op in.
 3. **Stop**: SIGINT / SIGTERM to this process, however it was started (a Ctrl-C, ``kill``, or
@@ -40,7 +41,6 @@ import logging
 import os
 import random
 import signal
-import subprocess
 import sys
 import time
 
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     stop: list[int] = []  # the signal that stops the job (first one wins)
     signalled: set[int] = set()
-    started: list[subprocess.Popen] = []  # DeepSpeed's launch.py, once started
+    started: list[int] = []  # the pid of DeepSpeed's launch.py (a forked child), once started
 
     def forward() -> None:
         """The stop signal to the ranks (and anything below them) not signalled yet: the
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         the ranks while they handle the SIGINT)."""
         if not started or not stop:
             return
-        for pid, depth in _descendants(started[0].pid):
+        for pid, depth in _descendants(started[0]):
             if pid not in signalled:
                 signalled.add(pid)
                 try:
@@ -146,9 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         if started:
             # launch.py is gone; wait for the rest of its session (the ranks)
             t0 = time.monotonic()
-            while _group_alive(started[0].pid):
+            while _group_alive(started[0]):
                 if time.monotonic() - t0 > grace:
-                    os.killpg(started[0].pid, signal.SIGKILL)
+                    os.killpg(started[0], signal.SIGKILL)
                 time.sleep(0.2)
         sweep_shm(port)  # every exit path: also buffers an earlier job on this port left
 
@@ -169,28 +169,31 @@ def _check_and_run(train_args: list[str], ranks: int, port: str, grace: float, s
     if rc:
         return rc
 
-    from canzona_ds.integration.launcher import local_launch_command
+    from canzona_ds.integration.launcher import fork_local_launch
 
-    cmd = local_launch_command(ranks, port, "canzona_ds.cli.train", train_args)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-    on_start(proc)
+    pid = fork_local_launch(ranks, port, "canzona_ds.cli.train", train_args)
+    on_start(pid)
     deadline = None
     while True:
-        try:
-            rc = proc.wait(timeout=0.2)
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            rc = os.waitstatus_to_exitcode(status)
             break
-        except subprocess.TimeoutExpired:
-            pass
+        time.sleep(0.05)
         forward()  # no-op until stopped
         if stop and deadline is None:
             deadline = time.monotonic() + grace
         if deadline is not None and time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(pid, signal.SIGKILL)
     if stop:
         return 128 + stop[0]
     return rc if rc >= 0 else 128 - rc
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    # the job is over and its buffers swept: nothing here needs the interpreter's teardown of
+    # torch and deepspeed (imported by the pre-launch check; about a second on 2 cores)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)

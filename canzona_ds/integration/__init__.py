@@ -16,7 +16,7 @@
     accelerator.py  asking (and, for tests, widening) the CPU accelerator's capabilities
     stage0.py       ZeRO stage 0, fp32: a step with a non-finite gradient skipped, as at stages 1-3
     config_check.py pre-launch checks: the optimizer types DeepSpeed builds, its ds_config parse
-    launcher.py     the per-node launch command (DeepSpeed's launch.py) of the main job
+    launcher.py     the per-node launch command (DeepSpeed's launch.py) of the main job, run forked
 
 ``install()`` registers ``"CanzonaMuon"``, ``"CanzonaShampoo"`` and ``"CanzonaSOAP"`` with
 DeepSpeed's engine; ``import canzona_ds`` arranges for it to run as soon as ``deepspeed``

@@ -39,6 +39,8 @@ CLASS_MEMBERS: tuple[tuple[str, str], ...] = (
     ("deepspeed.runtime.engine", "DeepSpeedEngine.zero_use_cpu_optimizer"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine.bfloat16_enabled"),
     ("deepspeed.runtime.engine", "DeepSpeedEngine.fp16_enabled"),
+    # the module global integration/launcher.py gives a shorter sleep in the forked launch.py
+    ("deepspeed.launcher.launch", "time"),
     # early validation of our optimizer section
     ("deepspeed.runtime.config", "DeepSpeedConfig._do_sanity_check"),
     # the module global _configure_zero_optimizer instantiates (swapped for one call)
