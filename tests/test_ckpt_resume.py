@@ -27,6 +27,8 @@ from canzona_ds.testing.dist import run_distributed
 from canzona_ds.testing.models import HP, batches, ds_config, make_model, params_of
 
 BEFORE, AFTER, MICRO = 2, 2, 2
+STACK_GATE_UP = "model.model.layers.0.mlp.experts.gate_up_proj"
+STACK_DOWN = "model.model.layers.0.mlp.experts.down_proj"
 #: below the tiny model's gradient norm on every step (~1): every step clips
 CLIP = 0.05
 
@@ -38,8 +40,22 @@ def _cfg(dp: int, stage: int, opt_type: str) -> dict:
     return zero3_config(dp, **kw) if stage == 3 else ds_config(dp, stage=stage, **kw)
 
 
-def _data(dp: int, steps: int, seed: int) -> list:
+def _data(dp: int, steps: int, seed: int, kind: str = "dense") -> list:
+    if kind == "stacks":
+        from canzona_ds.testing.hf_moe import moe_batches
+
+        return moe_batches(steps, MICRO * dp, seed=seed)
     return batches(steps, MICRO * dp, seed=seed)
+
+
+def _model(kind: str):
+    """``dense``: the tiny LM; ``stacks``: a tiny transformers Qwen3-MoE whose experts are 3-D
+    stacks (rule state per expert, ``W[e]``)."""
+    if kind == "stacks":
+        from canzona_ds.testing.hf_moe import make_moe_model
+
+        return make_moe_model(0)
+    return make_model(0)
 
 
 def _train(engine, rank: int, data: list) -> None:
@@ -49,12 +65,13 @@ def _train(engine, rank: int, data: list) -> None:
         engine.step()
 
 
-def _engine(dp: int, stage: int, opt_type: str):
+def _engine(dp: int, stage: int, opt_type: str, kind: str = "dense"):
     import deepspeed
 
     import canzona_ds  # noqa: F401
 
-    model = make_model(0)
+    torch.set_num_threads(1)
+    model = _model(kind)
     return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_cfg(dp, stage, opt_type))[0]
 
 
@@ -66,31 +83,47 @@ def _params(engine, stage: int) -> dict:
     return params_of(engine.module)
 
 
-def _save(rank, dp, ckpt, stage, opt_type):
-    engine = _engine(dp, stage, opt_type)
-    _train(engine, rank, _data(dp, BEFORE, 1))
+def _save(rank, dp, ckpt, stage, opt_type, kind="dense"):
+    engine = _engine(dp, stage, opt_type, kind)
+    _train(engine, rank, _data(dp, BEFORE, 1, kind))
     engine.save_checkpoint(ckpt, tag="saved")
     return True
 
 
-def _resume(rank, dp, ckpt, stage, opt_type, out):
-    engine = _engine(dp, stage, opt_type)
+def _index_route_only() -> None:
+    """Make the per-layout readers fail if reached: a resume here goes through the index loop."""
+    from canzona_ds.integration import elastic
+
+    def reached(*args, **kwargs):
+        raise AssertionError("a per-layout reader (integration/elastic.py) was reached; the index loop was expected")
+
+    elastic.load = elastic.load_stage0_moe = reached
+
+
+def _resume(rank, dp, ckpt, stage, opt_type, out, kind="dense"):
+    _index_route_only()
+    engine = _engine(dp, stage, opt_type, kind)
     engine.load_checkpoint(ckpt, tag="saved")
     engine.save_checkpoint(out, tag="reloaded")  # what this rank holds right after the load
     steps = engine.global_steps
-    _train(engine, rank, _data(dp, AFTER, 2))
+    _train(engine, rank, _data(dp, AFTER, 2, kind))
     return dict(params=_params(engine, stage), steps_at_load=steps, steps=engine.global_steps)
 
 
-def _reference(n: int, m: int, opt_type: str) -> dict:
+def _reference(n: int, m: int, opt_type: str, kind: str = "dense") -> dict:
     from canzona_ds.optim.config import CanzonaConfig
     from canzona_ds.optim.reference import ReferenceOptimizer
     from canzona_ds.testing.models import reference_grads
 
     torch.set_num_threads(1)
-    model = make_model(0)
-    opt = ReferenceOptimizer(model.named_parameters(), CanzonaConfig.from_ds(opt_type, HP[opt_type]))
-    for dp, data in ((n, _data(n, BEFORE, 1)), (m, _data(m, AFTER, 2))):
+    model = _model(kind)
+    if kind == "stacks":  # every expert slice its own 2-D matrix
+        from canzona_ds.testing.hf_moe import PerExpertReference
+
+        opt = PerExpertReference(model, opt_type)
+    else:
+        opt = ReferenceOptimizer(model.named_parameters(), CanzonaConfig.from_ds(opt_type, HP[opt_type]))
+    for dp, data in ((n, _data(n, BEFORE, 1, kind)), (m, _data(m, AFTER, 2, kind))):
         for x, y in data:
             grads = reference_grads(model, [x], [y], dp, MICRO)
             for name, p in model.named_parameters():
@@ -118,13 +151,16 @@ def assert_same_state(a_dir: str, b_dir: str, a=None) -> int:
     return len(a.by_key())
 
 
-#: (saved stage, saved DP, running stage, running DP, optimizer): ZeRO stage changes at the same
-#: and at another DP size, then DP resizes at the same stage (what tests/test_elastic.py and
-#: tests/test_zero3.py checked per combination before)
+#: (model, saved stage, saved DP, running stage, running DP, optimizer): ZeRO stage changes at
+#: the same and at another DP size, then DP resizes at the same stage (what tests/test_elastic.py
+#: and tests/test_zero3.py checked per combination before); then transformers expert stacks
+#: (3-D ``mlp.experts.*``, rule state per expert ``W[e]``: tests/test_experts.py's resumes before)
 SCENARIOS = [
-    (1, 2, 3, 2, "CanzonaMuon"), (3, 2, 1, 2, "CanzonaSOAP"), (2, 2, 0, 2, "CanzonaShampoo"), (0, 2, 3, 2, "CanzonaMuon"),
-    (1, 2, 3, 1, "CanzonaMuon"), (3, 1, 1, 2, "CanzonaSOAP"), (2, 2, 0, 1, "CanzonaShampoo"), (0, 1, 3, 2, "CanzonaMuon"),
-    (1, 2, 1, 1, "CanzonaMuon"), (1, 1, 1, 2, "CanzonaShampoo"), (2, 2, 2, 1, "CanzonaSOAP"), (3, 2, 3, 1, "CanzonaSOAP"),
+    ("dense", 1, 2, 3, 2, "CanzonaMuon"), ("dense", 3, 2, 1, 2, "CanzonaSOAP"), ("dense", 2, 2, 0, 2, "CanzonaShampoo"),
+    ("dense", 0, 2, 3, 2, "CanzonaMuon"), ("dense", 1, 2, 3, 1, "CanzonaMuon"), ("dense", 3, 1, 1, 2, "CanzonaSOAP"),
+    ("dense", 2, 2, 0, 1, "CanzonaShampoo"), ("dense", 0, 1, 3, 2, "CanzonaMuon"), ("dense", 1, 2, 1, 1, "CanzonaMuon"),
+    ("dense", 1, 1, 1, 2, "CanzonaShampoo"), ("dense", 2, 2, 2, 1, "CanzonaSOAP"), ("dense", 3, 2, 3, 1, "CanzonaSOAP"),
+    ("stacks", 1, 2, 1, 1, "CanzonaMuon"), ("stacks", 1, 2, 0, 2, "CanzonaMuon"), ("stacks", 2, 1, 2, 2, "CanzonaSOAP"),
 ]
 
 
@@ -133,28 +169,41 @@ def saved(tmp_path_factory):
     """One saved checkpoint per saved layout, shared by its scenarios."""
     made = {}
 
-    def get(stage: int, dp: int, opt_type: str) -> str:
-        key = (stage, dp, opt_type)
+    def get(stage: int, dp: int, opt_type: str, kind: str = "dense") -> str:
+        key = (stage, dp, opt_type, kind)
         if key not in made:
-            ckpt = str(tmp_path_factory.mktemp(f"saved-z{stage}-dp{dp}-{opt_type}"))
-            run_distributed(_save, dp, ckpt, stage, opt_type)
+            ckpt = str(tmp_path_factory.mktemp(f"saved-{kind}-z{stage}-dp{dp}-{opt_type}"))
+            run_distributed(_save, dp, ckpt, stage, opt_type, kind)
             made[key] = ckpt
         return made[key]
 
     return get
 
 
-@pytest.mark.parametrize("s0,n,s1,m,opt_type", SCENARIOS,
-                         ids=[f"{t}-z{a}dp{n}-to-z{b}dp{m}" for a, n, b, m, t in SCENARIOS])
-def test_resume_across_layouts(saved, tmp_path, s0, n, s1, m, opt_type):
-    ckpt = saved(s0, n, opt_type)
+def _stack_states(folder: str) -> set:
+    """(stack, rule-state key) pairs an index holds for the expert stacks."""
+    from canzona_ds.ckpt import Index
+
+    index = Index.read(folder)
+    stacks = index.meta["expert_stacks"]
+    return {(n, k) for n, k in index.by_key() if n in stacks and k not in ("param", "exp_avg", "exp_avg_sq")}
+
+
+@pytest.mark.parametrize("kind,s0,n,s1,m,opt_type", SCENARIOS,
+                         ids=[f"{k}-{t}-z{a}dp{n}-to-z{b}dp{m}" for k, a, n, b, m, t in SCENARIOS])
+def test_resume_across_layouts(saved, tmp_path, kind, s0, n, s1, m, opt_type):
+    ckpt = saved(s0, n, opt_type, kind)
     out = str(tmp_path / "out")
-    res = run_distributed(_resume, m, ckpt, s1, opt_type, out)
+    res = run_distributed(_resume, m, ckpt, s1, opt_type, out, kind)
     compared = assert_same_state(os.path.join(ckpt, "saved"), os.path.join(out, "reloaded"))
-    assert compared >= 9 + 2 * 5  # every parameter's master, the AdamW moments of the 5 AdamW ones, rule state
+    if kind == "dense":
+        assert compared >= 9 + 2 * 5  # every parameter's master, the AdamW moments of the 5 AdamW ones, rule state
+    else:  # both stacks' rule state, every expert's chunk, compared above as the stack's (E, ...) state
+        stacks = _stack_states(os.path.join(ckpt, "saved"))
+        assert {n for n, _ in stacks} == {STACK_GATE_UP, STACK_DOWN}, stacks
     for r in res:
         assert (r["steps_at_load"], r["steps"]) == (BEFORE, BEFORE + AFTER)
-    ref = _reference(n, m, opt_type)
+    ref = _reference(n, m, opt_type, kind)
     for k in ref:
         np.testing.assert_array_equal(res[0]["params"][k], ref[k], err_msg=k)
 

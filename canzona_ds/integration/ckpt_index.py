@@ -35,6 +35,7 @@ the index alone, alike on every rank, before any buffer is written.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import Any
 
@@ -42,6 +43,7 @@ import torch
 from torch import Tensor
 
 from ..ckpt.index import INDEX, MASTER, CheckpointIndexError, Chunk, Index, Reader
+from ..optim.rule import expert_name
 
 logger = logging.getLogger(__name__)
 
@@ -61,22 +63,33 @@ def _layout_without_emitter(engine, opt) -> str | None:
         return "a bf16/fp16 model at ZeRO stage 0 (the fp32 master is not the module)"
     if engine.zero_cpu_offload() and stage == 3:
         return "ZeRO-3 offload"
-    if any(info.num_experts is not None for info in opt.infos.values()):  # a 3-D stack: E matrices
-        return "transformers expert stacks (rule state per expert, W[e])"
     return None
+
+
+def _experts_of(opt) -> dict[str, tuple[str, int, int]]:
+    """An expert stack's rule-state keys (``W[e]``) -> (the stack ``W``, ``e``, E)."""
+    return {i.name: (info.name, e, info.num_experts) for info in opt.infos.values() if info.num_experts is not None
+            for e, i in enumerate(info.state_infos())}
 
 
 def _rule_state_chunks(opt, file: str, prefix: tuple, rank: int, piece_at: dict[str, int]) -> list[Chunk]:
     """The rule state this rank keeps: whole matrices (``matrix_state``), and under the mixed
-    layout its piece ``[piece_at[name], + n)`` of a hosted matrix's element-wise state."""
+    layout its piece ``[piece_at[name], + n)`` of a hosted matrix's element-wise state.  An
+    expert stack ``W`` of E experts keeps one state per expert (``W[e]``): expert e's is chunk
+    ``[e*n, (e+1)*n)`` of the stack's state ``(E, *shape)`` under the stack's name."""
     out = []
+    experts = _experts_of(opt)
     for name, st in opt.matrix_state.items():
         for k, v in st.items():
             if not torch.is_tensor(v):
                 raise CheckpointIndexError(f"rule state {name!r} {k!r} is a {type(v).__name__}, not a tensor; the "
                                            "index describes tensors only.")
-            out.append(Chunk(name, k, tuple(v.shape), 0, v.numel(), file, prefix + ("matrix_state", name, k), 0,
-                             None, rank))
+            key = prefix + ("matrix_state", name, k)
+            if name in experts:
+                stack, e, E = experts[name]
+                out.append(Chunk(stack, k, (E,) + tuple(v.shape), e * v.numel(), v.numel(), file, key, 0, None, rank))
+            else:
+                out.append(Chunk(name, k, tuple(v.shape), 0, v.numel(), file, key, 0, None, rank))
     for name, st in opt.piece_state.items():  # the mixed layout: this rank's piece of element-wise state
         for k, v in st.items():
             out.append(Chunk(name, k, tuple(opt.infos[name].shape), piece_at[name], v.numel(), file,
@@ -210,6 +223,8 @@ def emit(engine) -> tuple[list[Chunk] | None, dict]:
         "world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
         "rule": opt.rule.name, "roles": roles, "matrix_step": matrix_step, "adam_step": _adam_step(opt),
         "engine_file": None, "scalars": None,
+        # expert stacks: their rule state is per expert, W[e] = chunk e of the stack's (E, ...) state
+        "expert_stacks": {info.name: info.num_experts for info in opt.infos.values() if info.num_experts is not None},
     }
     why = _layout_without_emitter(engine, opt)
     if why is not None:
@@ -252,7 +267,8 @@ def gather_index(engine, tag: str, directory: str) -> Index | None:
 
     chunks, meta = emit(engine)
     meta["engine_file"], meta["scalars"] = _engine_files(engine)
-    payload = (None if chunks is None else [c.to_json() for c in chunks], meta["roles"], layout_fingerprint(engine))
+    payload = (None if chunks is None else [c.to_json() for c in chunks], meta["roles"], layout_fingerprint(engine),
+               meta["expert_stacks"])
     if tdist.is_initialized():
         parts: list = [None] * tdist.get_world_size()
         tdist.all_gather_object(parts, payload)
@@ -260,10 +276,12 @@ def gather_index(engine, tag: str, directory: str) -> Index | None:
         parts = [payload]
     if tdist.is_initialized() and tdist.get_rank() != 0:
         return None
-    # every rank's roles (a pipeline stage knows its own parameters only) and layout fingerprint
-    meta["roles"] = {n: r for _, roles, _ in parts for n, r in roles.items()}
-    meta["fingerprints"] = [fp for _, _, fp in parts]
-    parts = [c for c, _, _ in parts]
+    # every rank's roles and expert stacks (a pipeline stage knows its own parameters only) and
+    # layout fingerprint
+    meta["roles"] = {n: r for _, roles, _, _ in parts for n, r in roles.items()}
+    meta["expert_stacks"] = {n: e for *_, stacks in parts for n, e in stacks.items()}
+    meta["fingerprints"] = [fp for _, _, fp, _ in parts]
+    parts = [c for c, *_ in parts]
     files = sorted(f for f in _list(directory))
     if any(p is None for p in parts):
         all_chunks = None
@@ -418,14 +436,33 @@ class IndexSource:
         return self.reader.region(name, key, start, stop)
 
     def state_names(self) -> list[str]:
-        return sorted({n for (n, s) in self.index.by_key() if s != MASTER and self.roles.get(n) != ADAM
-                       and n not in self.changed and (self.only is None or n in self.only)})
+        """The rule-state keys the checkpoint holds: a matrix's name, an expert stack's ``W[e]``."""
+        stacks = self.index.meta.get("expert_stacks") or {}
+        names = sorted({n for (n, s) in self.index.by_key() if s != MASTER and self.roles.get(n) != ADAM
+                        and n not in self.changed and (self.only is None or n in self.only)})
+        return [k for n in names for k in ([expert_name(n, e) for e in range(stacks[n])] if n in stacks else [n])]
+
+    def _expert(self, name: str) -> tuple[str, int | None]:
+        """(the stored name, the expert) of a rule-state key (``W[e]`` -> ("W", e))."""
+        stack, _, e = name[:-1].rpartition("[") if name.endswith("]") else ("", "", "")
+        if stack and e.isdigit() and stack in (self.index.meta.get("expert_stacks") or {}):
+            return stack, int(e)
+        return name, None
 
     def state_shapes(self, name: str) -> dict[str, tuple[int, ...]]:
-        return {k: v for k, v in self.index.states_of(name).items() if k != MASTER}
+        stored, e = self._expert(name)
+        shapes = {k: v for k, v in self.index.states_of(stored).items() if k != MASTER}
+        return shapes if e is None else {k: v[1:] for k, v in shapes.items()}
 
     def state_of(self, name: str) -> dict[str, Any]:
-        return {k: self.reader.whole(name, k) for k in self.state_shapes(name)}
+        stored, e = self._expert(name)
+        if e is None:
+            return {k: self.reader.whole(name, k) for k in self.state_shapes(name)}
+        out = {}
+        for k, shape in self.state_shapes(name).items():  # expert e's chunk of the stack's state only
+            n = math.prod(shape)
+            out[k] = self.reader.region(stored, k, e * n, (e + 1) * n).view(shape)
+        return out
 
     def check_state_layout(self, rule, name: str, tp_layout) -> None:
         return None
