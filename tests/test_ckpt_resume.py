@@ -33,10 +33,13 @@ STACK_DOWN = "model.model.layers.0.mlp.experts.down_proj"
 CLIP = 0.05
 
 
-def _cfg(dp: int, stage: int, opt_type: str) -> dict:
+def _cfg(dp: int, stage, opt_type: str) -> dict:
+    """``stage``: 0-3, or ``"3o"`` (ZeRO-3 with the optimizer offloaded to the CPU)."""
     from canzona_ds.testing.zero3 import zero3_config
 
     kw = dict(optimizer=opt_type, gradient_clipping=CLIP)
+    if stage == "3o":
+        return zero3_config(dp, zero_optimization={"offload_optimizer": {"device": "cpu"}}, **kw)
     return zero3_config(dp, **kw) if stage == 3 else ds_config(dp, stage=stage, **kw)
 
 
@@ -75,8 +78,8 @@ def _engine(dp: int, stage: int, opt_type: str, kind: str = "dense"):
     return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_cfg(dp, stage, opt_type))[0]
 
 
-def _params(engine, stage: int) -> dict:
-    if stage == 3:
+def _params(engine, stage) -> dict:
+    if stage in (3, "3o"):
         from canzona_ds.testing.zero3 import gathered_params
 
         return gathered_params(engine.module)
@@ -154,13 +157,15 @@ def assert_same_state(a_dir: str, b_dir: str, a=None) -> int:
 #: (model, saved stage, saved DP, running stage, running DP, optimizer): ZeRO stage changes at
 #: the same and at another DP size, then DP resizes at the same stage (what tests/test_elastic.py
 #: and tests/test_zero3.py checked per combination before); then transformers expert stacks
-#: (3-D ``mlp.experts.*``, rule state per expert ``W[e]``: tests/test_experts.py's resumes before)
+#: (3-D ``mlp.experts.*``, rule state per expert ``W[e]``: tests/test_experts.py's resumes before);
+#: then ZeRO-3 with the optimizer offloaded (stage ``"3o"``), off and on
 SCENARIOS = [
     ("dense", 1, 2, 3, 2, "CanzonaMuon"), ("dense", 3, 2, 1, 2, "CanzonaSOAP"), ("dense", 2, 2, 0, 2, "CanzonaShampoo"),
     ("dense", 0, 2, 3, 2, "CanzonaMuon"), ("dense", 1, 2, 3, 1, "CanzonaMuon"), ("dense", 3, 1, 1, 2, "CanzonaSOAP"),
     ("dense", 2, 2, 0, 1, "CanzonaShampoo"), ("dense", 0, 1, 3, 2, "CanzonaMuon"), ("dense", 1, 2, 1, 1, "CanzonaMuon"),
     ("dense", 1, 1, 1, 2, "CanzonaShampoo"), ("dense", 2, 2, 2, 1, "CanzonaSOAP"), ("dense", 3, 2, 3, 1, "CanzonaSOAP"),
     ("stacks", 1, 2, 1, 1, "CanzonaMuon"), ("stacks", 1, 2, 0, 2, "CanzonaMuon"), ("stacks", 2, 1, 2, 2, "CanzonaSOAP"),
+    ("dense", "3o", 2, 3, 1, "CanzonaSOAP"), ("dense", 1, 2, "3o", 2, "CanzonaMuon"),
 ]
 
 
