@@ -113,6 +113,58 @@ def _resume(rank, dp, ckpt, stage, opt_type, out, kind="dense"):
     return dict(params=_params(engine, stage), steps_at_load=steps, steps=engine.global_steps)
 
 
+def _moe_eps(kind: str) -> tuple[int, int]:
+    """``moe-ep{a}-ep{b}``: DeepSpeed MoE (testing.moe's TinyMoE) saved at ep_size a, resumed at b."""
+    a, b = kind.split("-")[1:]
+    return int(a[2:]), int(b[2:])
+
+
+def _save_moe(rank, world, ckpt, stage, opt_type, ep):
+    from canzona_ds.testing.moe import moe_ds_config, run_moe_engine
+
+    cfg = moe_ds_config(world, optimizer=opt_type, stage=stage, gradient_clipping=CLIP)
+    _, _, engine = run_moe_engine(rank, world, ep, cfg, BEFORE, data=_data(world, BEFORE, 1))
+    engine.save_checkpoint(ckpt, tag="saved")
+    return True
+
+
+def _resume_moe(rank, world, ckpt, stage, opt_type, out, ep):
+    from canzona_ds.testing.moe import moe_ds_config, run_moe_engine
+
+    _index_route_only()
+    at = {}
+
+    def load(engine):
+        engine.load_checkpoint(ckpt, tag="saved")
+        engine.save_checkpoint(out, tag="reloaded")  # what this rank holds right after the load
+        at["steps"] = engine.global_steps
+
+    cfg = moe_ds_config(world, optimizer=opt_type, stage=stage, gradient_clipping=CLIP)
+    params, _, engine = run_moe_engine(rank, world, ep, cfg, AFTER, after_init=load, data=_data(world, AFTER, 2))
+    return dict(params=params, steps_at_load=at["steps"], steps=engine.global_steps)
+
+
+def _moe_reference(folder: str, m: int, ep: int, opt_type: str) -> dict:
+    """testing.moe's whole-model reference at the running size, continued from the saved state
+    (every tensor read whole through the saved index)."""
+    from types import SimpleNamespace
+
+    from canzona_ds.ckpt import Index, Reader
+    from canzona_ds.testing.moe import reference_run
+
+    index = Index.read(folder)
+    reader = Reader(folder, index)
+    roles = index.meta["roles"]
+    whole = {(n, k): reader.whole(n, k).clone() for n, k in index.by_key()}
+    start = SimpleNamespace(
+        params={n: whole[n, "param"] for n in index.names},
+        adam={n: {k: whole[n, k] for k in ("exp_avg", "exp_avg_sq")} for n in index.names if roles[n] == "adamw"},
+        rule_state={n: {k: v for (n2, k), v in whole.items() if n2 == n and k != "param"}
+                    for n in index.names if roles[n] == "matrix"},
+        adam_step=index.meta["adam_step"], matrix_step=index.meta["matrix_step"])
+    return reference_run(m, ep, AFTER, opt_type, data=_data(m, AFTER, 2), start=start, clip=CLIP)
+
+
 def _reference(n: int, m: int, opt_type: str, kind: str = "dense") -> dict:
     from canzona_ds.optim.config import CanzonaConfig
     from canzona_ds.optim.reference import ReferenceOptimizer
@@ -158,7 +210,8 @@ def assert_same_state(a_dir: str, b_dir: str, a=None) -> int:
 #: the same and at another DP size, then DP resizes at the same stage (what tests/test_elastic.py
 #: and tests/test_zero3.py checked per combination before); then transformers expert stacks
 #: (3-D ``mlp.experts.*``, rule state per expert ``W[e]``: tests/test_experts.py's resumes before);
-#: then ZeRO-3 with the optimizer offloaded (stage ``"3o"``), off and on
+#: then ZeRO-3 with the optimizer offloaded (stage ``"3o"``), off and on; then DeepSpeed MoE
+#: (``moe-ep{saved}-ep{running}``: experts by whole-model name; tests/test_moe_elastic.py before)
 SCENARIOS = [
     ("dense", 1, 2, 3, 2, "CanzonaMuon"), ("dense", 3, 2, 1, 2, "CanzonaSOAP"), ("dense", 2, 2, 0, 2, "CanzonaShampoo"),
     ("dense", 0, 2, 3, 2, "CanzonaMuon"), ("dense", 1, 2, 3, 1, "CanzonaMuon"), ("dense", 3, 1, 1, 2, "CanzonaSOAP"),
@@ -166,6 +219,8 @@ SCENARIOS = [
     ("dense", 1, 1, 1, 2, "CanzonaShampoo"), ("dense", 2, 2, 2, 1, "CanzonaSOAP"), ("dense", 3, 2, 3, 1, "CanzonaSOAP"),
     ("stacks", 1, 2, 1, 1, "CanzonaMuon"), ("stacks", 1, 2, 0, 2, "CanzonaMuon"), ("stacks", 2, 1, 2, 2, "CanzonaSOAP"),
     ("dense", "3o", 2, 3, 1, "CanzonaSOAP"), ("dense", 1, 2, "3o", 2, "CanzonaMuon"),
+    ("moe-ep2-ep1", 1, 2, 1, 2, "CanzonaSOAP"), ("moe-ep2-ep1", 2, 2, 2, 1, "CanzonaMuon"),
+    ("moe-ep2-ep2", 2, 2, 1, 2, "CanzonaMuon"),
 ]
 
 
@@ -175,10 +230,15 @@ def saved(tmp_path_factory):
     made = {}
 
     def get(stage: int, dp: int, opt_type: str, kind: str = "dense") -> str:
+        if kind.startswith("moe"):
+            kind = kind.rsplit("-", 1)[0]  # (the saved ep_size only)
         key = (stage, dp, opt_type, kind)
         if key not in made:
             ckpt = str(tmp_path_factory.mktemp(f"saved-{kind}-z{stage}-dp{dp}-{opt_type}"))
-            run_distributed(_save, dp, ckpt, stage, opt_type, kind)
+            if kind.startswith("moe"):
+                run_distributed(_save_moe, dp, ckpt, stage, opt_type, int(kind.split("-")[1][2:]))
+            else:
+                run_distributed(_save, dp, ckpt, stage, opt_type, kind)
             made[key] = ckpt
         return made[key]
 
@@ -199,15 +259,28 @@ def _stack_states(folder: str) -> set:
 def test_resume_across_layouts(saved, tmp_path, kind, s0, n, s1, m, opt_type):
     ckpt = saved(s0, n, opt_type, kind)
     out = str(tmp_path / "out")
-    res = run_distributed(_resume, m, ckpt, s1, opt_type, out, kind)
+    if kind.startswith("moe"):
+        res = run_distributed(_resume_moe, m, ckpt, s1, opt_type, out, _moe_eps(kind)[1])
+    else:
+        res = run_distributed(_resume, m, ckpt, s1, opt_type, out, kind)
     compared = assert_same_state(os.path.join(ckpt, "saved"), os.path.join(out, "reloaded"))
     if kind == "dense":
         assert compared >= 9 + 2 * 5  # every parameter's master, the AdamW moments of the 5 AdamW ones, rule state
-    else:  # both stacks' rule state, every expert's chunk, compared above as the stack's (E, ...) state
+    elif kind == "stacks":  # both stacks' rule state, every expert's chunk, compared above as the stack's (E, ...) state
         stacks = _stack_states(os.path.join(ckpt, "saved"))
         assert {n for n, _ in stacks} == {STACK_GATE_UP, STACK_DOWN}, stacks
+    else:  # every expert (4 experts x weight and bias of 2 layers) by its whole-model name
+        from canzona_ds.testing.moe import whole_names
+
+        assert compared >= len(whole_names())
     for r in res:
         assert (r["steps_at_load"], r["steps"]) == (BEFORE, BEFORE + AFTER)
+    if kind.startswith("moe"):
+        ref = _moe_reference(os.path.join(ckpt, "saved"), m, _moe_eps(kind)[1], opt_type)
+        for r in res:
+            for k, v in r["params"].items():
+                np.testing.assert_array_equal(v, ref[k], err_msg=k)
+        return
     ref = _reference(n, m, opt_type, kind)
     for k in ref:
         np.testing.assert_array_equal(res[0]["params"][k], ref[k], err_msg=k)

@@ -56,8 +56,8 @@ def _layout_without_emitter(engine, opt) -> str | None:
     """Why this run's layout emits no chunks (None: it does)."""
     if opt.tp_size > 1:
         return "tensor parallelism (TP layout frames are read by integration/elastic.py)"
-    if opt.moe is not None and getattr(opt.moe, "active", False):
-        return "DeepSpeed MoE expert groups"
+    if opt.moe is not None and getattr(opt.moe, "active", False) and engine.zero_optimization_stage() == 0:
+        return "DeepSpeed MoE at ZeRO stage 0 (expp_rank files)"
     # (a bf16/fp16 model at stage 0 never runs: builder.check_settings refuses it by name)
     return None
 
@@ -75,6 +75,7 @@ def _rule_state_chunks(opt, file: str, prefix: tuple, rank: int, piece_at: dict[
     ``[e*n, (e+1)*n)`` of the stack's state ``(E, *shape)`` under the stack's name."""
     out = []
     experts = _experts_of(opt)
+    glob = opt.global_name  # (DeepSpeed MoE: local expert j of expert-parallel rank k is global k*E/ep + j)
     for name, st in opt.matrix_state.items():
         for k, v in st.items():
             if not torch.is_tensor(v):
@@ -83,12 +84,13 @@ def _rule_state_chunks(opt, file: str, prefix: tuple, rank: int, piece_at: dict[
             key = prefix + ("matrix_state", name, k)
             if name in experts:
                 stack, e, E = experts[name]
-                out.append(Chunk(stack, k, (E,) + tuple(v.shape), e * v.numel(), v.numel(), file, key, 0, None, rank))
+                out.append(Chunk(glob(stack), k, (E,) + tuple(v.shape), e * v.numel(), v.numel(), file, key, 0,
+                                 None, rank))
             else:
-                out.append(Chunk(name, k, tuple(v.shape), 0, v.numel(), file, key, 0, None, rank))
+                out.append(Chunk(glob(name), k, tuple(v.shape), 0, v.numel(), file, key, 0, None, rank))
     for name, st in opt.piece_state.items():  # the mixed layout: this rank's piece of element-wise state
         for k, v in st.items():
-            out.append(Chunk(name, k, tuple(opt.infos[name].shape), piece_at[name], v.numel(), file,
+            out.append(Chunk(glob(name), k, tuple(opt.infos[name].shape), piece_at[name], v.numel(), file,
                              prefix + ("piece_state", name, k), 0, None, rank))
     return out
 
@@ -115,15 +117,15 @@ def _emit_zero12(engine, opt, rank: int) -> list[Chunk]:
                 lo = m.starts[r] if m is not None and hasattr(m, "starts") else 0
                 if m is not None and hasattr(m, "starts"):
                     piece_at[v.name] = lo
-                out.append(Chunk(v.name, MASTER, shape_of[v.name], lo, v.numel, file, fkey, v.offset,
-                                 None, rank))
+                out.append(Chunk(opt.global_name(v.name), MASTER, shape_of[v.name], lo, v.numel, file, fkey,
+                                 v.offset, None, rank))
             continue
         P = zopt.partition_size[i]
         lo, hi = r * P, (r + 1) * P
         st = opt.state.get(flat) or {}
         idx = order.index(id(flat))
         for p, off in zip(zopt.round_robin_bit16_groups[i], zopt.round_robin_bit16_offsets[i]):
-            name = zopt.param_names[p]
+            name = opt.global_name(zopt.param_names[p])
             a, b = max(off, lo), min(off + p.numel(), hi)
             if a >= b:
                 continue
@@ -215,7 +217,7 @@ def emit(engine) -> tuple[list[Chunk] | None, dict]:
         for n in names:
             roles[opt.global_name(n)] = MATRIX if g["canzona_role"] == MATRIX else ADAM
     meta: dict[str, Any] = {
-        "stage": stage, "dp": opt.groups.dp_size, "tp": opt.tp_size, "pp": opt.groups.pp_size,
+        "stage": stage, "dp": opt.groups.dp_size, "tp": opt.tp_size, "pp": opt.groups.pp_size, "ep": _ep(opt),
         "world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
         "rule": opt.rule.name, "roles": roles, "matrix_step": matrix_step, "adam_step": _adam_step(opt),
         "engine_file": None, "scalars": None,
@@ -235,6 +237,12 @@ def emit(engine) -> tuple[list[Chunk] | None, dict]:
         chunks = _emit_zero12(engine, opt, rank)
     # (a mixed layout's piece can be empty on a rank: nothing to describe)
     return [c for c in chunks if c.length > 0], meta
+
+
+def _ep(opt) -> int:
+    """The DeepSpeed MoE expert-parallel size (1 without MoE)."""
+    moe = opt.moe
+    return int(opt.groups.ep_size) if moe is not None and getattr(moe, "active", False) else 1
 
 
 def layout_fingerprint(engine) -> str | None:
@@ -602,10 +610,10 @@ def index_route(engine, load_dir: str, tag: str | None) -> Index | None:
     m = index.meta
     rank = tdist.get_rank() if tdist.is_initialized() else 0
     world = tdist.get_world_size() if tdist.is_initialized() else 1
-    here = (engine.zero_optimization_stage(), opt.groups.dp_size, opt.tp_size, opt.groups.pp_size, world)
+    here = (engine.zero_optimization_stage(), opt.groups.dp_size, opt.tp_size, opt.groups.pp_size, _ep(opt), world)
     saved_fps = m.get("fingerprints") or []
     mine = layout_fingerprint(engine)
-    same = (here == (m.get("stage"), m.get("dp"), m.get("tp"), m.get("pp"), m.get("world_size"))
+    same = (here == (m.get("stage"), m.get("dp"), m.get("tp"), m.get("pp"), m.get("ep", 1), m.get("world_size"))
             and rank < len(saved_fps) and saved_fps[rank] == mine)
     roles_here = _roles_here(opt)
     changed = any(n in m.get("roles", {}) and m["roles"][n] != r for n, r in roles_here.items())
@@ -666,6 +674,8 @@ def load(engine, load_dir: str, tag: str | None, index: Index, load_module_stric
 
     local = {opt.global_name(n) for names in opt.group_names for n in names}
     here = set(local)
+    if opt.moe is not None and getattr(opt.moe, "active", False):  # every expert of the model, not only this rank's
+        here |= set(opt.moe.global_order)
     if opt.groups.pp_size > 1:  # each stage holds its own parameters: the model is every stage's
         parts: list = [None] * tdist.get_world_size()
         tdist.all_gather_object(parts, sorted(local))
@@ -677,15 +687,16 @@ def load(engine, load_dir: str, tag: str | None, index: Index, load_module_stric
         raise CheckpointIndexError(f"{folder}: the checkpoint's parameters differ from the model's: missing "
                                    f"{missing[:5]}, unexpected {extra[:5]}.")
     for n, p in engine.module.named_parameters():
-        shape = tuple(getattr(p, "ds_shape", p.shape))
-        if tuple(src.full_shape(n)) != shape:
-            raise CheckpointIndexError(f"{folder}: {n!r} is {tuple(src.full_shape(n))} in the checkpoint, {shape} here.")
+        shape, g = tuple(getattr(p, "ds_shape", p.shape)), opt.global_name(n)
+        if tuple(src.full_shape(g)) != shape:
+            raise CheckpointIndexError(f"{folder}: {g!r} is {tuple(src.full_shape(g))} in the checkpoint, {shape} here.")
     from .elastic import _check_state
 
     src.changed = changed
+    local_of = {opt.global_name(n): n for n in opt.state_infos}  # (a DeepSpeed MoE expert's local name)
     for name in src.state_names():  # every rule state fits this run's settings (shapes only)
-        if name in opt.state_infos:
-            _check_state(opt.rule, opt.state_infos[name], src.state_shapes(name))
+        if name in local_of:
+            _check_state(opt.rule, opt.state_infos[local_of[name]], src.state_shapes(name))
     for n in sorted(changed):
         logger.warning("canzona_ds: %s: %r changed role (%s -> %s); its optimizer state is re-initialised "
                        "(reinit_changed_roles)", folder, n, src.roles[n],
