@@ -11,17 +11,28 @@ Save (every rank, after DeepSpeed wrote its files; :func:`emit`)::
                view of the flat fp32 partition (a mixed layout's piece at its offset), each
                AdamW parameter's overlap with the partition (master and both moments), the
                rule state it keeps (whole matrices; a mixed layout's element-wise pieces)
-    stage 3    every DP rank: each parameter's ZeRO-3 piece [r*P, r*P + n) of its fp32 flat
-               group (and moments), the rule state of the matrices it hosts
+    stage 3    every DP rank (optimizer offloaded or not): each parameter's ZeRO-3 piece
+               [r*P, r*P + n) of its fp32 flat group (and moments), the rule state of the
+               matrices it hosts
 
     gathered on rank 0 -> Index(tag, meta, files, chunks) -> canzona_index.json
 
-A layout that has no emitter yet (tensor or pipeline parallelism, DeepSpeed MoE, a bf16/fp16
-model at stage 0) writes the index with ``chunks: null`` and the reason; such tags are resumed
-by the per-layout readers (integration/elastic.py) as before.  A ZeRO-3 tag written before the
-index gets one built from its layout records (:func:`legacy_zero3_index`).
+Names are the whole model's: a DeepSpeed MoE expert (ZeRO 1/2) by its global number
+(``opt.global_name``: local expert j of expert-parallel rank k is k*E/ep + j), so a load at
+another DP size or ep_size finds it; a transformers expert stack W (E experts) keeps its rule
+state per expert, W[e], stored as chunk [e*n, (e+1)*n) of the stack's state (E, *shape) under
+the name W (``meta["expert_stacks"]``; :class:`IndexSource` hands W[e] back to the optimizer).
 
-Load (:func:`load`, when the index says the checkpoint's ZeRO stage differs from the run's)::
+A layout that has no emitter yet (tensor parallelism; DeepSpeed MoE at ZeRO stage 0, whose
+expp_rank files elastic.load_stage0_moe reads) writes the index with ``chunks: null`` and the
+reason; such tags are resumed by the per-layout readers (integration/elastic.py) as before.
+A ZeRO-3 tag written before the index gets one built from its layout records
+(:func:`legacy_zero3_index`).
+
+Load (:func:`load`; :func:`index_route` is the one comparison: the same stage, DP, TP, PP,
+ep_size, world size, every rank's layout fingerprint and every role -> DeepSpeed's stock load;
+anything else, where the index has chunks and this run's layout an emitter (or where the stage
+or a role changed) -> this loop)::
 
     src = IndexSource(Reader(folder, index))      regions by whole-model name, memory-mapped
     stage 1/2  elastic.write(engine, src)         each rank's views and AdamW overlap
@@ -583,12 +594,12 @@ def supported_here(engine) -> str | None:
 
 def index_route(engine, load_dir: str, tag: str | None) -> Index | None:
     """The one comparison.  The checkpoint's index against this run: the same ZeRO stage, DP,
-    TP and PP size, world size, every rank's layout fingerprint and every parameter's role ->
-    None (DeepSpeed's stock load); anything else -> the index, for the index loop, where the
+    TP, PP and expert-parallel size, world size, every rank's layout fingerprint and every
+    parameter's role -> None (DeepSpeed's stock load); anything else -> the index, for the index loop, where the
     index describes its chunks and the loop fills this run's layout, or where a role or the
     ZeRO stage changed (the loop then refuses by name what it cannot do).  Otherwise None: a
     tag without an index (written before it), or a resize of a layout whose chunks are not
-    described yet (TP, MoE), goes to the per-layout readers as before.  The verdicts are
+    described yet (TP, MoE at stage 0), goes to the per-layout readers as before.  The verdicts are
     all-gathered, so every rank takes the same branch."""
     import torch.distributed as tdist
 
