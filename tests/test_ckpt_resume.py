@@ -211,7 +211,8 @@ def assert_same_state(a_dir: str, b_dir: str, a=None) -> int:
 #: and tests/test_zero3.py checked per combination before); then transformers expert stacks
 #: (3-D ``mlp.experts.*``, rule state per expert ``W[e]``: tests/test_experts.py's resumes before);
 #: then ZeRO-3 with the optimizer offloaded (stage ``"3o"``), off and on; then DeepSpeed MoE
-#: (``moe-ep{saved}-ep{running}``: experts by whole-model name; tests/test_moe_elastic.py before)
+#: (``moe-ep{saved}-ep{running}``: experts by whole-model name, ZeRO 0-2; tests/test_moe_elastic.py's
+#: shrinking resumes before)
 SCENARIOS = [
     ("dense", 1, 2, 3, 2, "CanzonaMuon"), ("dense", 3, 2, 1, 2, "CanzonaSOAP"), ("dense", 2, 2, 0, 2, "CanzonaShampoo"),
     ("dense", 0, 2, 3, 2, "CanzonaMuon"), ("dense", 1, 2, 3, 1, "CanzonaMuon"), ("dense", 3, 1, 1, 2, "CanzonaSOAP"),
@@ -220,7 +221,8 @@ SCENARIOS = [
     ("stacks", 1, 2, 1, 1, "CanzonaMuon"), ("stacks", 1, 2, 0, 2, "CanzonaMuon"), ("stacks", 2, 1, 2, 2, "CanzonaSOAP"),
     ("dense", "3o", 2, 3, 1, "CanzonaSOAP"), ("dense", 1, 2, "3o", 2, "CanzonaMuon"),
     ("moe-ep2-ep1", 1, 2, 1, 2, "CanzonaSOAP"), ("moe-ep2-ep1", 2, 2, 2, 1, "CanzonaMuon"),
-    ("moe-ep2-ep2", 2, 2, 1, 2, "CanzonaMuon"),
+    ("moe-ep2-ep2", 2, 2, 1, 2, "CanzonaMuon"), ("moe-ep2-ep1", 0, 2, 0, 2, "CanzonaShampoo"),
+    ("moe-ep2-ep1", 0, 2, 2, 1, "CanzonaShampoo"), ("moe-ep2-ep2", 1, 2, 0, 2, "CanzonaSOAP"),
 ]
 
 

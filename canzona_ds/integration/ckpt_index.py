@@ -23,9 +23,9 @@ another DP size or ep_size finds it; a transformers expert stack W (E experts) k
 state per expert, W[e], stored as chunk [e*n, (e+1)*n) of the stack's state (E, *shape) under
 the name W (``meta["expert_stacks"]``; :class:`IndexSource` hands W[e] back to the optimizer).
 
-A layout that has no emitter yet (tensor parallelism; DeepSpeed MoE at ZeRO stage 0, whose
-expp_rank files elastic.load_stage0_moe reads) writes the index with ``chunks: null`` and the
-reason; such tags are resumed by the per-layout readers (integration/elastic.py) as before.
+A layout that has no emitter yet (tensor parallelism; pipeline parallelism at ZeRO stage 0,
+whose module weights DeepSpeed writes to per-layer files) writes the index with ``chunks: null``
+and the reason; such tags are resumed by the per-layout readers (integration/elastic.py) as before.
 A ZeRO-3 tag written before the index gets one built from its layout records
 (:func:`legacy_zero3_index`).
 
@@ -67,8 +67,8 @@ def _layout_without_emitter(engine, opt) -> str | None:
     """Why this run's layout emits no chunks (None: it does)."""
     if opt.tp_size > 1:
         return "tensor parallelism (TP layout frames are read by integration/elastic.py)"
-    if opt.moe is not None and getattr(opt.moe, "active", False) and engine.zero_optimization_stage() == 0:
-        return "DeepSpeed MoE at ZeRO stage 0 (expp_rank files)"
+    if engine.zero_optimization_stage() == 0 and opt.groups.pp_size > 1:
+        return "pipeline parallelism at ZeRO stage 0 (the module weights are in DeepSpeed's per-layer files)"
     # (a bf16/fp16 model at stage 0 never runs: builder.check_settings refuses it by name)
     return None
 
@@ -201,6 +201,60 @@ def _emit_stage0(engine, opt, rank: int) -> list[Chunk]:
     return out + _rule_state_chunks(opt, file, ("optimizer", "canzona"), rank, {})
 
 
+def _emit_stage0_moe(engine, opt, rank: int) -> list[Chunk]:
+    """Stage 0 under DeepSpeed MoE: DeepSpeed's ``_save_moe_checkpoint`` writes the dense weights
+    to ``mp_rank_<m>_model_states.pt`` (module/<name>), each expert's to
+    ``layer_<l>_expert_<global e>_mp_rank_<m>_model_states.pt`` (its whole-model name) and each
+    expert-parallel rank k's whole optimizer state to ``expp_rank_<k>_mp_rank_<m>_optim_states.pt``
+    (optimizer/state/<i>/..., optimizer/canzona/matrix_state/<local name>/...).  One rank of each
+    replica set writes (moe.checkpoint_writers); every rank describes what it holds under the
+    file DeepSpeed names for it, and :func:`gather_index` keeps the chunks of the files that
+    were written (the replicas hold the same values)."""
+    import re
+
+    from deepspeed.moe.layer import MoE
+    from deepspeed.utils import groups as ds_groups
+
+    m = int(engine.checkpoint_mp_rank)
+    glob = opt.global_name
+    model_file = os.path.basename(engine._get_ckpt_name("", ""))
+    k = ds_groups._get_expert_parallel_rank(ds_groups._get_max_expert_size_name())
+    optim_file = os.path.basename(engine._get_optimizer_ckpt_name("", "", k))
+    prefix = ".deepspeed_moe.experts.deepspeed_experts."
+    where: dict[str, tuple[str, tuple]] = {}  # local name -> (file, key) of its weight
+    layer = 0
+    for n_module, module in engine.module.named_modules():
+        if not isinstance(module, MoE):
+            continue
+        ep_rank = ds_groups._get_expert_parallel_rank(module.expert_group_name)
+        for n, _ in module.named_parameters():
+            local = f"{n_module}.{n}"
+            found = re.match(f".*{re.escape(prefix)}([0-9]+).*", local)
+            if "expert" not in n or "moe.gate.wg.weight" in local or not found:
+                continue
+            e = ep_rank * module.num_local_experts + int(found.group(1))
+            key = local.replace(f"{prefix}{found.group(1)}", f"{prefix}{e}")
+            where[local] = (os.path.basename(engine._get_expert_ckpt_name("", layer, e, "", checkpoint_mp_rank=m)),
+                            (key,))
+        layer += 1
+    order = [id(p) for g in opt.param_groups for p in g["params"]]
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    out: list[Chunk] = []
+    for n, p in engine.module.named_parameters():
+        file, key = where.get(n, (model_file, ("module", n)))
+        out.append(Chunk(glob(n), MASTER, tuple(p.shape), 0, p.numel(), file, key, 0, None, rank))
+    for g in opt.param_groups:
+        if g["canzona_role"] == MATRIX:
+            continue
+        for p in g["params"]:
+            st = opt.state.get(p) or {}
+            for s in ("exp_avg", "exp_avg_sq"):
+                if s in st:
+                    out.append(Chunk(glob(names[id(p)]), s, tuple(p.shape), 0, p.numel(), optim_file,
+                                     ("optimizer", "state", order.index(id(p)), s), 0, None, rank))
+    return out + _rule_state_chunks(opt, optim_file, ("optimizer", "canzona"), rank, {})
+
+
 def _dp_rank(zopt) -> int:
     from deepspeed import comm as dist
 
@@ -240,7 +294,10 @@ def emit(engine) -> tuple[list[Chunk] | None, dict]:
         meta["no_chunks"] = why
         return None, meta
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    if stage == 0:
+    if stage == 0 and opt.moe is not None and getattr(opt.moe, "active", False):
+        chunks = _emit_stage0_moe(engine, opt, rank)
+        meta["replicas"] = True  # (gather_index keeps the chunks of the files that were written)
+    elif stage == 0:
         chunks = _emit_stage0(engine, opt, rank)
     elif stage == 3:
         chunks = _emit_zero3(engine, opt, rank)
@@ -302,6 +359,9 @@ def gather_index(engine, tag: str, directory: str) -> Index | None:
         all_chunks = None
     else:
         all_chunks = [Chunk.from_json(c) for part in parts for c in part]
+        if meta.pop("replicas", False):  # each replica set's one writer: its file, every replica's chunk
+            listed = set(files)
+            all_chunks = [c for c in all_chunks if c.file in listed]
     return Index(tag, meta, files, all_chunks)
 
 
@@ -510,12 +570,14 @@ def _check_roles(engine, opt, index: Index, folder: str, reinit: bool) -> list[s
 
 def fill_stage0(engine, opt, src: IndexSource, changed: set) -> None:
     names = dict(engine.module.named_parameters())
+    glob = opt.global_name  # (a DeepSpeed MoE expert: its whole-model name in the checkpoint)
     with torch.no_grad():
         for g in opt.param_groups:
             for p in g["params"]:
                 opt.state.pop(p, None)
         for g, gnames in zip(opt.param_groups, opt.group_names):
-            for name, p in zip(gnames, g["params"]):
+            for local, p in zip(gnames, g["params"]):
+                name = glob(local)
                 p.data.copy_(src.reader.whole(name, MASTER).view(p.shape))
                 if g["canzona_role"] == MATRIX or name in changed:
                     continue
@@ -525,7 +587,7 @@ def fill_stage0(engine, opt, src: IndexSource, changed: set) -> None:
                                        for k in ("exp_avg", "exp_avg_sq")}}
         frozen = [n for n, p in names.items() if not p.requires_grad]
         for n in frozen:
-            names[n].data.copy_(src.reader.whole(n, MASTER).view(names[n].shape))
+            names[n].data.copy_(src.reader.whole(glob(n), MASTER).view(names[n].shape))
     _fill_rule_state(opt, src, changed)
 
 
@@ -560,9 +622,9 @@ def fill_zero3(engine, opt, src: IndexSource, changed: set) -> None:
 
 
 def _fill_rule_state(opt, src: IndexSource, changed: set) -> None:
-    handled = set(opt.handled_state_names())
-    states = {n: {k: v.clone() for k, v in src.state_of(n).items()}  # owned, not views of the files
-              for n in src.state_names() if n in handled and n not in changed}
+    local_of = {opt.global_name(n): n for n in opt.handled_state_names()}  # (DeepSpeed MoE: local names here)
+    states = {local_of[n]: {k: v.clone() for k, v in src.state_of(n).items()}  # owned, not views of the files
+              for n in src.state_names() if n in local_of and n not in changed}
     opt.matrix_state.clear()
     opt.load_matrix_state(states)
     opt.load_piece_state({})
@@ -599,7 +661,7 @@ def index_route(engine, load_dir: str, tag: str | None) -> Index | None:
     index describes its chunks and the loop fills this run's layout, or where a role or the
     ZeRO stage changed (the loop then refuses by name what it cannot do).  Otherwise None: a
     tag without an index (written before it), or a resize of a layout whose chunks are not
-    described yet (TP, MoE at stage 0), goes to the per-layout readers as before.  The verdicts are
+    described yet (TP, PP at stage 0), goes to the per-layout readers as before.  The verdicts are
     all-gathered, so every rank takes the same branch."""
     import torch.distributed as tdist
 
