@@ -201,6 +201,10 @@ def assert_same_state(a_dir: str, b_dir: str, a=None) -> int:
     for name, state in a.by_key():
         x, y = ra.whole(name, state), rb.whole(name, state)
         assert torch.equal(x, y), (name, state, float((x - y).abs().max()))
+    for index, reader in ((a, ra), (b, rb)):  # every chunk, replicas too (stage-0 MoE), holds those values
+        for c in index.chunks:
+            got = reader.stored(c)[c.at:c.at + c.length]
+            assert torch.equal(got, reader.whole(c.name, c.state).reshape(-1)[c.offset:c.stop]), (c.name, c.state, c.file)
     for key in ("rule", "matrix_step", "adam_step", "roles"):
         assert a.meta[key] == b.meta[key], key
     return len(a.by_key())
