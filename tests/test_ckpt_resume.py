@@ -27,19 +27,38 @@ from canzona_testkit.dist import run_distributed
 from canzona_testkit.models import HP, batches, ds_config, make_model, params_of
 
 BEFORE, AFTER, MICRO = 2, 2, 2
+STACK_GATE_UP = "model.model.layers.0.mlp.experts.gate_up_proj"
+STACK_DOWN = "model.model.layers.0.mlp.experts.down_proj"
 #: below the tiny model's gradient norm on every step (~1): every step clips
 CLIP = 0.05
 
 
-def _cfg(dp: int, stage: int, opt_type: str) -> dict:
+def _cfg(dp: int, stage, opt_type: str) -> dict:
+    """``stage``: 0-3, or ``"3o"`` (ZeRO-3 with the optimizer offloaded to the CPU)."""
     from canzona_testkit.zero3 import zero3_config
 
     kw = dict(optimizer=opt_type, gradient_clipping=CLIP)
+    if stage == "3o":
+        return zero3_config(dp, zero_optimization={"offload_optimizer": {"device": "cpu"}}, **kw)
     return zero3_config(dp, **kw) if stage == 3 else ds_config(dp, stage=stage, **kw)
 
 
-def _data(dp: int, steps: int, seed: int) -> list:
+def _data(dp: int, steps: int, seed: int, kind: str = "dense") -> list:
+    if kind == "stacks":
+        from canzona_testkit.hf_moe import moe_batches
+
+        return moe_batches(steps, MICRO * dp, seed=seed)
     return batches(steps, MICRO * dp, seed=seed)
+
+
+def _model(kind: str):
+    """``dense``: the tiny LM; ``stacks``: a tiny transformers Qwen3-MoE whose experts are 3-D
+    stacks (rule state per expert, ``W[e]``)."""
+    if kind == "stacks":
+        from canzona_testkit.hf_moe import make_moe_model
+
+        return make_moe_model(0)
+    return make_model(0)
 
 
 def _train(engine, rank: int, data: list) -> None:
@@ -49,48 +68,117 @@ def _train(engine, rank: int, data: list) -> None:
         engine.step()
 
 
-def _engine(dp: int, stage: int, opt_type: str):
+def _engine(dp: int, stage: int, opt_type: str, kind: str = "dense"):
     import deepspeed
 
     import canzona_ds  # noqa: F401
 
-    model = make_model(0)
+    torch.set_num_threads(1)
+    model = _model(kind)
     return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_cfg(dp, stage, opt_type))[0]
 
 
-def _params(engine, stage: int) -> dict:
-    if stage == 3:
+def _params(engine, stage) -> dict:
+    if stage in (3, "3o"):
         from canzona_testkit.zero3 import gathered_params
 
         return gathered_params(engine.module)
     return params_of(engine.module)
 
 
-def _save(rank, dp, ckpt, stage, opt_type):
-    engine = _engine(dp, stage, opt_type)
-    _train(engine, rank, _data(dp, BEFORE, 1))
+def _save(rank, dp, ckpt, stage, opt_type, kind="dense"):
+    engine = _engine(dp, stage, opt_type, kind)
+    _train(engine, rank, _data(dp, BEFORE, 1, kind))
     engine.save_checkpoint(ckpt, tag="saved")
     return True
 
 
-def _resume(rank, dp, ckpt, stage, opt_type, out):
-    engine = _engine(dp, stage, opt_type)
+def _index_route_only() -> None:
+    """Make the per-layout readers fail if reached: a resume here goes through the index loop."""
+    from canzona_ds.integration import elastic
+
+    def reached(*args, **kwargs):
+        raise AssertionError("a per-layout reader (integration/elastic.py) was reached; the index loop was expected")
+
+    elastic.load = elastic.load_stage0_moe = reached
+
+
+def _resume(rank, dp, ckpt, stage, opt_type, out, kind="dense"):
+    _index_route_only()
+    engine = _engine(dp, stage, opt_type, kind)
     engine.load_checkpoint(ckpt, tag="saved")
     engine.save_checkpoint(out, tag="reloaded")  # what this rank holds right after the load
     steps = engine.global_steps
-    _train(engine, rank, _data(dp, AFTER, 2))
+    _train(engine, rank, _data(dp, AFTER, 2, kind))
     return dict(params=_params(engine, stage), steps_at_load=steps, steps=engine.global_steps)
 
 
-def _reference(n: int, m: int, opt_type: str) -> dict:
+def _moe_eps(kind: str) -> tuple[int, int]:
+    """``moe-ep{a}-ep{b}``: DeepSpeed MoE (testing.moe's TinyMoE) saved at ep_size a, resumed at b."""
+    a, b = kind.split("-")[1:]
+    return int(a[2:]), int(b[2:])
+
+
+def _save_moe(rank, world, ckpt, stage, opt_type, ep):
+    from canzona_testkit.moe import moe_ds_config, run_moe_engine
+
+    cfg = moe_ds_config(world, optimizer=opt_type, stage=stage, gradient_clipping=CLIP)
+    _, _, engine = run_moe_engine(rank, world, ep, cfg, BEFORE, data=_data(world, BEFORE, 1))
+    engine.save_checkpoint(ckpt, tag="saved")
+    return True
+
+
+def _resume_moe(rank, world, ckpt, stage, opt_type, out, ep):
+    from canzona_testkit.moe import moe_ds_config, run_moe_engine
+
+    _index_route_only()
+    at = {}
+
+    def load(engine):
+        engine.load_checkpoint(ckpt, tag="saved")
+        engine.save_checkpoint(out, tag="reloaded")  # what this rank holds right after the load
+        at["steps"] = engine.global_steps
+
+    cfg = moe_ds_config(world, optimizer=opt_type, stage=stage, gradient_clipping=CLIP)
+    params, _, engine = run_moe_engine(rank, world, ep, cfg, AFTER, after_init=load, data=_data(world, AFTER, 2))
+    return dict(params=params, steps_at_load=at["steps"], steps=engine.global_steps)
+
+
+def _moe_reference(folder: str, m: int, ep: int, opt_type: str) -> dict:
+    """testing.moe's whole-model reference at the running size, continued from the saved state
+    (every tensor read whole through the saved index)."""
+    from types import SimpleNamespace
+
+    from canzona_ds.ckpt import Index, Reader
+    from canzona_testkit.moe import reference_run
+
+    index = Index.read(folder)
+    reader = Reader(folder, index)
+    roles = index.meta["roles"]
+    whole = {(n, k): reader.whole(n, k).clone() for n, k in index.by_key()}
+    start = SimpleNamespace(
+        params={n: whole[n, "param"] for n in index.names},
+        adam={n: {k: whole[n, k] for k in ("exp_avg", "exp_avg_sq")} for n in index.names if roles[n] == "adamw"},
+        rule_state={n: {k: v for (n2, k), v in whole.items() if n2 == n and k != "param"}
+                    for n in index.names if roles[n] == "matrix"},
+        adam_step=index.meta["adam_step"], matrix_step=index.meta["matrix_step"])
+    return reference_run(m, ep, AFTER, opt_type, data=_data(m, AFTER, 2), start=start, clip=CLIP)
+
+
+def _reference(n: int, m: int, opt_type: str, kind: str = "dense") -> dict:
     from canzona_ds.config import CanzonaConfig
     from canzona_ds.reference import ReferenceOptimizer
     from canzona_testkit.models import reference_grads
 
     torch.set_num_threads(1)
-    model = make_model(0)
-    opt = ReferenceOptimizer(model.named_parameters(), CanzonaConfig.from_ds(opt_type, HP[opt_type]))
-    for dp, data in ((n, _data(n, BEFORE, 1)), (m, _data(m, AFTER, 2))):
+    model = _model(kind)
+    if kind == "stacks":  # every expert slice its own 2-D matrix
+        from canzona_testkit.hf_moe import PerExpertReference
+
+        opt = PerExpertReference(model, opt_type)
+    else:
+        opt = ReferenceOptimizer(model.named_parameters(), CanzonaConfig.from_ds(opt_type, HP[opt_type]))
+    for dp, data in ((n, _data(n, BEFORE, 1, kind)), (m, _data(m, AFTER, 2, kind))):
         for x, y in data:
             grads = reference_grads(model, [x], [y], dp, MICRO)
             for name, p in model.named_parameters():
@@ -113,18 +201,32 @@ def assert_same_state(a_dir: str, b_dir: str, a=None) -> int:
     for name, state in a.by_key():
         x, y = ra.whole(name, state), rb.whole(name, state)
         assert torch.equal(x, y), (name, state, float((x - y).abs().max()))
+    for index, reader in ((a, ra), (b, rb)):  # every chunk, replicas too (stage-0 MoE), holds those values
+        for c in index.chunks:
+            got = reader.stored(c)[c.at:c.at + c.length]
+            assert torch.equal(got, reader.whole(c.name, c.state).reshape(-1)[c.offset:c.stop]), (c.name, c.state, c.file)
     for key in ("rule", "matrix_step", "adam_step", "roles"):
         assert a.meta[key] == b.meta[key], key
     return len(a.by_key())
 
 
-#: (saved stage, saved DP, running stage, running DP, optimizer): ZeRO stage changes at the same
-#: and at another DP size, then DP resizes at the same stage (what tests/test_elastic.py and
-#: tests/test_zero3.py checked per combination before)
+#: (model, saved stage, saved DP, running stage, running DP, optimizer): ZeRO stage changes at
+#: the same and at another DP size, then DP resizes at the same stage (what tests/test_elastic.py
+#: and tests/test_zero3.py checked per combination before); then transformers expert stacks
+#: (3-D ``mlp.experts.*``, rule state per expert ``W[e]``: tests/test_experts.py's resumes before);
+#: then ZeRO-3 with the optimizer offloaded (stage ``"3o"``), off and on; then DeepSpeed MoE
+#: (``moe-ep{saved}-ep{running}``: experts by whole-model name, ZeRO 0-2; tests/test_moe_elastic.py's
+#: shrinking resumes before)
 SCENARIOS = [
-    (1, 2, 3, 2, "CanzonaMuon"), (3, 2, 1, 2, "CanzonaSOAP"), (2, 2, 0, 2, "CanzonaShampoo"), (0, 2, 3, 2, "CanzonaMuon"),
-    (1, 2, 3, 1, "CanzonaMuon"), (3, 1, 1, 2, "CanzonaSOAP"), (2, 2, 0, 1, "CanzonaShampoo"), (0, 1, 3, 2, "CanzonaMuon"),
-    (1, 2, 1, 1, "CanzonaMuon"), (1, 1, 1, 2, "CanzonaShampoo"), (2, 2, 2, 1, "CanzonaSOAP"), (3, 2, 3, 1, "CanzonaSOAP"),
+    ("dense", 1, 2, 3, 2, "CanzonaMuon"), ("dense", 3, 2, 1, 2, "CanzonaSOAP"), ("dense", 2, 2, 0, 2, "CanzonaShampoo"),
+    ("dense", 0, 2, 3, 2, "CanzonaMuon"), ("dense", 1, 2, 3, 1, "CanzonaMuon"), ("dense", 3, 1, 1, 2, "CanzonaSOAP"),
+    ("dense", 2, 2, 0, 1, "CanzonaShampoo"), ("dense", 0, 1, 3, 2, "CanzonaMuon"), ("dense", 1, 2, 1, 1, "CanzonaMuon"),
+    ("dense", 1, 1, 1, 2, "CanzonaShampoo"), ("dense", 2, 2, 2, 1, "CanzonaSOAP"), ("dense", 3, 2, 3, 1, "CanzonaSOAP"),
+    ("stacks", 1, 2, 1, 1, "CanzonaMuon"), ("stacks", 1, 2, 0, 2, "CanzonaMuon"), ("stacks", 2, 1, 2, 2, "CanzonaSOAP"),
+    ("dense", "3o", 2, 3, 1, "CanzonaSOAP"), ("dense", 1, 2, "3o", 2, "CanzonaMuon"),
+    ("moe-ep2-ep1", 1, 2, 1, 2, "CanzonaSOAP"), ("moe-ep2-ep1", 2, 2, 2, 1, "CanzonaMuon"),
+    ("moe-ep2-ep2", 2, 2, 1, 2, "CanzonaMuon"), ("moe-ep2-ep1", 0, 2, 0, 2, "CanzonaShampoo"),
+    ("moe-ep2-ep1", 0, 2, 2, 1, "CanzonaShampoo"), ("moe-ep2-ep2", 1, 2, 0, 2, "CanzonaSOAP"),
 ]
 
 
@@ -133,28 +235,59 @@ def saved(tmp_path_factory):
     """One saved checkpoint per saved layout, shared by its scenarios."""
     made = {}
 
-    def get(stage: int, dp: int, opt_type: str) -> str:
-        key = (stage, dp, opt_type)
+    def get(stage: int, dp: int, opt_type: str, kind: str = "dense") -> str:
+        if kind.startswith("moe"):
+            kind = kind.rsplit("-", 1)[0]  # (the saved ep_size only)
+        key = (stage, dp, opt_type, kind)
         if key not in made:
-            ckpt = str(tmp_path_factory.mktemp(f"saved-z{stage}-dp{dp}-{opt_type}"))
-            run_distributed(_save, dp, ckpt, stage, opt_type)
+            ckpt = str(tmp_path_factory.mktemp(f"saved-{kind}-z{stage}-dp{dp}-{opt_type}"))
+            if kind.startswith("moe"):
+                run_distributed(_save_moe, dp, ckpt, stage, opt_type, int(kind.split("-")[1][2:]))
+            else:
+                run_distributed(_save, dp, ckpt, stage, opt_type, kind)
             made[key] = ckpt
         return made[key]
 
     return get
 
 
-@pytest.mark.parametrize("s0,n,s1,m,opt_type", SCENARIOS,
-                         ids=[f"{t}-z{a}dp{n}-to-z{b}dp{m}" for a, n, b, m, t in SCENARIOS])
-def test_resume_across_layouts(saved, tmp_path, s0, n, s1, m, opt_type):
-    ckpt = saved(s0, n, opt_type)
+def _stack_states(folder: str) -> set:
+    """(stack, rule-state key) pairs an index holds for the expert stacks."""
+    from canzona_ds.ckpt import Index
+
+    index = Index.read(folder)
+    stacks = index.meta["expert_stacks"]
+    return {(n, k) for n, k in index.by_key() if n in stacks and k not in ("param", "exp_avg", "exp_avg_sq")}
+
+
+@pytest.mark.parametrize("kind,s0,n,s1,m,opt_type", SCENARIOS,
+                         ids=[f"{k}-{t}-z{a}dp{n}-to-z{b}dp{m}" for k, a, n, b, m, t in SCENARIOS])
+def test_resume_across_layouts(saved, tmp_path, kind, s0, n, s1, m, opt_type):
+    ckpt = saved(s0, n, opt_type, kind)
     out = str(tmp_path / "out")
-    res = run_distributed(_resume, m, ckpt, s1, opt_type, out)
+    if kind.startswith("moe"):
+        res = run_distributed(_resume_moe, m, ckpt, s1, opt_type, out, _moe_eps(kind)[1])
+    else:
+        res = run_distributed(_resume, m, ckpt, s1, opt_type, out, kind)
     compared = assert_same_state(os.path.join(ckpt, "saved"), os.path.join(out, "reloaded"))
-    assert compared >= 9 + 2 * 5  # every parameter's master, the AdamW moments of the 5 AdamW ones, rule state
+    if kind == "dense":
+        assert compared >= 9 + 2 * 5  # every parameter's master, the AdamW moments of the 5 AdamW ones, rule state
+    elif kind == "stacks":  # both stacks' rule state, every expert's chunk, compared above as the stack's (E, ...) state
+        stacks = _stack_states(os.path.join(ckpt, "saved"))
+        assert {n for n, _ in stacks} == {STACK_GATE_UP, STACK_DOWN}, stacks
+    else:  # every expert (4 experts x weight and bias of 2 layers) by its whole-model name
+        from canzona_testkit.moe import whole_names
+
+        assert compared >= len(whole_names())
     for r in res:
         assert (r["steps_at_load"], r["steps"]) == (BEFORE, BEFORE + AFTER)
-    ref = _reference(n, m, opt_type)
+    if kind.startswith("moe"):
+        ref = _moe_reference(os.path.join(ckpt, "saved"), m, _moe_eps(kind)[1], opt_type)
+        for r in res:
+            for k, v in r["params"].items():
+                np.testing.assert_array_equal(v, ref[k], err_msg=k)
+        return
+    ref = _reference(n, m, opt_type, kind)
     for k in ref:
         np.testing.assert_array_equal(res[0]["params"][k], ref[k], err_msg=k)
 

@@ -279,6 +279,15 @@ class Reader:
 
     def stored(self, c: Chunk):
         """The stored tensor a chunk lies in, flattened."""
+        flat = self._obj(c).reshape(-1)
+        if c.at + c.length > flat.numel():
+            raise CheckpointIndexError(f"{self.folder}: {c.file!r} {'/'.join(map(str, c.key))!r} has {flat.numel()} elements; "
+                              f"the index places {c.name!r} {c.state} at [{c.at}, {c.at + c.length}). The files "
+                              "disagree with the index.")
+        return flat
+
+    def _obj(self, c: Chunk):
+        """The stored tensor a chunk lies in, as stored."""
         import torch
 
         obj = self._file(c.file)
@@ -291,12 +300,7 @@ class Reader:
         if not torch.is_tensor(obj):
             raise CheckpointIndexError(f"{self.folder}: {c.file!r} {'/'.join(map(str, c.key))!r} is not a tensor; the files "
                               "disagree with the index.")
-        flat = obj.reshape(-1)
-        if c.at + c.length > flat.numel():
-            raise CheckpointIndexError(f"{self.folder}: {c.file!r} {'/'.join(map(str, c.key))!r} has {flat.numel()} elements; "
-                              f"the index places {c.name!r} {c.state} at [{c.at}, {c.at + c.length}). The files "
-                              "disagree with the index.")
-        return flat
+        return obj
 
     def has(self, name: str, state: str) -> bool:
         return (name, state) in self.index.by_key()
@@ -327,5 +331,13 @@ class Reader:
         return out
 
     def whole(self, name: str, state: str = MASTER):
+        """The whole tensor; where one chunk is the whole stored tensor, that tensor itself (a view
+        of the mapped file with its strides: a column-major eigenbasis stays column-major, and a
+        matmul on it rounds as before the save)."""
         shape = self.index.shape(name, state)
+        cs = self.index.by_key()[(name, state)]
+        if len(cs) == 1 and cs[0].at == 0 and cs[0].length == cs[0].numel and cs[0].frame is None:
+            obj = self._obj(cs[0])
+            if tuple(obj.shape) == tuple(shape):
+                return obj
         return self.region(name, state, 0, math.prod(shape)).view(shape)

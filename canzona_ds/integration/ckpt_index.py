@@ -11,17 +11,28 @@ Save (every rank, after DeepSpeed wrote its files; :func:`emit`)::
                view of the flat fp32 partition (a mixed layout's piece at its offset), each
                AdamW parameter's overlap with the partition (master and both moments), the
                rule state it keeps (whole matrices; a mixed layout's element-wise pieces)
-    stage 3    every DP rank: each parameter's ZeRO-3 piece [r*P, r*P + n) of its fp32 flat
-               group (and moments), the rule state of the matrices it hosts
+    stage 3    every DP rank (optimizer offloaded or not): each parameter's ZeRO-3 piece
+               [r*P, r*P + n) of its fp32 flat group (and moments), the rule state of the
+               matrices it hosts
 
     gathered on rank 0 -> Index(tag, meta, files, chunks) -> canzona_index.json
 
-A layout that has no emitter yet (tensor or pipeline parallelism, DeepSpeed MoE, a bf16/fp16
-model at stage 0) writes the index with ``chunks: null`` and the reason; such tags are resumed
-by the per-layout readers (integration/elastic.py) as before.  A ZeRO-3 tag written before the
-index gets one built from its layout records (:func:`legacy_zero3_index`).
+Names are the whole model's: a DeepSpeed MoE expert (ZeRO 1/2) by its global number
+(``opt.global_name``: local expert j of expert-parallel rank k is k*E/ep + j), so a load at
+another DP size or ep_size finds it; a transformers expert stack W (E experts) keeps its rule
+state per expert, W[e], stored as chunk [e*n, (e+1)*n) of the stack's state (E, *shape) under
+the name W (``meta["expert_stacks"]``; :class:`IndexSource` hands W[e] back to the optimizer).
 
-Load (:func:`load`, when the index says the checkpoint's ZeRO stage differs from the run's)::
+A layout that has no emitter yet (tensor parallelism; pipeline parallelism at ZeRO stage 0,
+whose module weights DeepSpeed writes to per-layer files) writes the index with ``chunks: null``
+and the reason; such tags are resumed by the per-layout readers (integration/elastic.py) as before.
+A ZeRO-3 tag written before the index gets one built from its layout records
+(:func:`legacy_zero3_index`).
+
+Load (:func:`load`; :func:`index_route` is the one comparison: the same stage, DP, TP, PP,
+ep_size, world size, every rank's layout fingerprint and every role -> DeepSpeed's stock load;
+anything else, where the index has chunks and this run's layout an emitter (or where the stage
+or a role changed) -> this loop)::
 
     src = IndexSource(Reader(folder, index))      regions by whole-model name, memory-mapped
     stage 1/2  elastic.write(engine, src)         each rank's views and AdamW overlap
@@ -35,6 +46,7 @@ the index alone, alike on every rank, before any buffer is written.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from typing import Any
 
@@ -42,6 +54,7 @@ import torch
 from torch import Tensor
 
 from ..ckpt.index import INDEX, MASTER, CheckpointIndexError, Chunk, Index, Reader
+from ..optim.rule import expert_name
 
 logger = logging.getLogger(__name__)
 
@@ -54,32 +67,41 @@ def _layout_without_emitter(engine, opt) -> str | None:
     """Why this run's layout emits no chunks (None: it does)."""
     if opt.tp_size > 1:
         return "tensor parallelism (TP layout frames are read by integration/elastic.py)"
-    if opt.moe is not None and getattr(opt.moe, "active", False):
-        return "DeepSpeed MoE expert groups"
-    stage = engine.zero_optimization_stage()
-    if stage == 0 and (engine.bfloat16_enabled() or engine.fp16_enabled()):
-        return "a bf16/fp16 model at ZeRO stage 0 (the fp32 master is not the module)"
-    if engine.zero_cpu_offload() and stage == 3:
-        return "ZeRO-3 offload"
-    if any(info.num_experts is not None for info in opt.infos.values()):  # a 3-D stack: E matrices
-        return "transformers expert stacks (rule state per expert, W[e])"
+    if engine.zero_optimization_stage() == 0 and opt.groups.pp_size > 1:
+        return "pipeline parallelism at ZeRO stage 0 (the module weights are in DeepSpeed's per-layer files)"
+    # (a bf16/fp16 model at stage 0 never runs: builder.check_settings refuses it by name)
     return None
+
+
+def _experts_of(opt) -> dict[str, tuple[str, int, int]]:
+    """An expert stack's rule-state keys (``W[e]``) -> (the stack ``W``, ``e``, E)."""
+    return {i.name: (info.name, e, info.num_experts) for info in opt.infos.values() if info.num_experts is not None
+            for e, i in enumerate(info.state_infos())}
 
 
 def _rule_state_chunks(opt, file: str, prefix: tuple, rank: int, piece_at: dict[str, int]) -> list[Chunk]:
     """The rule state this rank keeps: whole matrices (``matrix_state``), and under the mixed
-    layout its piece ``[piece_at[name], + n)`` of a hosted matrix's element-wise state."""
+    layout its piece ``[piece_at[name], + n)`` of a hosted matrix's element-wise state.  An
+    expert stack ``W`` of E experts keeps one state per expert (``W[e]``): expert e's is chunk
+    ``[e*n, (e+1)*n)`` of the stack's state ``(E, *shape)`` under the stack's name."""
     out = []
+    experts = _experts_of(opt)
+    glob = opt.global_name  # (DeepSpeed MoE: local expert j of expert-parallel rank k is global k*E/ep + j)
     for name, st in opt.matrix_state.items():
         for k, v in st.items():
             if not torch.is_tensor(v):
                 raise CheckpointIndexError(f"rule state {name!r} {k!r} is a {type(v).__name__}, not a tensor; the "
                                            "index describes tensors only.")
-            out.append(Chunk(name, k, tuple(v.shape), 0, v.numel(), file, prefix + ("matrix_state", name, k), 0,
-                             None, rank))
+            key = prefix + ("matrix_state", name, k)
+            if name in experts:
+                stack, e, E = experts[name]
+                out.append(Chunk(glob(stack), k, (E,) + tuple(v.shape), e * v.numel(), v.numel(), file, key, 0,
+                                 None, rank))
+            else:
+                out.append(Chunk(glob(name), k, tuple(v.shape), 0, v.numel(), file, key, 0, None, rank))
     for name, st in opt.piece_state.items():  # the mixed layout: this rank's piece of element-wise state
         for k, v in st.items():
-            out.append(Chunk(name, k, tuple(opt.infos[name].shape), piece_at[name], v.numel(), file,
+            out.append(Chunk(glob(name), k, tuple(opt.infos[name].shape), piece_at[name], v.numel(), file,
                              prefix + ("piece_state", name, k), 0, None, rank))
     return out
 
@@ -106,15 +128,15 @@ def _emit_zero12(engine, opt, rank: int) -> list[Chunk]:
                 lo = m.starts[r] if m is not None and hasattr(m, "starts") else 0
                 if m is not None and hasattr(m, "starts"):
                     piece_at[v.name] = lo
-                out.append(Chunk(v.name, MASTER, shape_of[v.name], lo, v.numel, file, fkey, v.offset,
-                                 None, rank))
+                out.append(Chunk(opt.global_name(v.name), MASTER, shape_of[v.name], lo, v.numel, file, fkey,
+                                 v.offset, None, rank))
             continue
         P = zopt.partition_size[i]
         lo, hi = r * P, (r + 1) * P
         st = opt.state.get(flat) or {}
         idx = order.index(id(flat))
         for p, off in zip(zopt.round_robin_bit16_groups[i], zopt.round_robin_bit16_offsets[i]):
-            name = zopt.param_names[p]
+            name = opt.global_name(zopt.param_names[p])
             a, b = max(off, lo), min(off + p.numel(), hi)
             if a >= b:
                 continue
@@ -179,6 +201,60 @@ def _emit_stage0(engine, opt, rank: int) -> list[Chunk]:
     return out + _rule_state_chunks(opt, file, ("optimizer", "canzona"), rank, {})
 
 
+def _emit_stage0_moe(engine, opt, rank: int) -> list[Chunk]:
+    """Stage 0 under DeepSpeed MoE: DeepSpeed's ``_save_moe_checkpoint`` writes the dense weights
+    to ``mp_rank_<m>_model_states.pt`` (module/<name>), each expert's to
+    ``layer_<l>_expert_<global e>_mp_rank_<m>_model_states.pt`` (its whole-model name) and each
+    expert-parallel rank k's whole optimizer state to ``expp_rank_<k>_mp_rank_<m>_optim_states.pt``
+    (optimizer/state/<i>/..., optimizer/canzona/matrix_state/<local name>/...).  One rank of each
+    replica set writes (moe.checkpoint_writers); every rank describes what it holds under the
+    file DeepSpeed names for it, and :func:`gather_index` keeps the chunks of the files that
+    were written (the replicas hold the same values)."""
+    import re
+
+    from deepspeed.moe.layer import MoE
+    from deepspeed.utils import groups as ds_groups
+
+    m = int(engine.checkpoint_mp_rank)
+    glob = opt.global_name
+    model_file = os.path.basename(engine._get_ckpt_name("", ""))
+    k = ds_groups._get_expert_parallel_rank(ds_groups._get_max_expert_size_name())
+    optim_file = os.path.basename(engine._get_optimizer_ckpt_name("", "", k))
+    prefix = ".deepspeed_moe.experts.deepspeed_experts."
+    where: dict[str, tuple[str, tuple]] = {}  # local name -> (file, key) of its weight
+    layer = 0
+    for n_module, module in engine.module.named_modules():
+        if not isinstance(module, MoE):
+            continue
+        ep_rank = ds_groups._get_expert_parallel_rank(module.expert_group_name)
+        for n, _ in module.named_parameters():
+            local = f"{n_module}.{n}"
+            found = re.match(f".*{re.escape(prefix)}([0-9]+).*", local)
+            if "expert" not in n or "moe.gate.wg.weight" in local or not found:
+                continue
+            e = ep_rank * module.num_local_experts + int(found.group(1))
+            key = local.replace(f"{prefix}{found.group(1)}", f"{prefix}{e}")
+            where[local] = (os.path.basename(engine._get_expert_ckpt_name("", layer, e, "", checkpoint_mp_rank=m)),
+                            (key,))
+        layer += 1
+    order = [id(p) for g in opt.param_groups for p in g["params"]]
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    out: list[Chunk] = []
+    for n, p in engine.module.named_parameters():
+        file, key = where.get(n, (model_file, ("module", n)))
+        out.append(Chunk(glob(n), MASTER, tuple(p.shape), 0, p.numel(), file, key, 0, None, rank))
+    for g in opt.param_groups:
+        if g["canzona_role"] == MATRIX:
+            continue
+        for p in g["params"]:
+            st = opt.state.get(p) or {}
+            for s in ("exp_avg", "exp_avg_sq"):
+                if s in st:
+                    out.append(Chunk(glob(names[id(p)]), s, tuple(p.shape), 0, p.numel(), optim_file,
+                                     ("optimizer", "state", order.index(id(p)), s), 0, None, rank))
+    return out + _rule_state_chunks(opt, optim_file, ("optimizer", "canzona"), rank, {})
+
+
 def _dp_rank(zopt) -> int:
     from deepspeed import comm as dist
 
@@ -206,17 +282,22 @@ def emit(engine) -> tuple[list[Chunk] | None, dict]:
         for n in names:
             roles[opt.global_name(n)] = MATRIX if g["canzona_role"] == MATRIX else ADAM
     meta: dict[str, Any] = {
-        "stage": stage, "dp": opt.groups.dp_size, "tp": opt.tp_size, "pp": opt.groups.pp_size,
+        "stage": stage, "dp": opt.groups.dp_size, "tp": opt.tp_size, "pp": opt.groups.pp_size, "ep": _ep(opt),
         "world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
         "rule": opt.rule.name, "roles": roles, "matrix_step": matrix_step, "adam_step": _adam_step(opt),
         "engine_file": None, "scalars": None,
+        # expert stacks: their rule state is per expert, W[e] = chunk e of the stack's (E, ...) state
+        "expert_stacks": {info.name: info.num_experts for info in opt.infos.values() if info.num_experts is not None},
     }
     why = _layout_without_emitter(engine, opt)
     if why is not None:
         meta["no_chunks"] = why
         return None, meta
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    if stage == 0:
+    if stage == 0 and opt.moe is not None and getattr(opt.moe, "active", False):
+        chunks = _emit_stage0_moe(engine, opt, rank)
+        meta["replicas"] = True  # (gather_index keeps the chunks of the files that were written)
+    elif stage == 0:
         chunks = _emit_stage0(engine, opt, rank)
     elif stage == 3:
         chunks = _emit_zero3(engine, opt, rank)
@@ -224,6 +305,12 @@ def emit(engine) -> tuple[list[Chunk] | None, dict]:
         chunks = _emit_zero12(engine, opt, rank)
     # (a mixed layout's piece can be empty on a rank: nothing to describe)
     return [c for c in chunks if c.length > 0], meta
+
+
+def _ep(opt) -> int:
+    """The DeepSpeed MoE expert-parallel size (1 without MoE)."""
+    moe = opt.moe
+    return int(opt.groups.ep_size) if moe is not None and getattr(moe, "active", False) else 1
 
 
 def layout_fingerprint(engine) -> str | None:
@@ -252,7 +339,8 @@ def gather_index(engine, tag: str, directory: str) -> Index | None:
 
     chunks, meta = emit(engine)
     meta["engine_file"], meta["scalars"] = _engine_files(engine)
-    payload = (None if chunks is None else [c.to_json() for c in chunks], meta["roles"], layout_fingerprint(engine))
+    payload = (None if chunks is None else [c.to_json() for c in chunks], meta["roles"], layout_fingerprint(engine),
+               meta["expert_stacks"])
     if tdist.is_initialized():
         parts: list = [None] * tdist.get_world_size()
         tdist.all_gather_object(parts, payload)
@@ -260,15 +348,20 @@ def gather_index(engine, tag: str, directory: str) -> Index | None:
         parts = [payload]
     if tdist.is_initialized() and tdist.get_rank() != 0:
         return None
-    # every rank's roles (a pipeline stage knows its own parameters only) and layout fingerprint
-    meta["roles"] = {n: r for _, roles, _ in parts for n, r in roles.items()}
-    meta["fingerprints"] = [fp for _, _, fp in parts]
-    parts = [c for c, _, _ in parts]
+    # every rank's roles and expert stacks (a pipeline stage knows its own parameters only) and
+    # layout fingerprint
+    meta["roles"] = {n: r for _, roles, _, _ in parts for n, r in roles.items()}
+    meta["expert_stacks"] = {n: e for *_, stacks in parts for n, e in stacks.items()}
+    meta["fingerprints"] = [fp for _, _, fp, _ in parts]
+    parts = [c for c, *_ in parts]
     files = sorted(f for f in _list(directory))
     if any(p is None for p in parts):
         all_chunks = None
     else:
         all_chunks = [Chunk.from_json(c) for part in parts for c in part]
+        if meta.pop("replicas", False):  # each replica set's one writer: its file, every replica's chunk
+            listed = set(files)
+            all_chunks = [c for c in all_chunks if c.file in listed]
     return Index(tag, meta, files, all_chunks)
 
 
@@ -418,14 +511,33 @@ class IndexSource:
         return self.reader.region(name, key, start, stop)
 
     def state_names(self) -> list[str]:
-        return sorted({n for (n, s) in self.index.by_key() if s != MASTER and self.roles.get(n) != ADAM
-                       and n not in self.changed and (self.only is None or n in self.only)})
+        """The rule-state keys the checkpoint holds: a matrix's name, an expert stack's ``W[e]``."""
+        stacks = self.index.meta.get("expert_stacks") or {}
+        names = sorted({n for (n, s) in self.index.by_key() if s != MASTER and self.roles.get(n) != ADAM
+                        and n not in self.changed and (self.only is None or n in self.only)})
+        return [k for n in names for k in ([expert_name(n, e) for e in range(stacks[n])] if n in stacks else [n])]
+
+    def _expert(self, name: str) -> tuple[str, int | None]:
+        """(the stored name, the expert) of a rule-state key (``W[e]`` -> ("W", e))."""
+        stack, _, e = name[:-1].rpartition("[") if name.endswith("]") else ("", "", "")
+        if stack and e.isdigit() and stack in (self.index.meta.get("expert_stacks") or {}):
+            return stack, int(e)
+        return name, None
 
     def state_shapes(self, name: str) -> dict[str, tuple[int, ...]]:
-        return {k: v for k, v in self.index.states_of(name).items() if k != MASTER}
+        stored, e = self._expert(name)
+        shapes = {k: v for k, v in self.index.states_of(stored).items() if k != MASTER}
+        return shapes if e is None else {k: v[1:] for k, v in shapes.items()}
 
     def state_of(self, name: str) -> dict[str, Any]:
-        return {k: self.reader.whole(name, k) for k in self.state_shapes(name)}
+        stored, e = self._expert(name)
+        if e is None:
+            return {k: self.reader.whole(name, k) for k in self.state_shapes(name)}
+        out = {}
+        for k, shape in self.state_shapes(name).items():  # expert e's chunk of the stack's state only
+            n = math.prod(shape)
+            out[k] = self.reader.region(stored, k, e * n, (e + 1) * n).view(shape)
+        return out
 
     def check_state_layout(self, rule, name: str, tp_layout) -> None:
         return None
@@ -458,12 +570,14 @@ def _check_roles(engine, opt, index: Index, folder: str, reinit: bool) -> list[s
 
 def fill_stage0(engine, opt, src: IndexSource, changed: set) -> None:
     names = dict(engine.module.named_parameters())
+    glob = opt.global_name  # (a DeepSpeed MoE expert: its whole-model name in the checkpoint)
     with torch.no_grad():
         for g in opt.param_groups:
             for p in g["params"]:
                 opt.state.pop(p, None)
         for g, gnames in zip(opt.param_groups, opt.group_names):
-            for name, p in zip(gnames, g["params"]):
+            for local, p in zip(gnames, g["params"]):
+                name = glob(local)
                 p.data.copy_(src.reader.whole(name, MASTER).view(p.shape))
                 if g["canzona_role"] == MATRIX or name in changed:
                     continue
@@ -473,7 +587,7 @@ def fill_stage0(engine, opt, src: IndexSource, changed: set) -> None:
                                        for k in ("exp_avg", "exp_avg_sq")}}
         frozen = [n for n, p in names.items() if not p.requires_grad]
         for n in frozen:
-            names[n].data.copy_(src.reader.whole(n, MASTER).view(names[n].shape))
+            names[n].data.copy_(src.reader.whole(glob(n), MASTER).view(names[n].shape))
     _fill_rule_state(opt, src, changed)
 
 
@@ -508,9 +622,9 @@ def fill_zero3(engine, opt, src: IndexSource, changed: set) -> None:
 
 
 def _fill_rule_state(opt, src: IndexSource, changed: set) -> None:
-    handled = set(opt.handled_state_names())
-    states = {n: {k: v.clone() for k, v in src.state_of(n).items()}  # owned, not views of the files
-              for n in src.state_names() if n in handled and n not in changed}
+    local_of = {opt.global_name(n): n for n in opt.handled_state_names()}  # (DeepSpeed MoE: local names here)
+    states = {local_of[n]: {k: v.clone() for k, v in src.state_of(n).items()}  # owned, not views of the files
+              for n in src.state_names() if n in local_of and n not in changed}
     opt.matrix_state.clear()
     opt.load_matrix_state(states)
     opt.load_piece_state({})
@@ -542,12 +656,12 @@ def supported_here(engine) -> str | None:
 
 def index_route(engine, load_dir: str, tag: str | None) -> Index | None:
     """The one comparison.  The checkpoint's index against this run: the same ZeRO stage, DP,
-    TP and PP size, world size, every rank's layout fingerprint and every parameter's role ->
-    None (DeepSpeed's stock load); anything else -> the index, for the index loop, where the
+    TP, PP and expert-parallel size, world size, every rank's layout fingerprint and every
+    parameter's role -> None (DeepSpeed's stock load); anything else -> the index, for the index loop, where the
     index describes its chunks and the loop fills this run's layout, or where a role or the
     ZeRO stage changed (the loop then refuses by name what it cannot do).  Otherwise None: a
     tag without an index (written before it), or a resize of a layout whose chunks are not
-    described yet (TP, MoE), goes to the per-layout readers as before.  The verdicts are
+    described yet (TP, PP at stage 0), goes to the per-layout readers as before.  The verdicts are
     all-gathered, so every rank takes the same branch."""
     import torch.distributed as tdist
 
@@ -569,10 +683,10 @@ def index_route(engine, load_dir: str, tag: str | None) -> Index | None:
     m = index.meta
     rank = tdist.get_rank() if tdist.is_initialized() else 0
     world = tdist.get_world_size() if tdist.is_initialized() else 1
-    here = (engine.zero_optimization_stage(), opt.groups.dp_size, opt.tp_size, opt.groups.pp_size, world)
+    here = (engine.zero_optimization_stage(), opt.groups.dp_size, opt.tp_size, opt.groups.pp_size, _ep(opt), world)
     saved_fps = m.get("fingerprints") or []
     mine = layout_fingerprint(engine)
-    same = (here == (m.get("stage"), m.get("dp"), m.get("tp"), m.get("pp"), m.get("world_size"))
+    same = (here == (m.get("stage"), m.get("dp"), m.get("tp"), m.get("pp"), m.get("ep", 1), m.get("world_size"))
             and rank < len(saved_fps) and saved_fps[rank] == mine)
     roles_here = _roles_here(opt)
     changed = any(n in m.get("roles", {}) and m["roles"][n] != r for n, r in roles_here.items())
@@ -633,6 +747,8 @@ def load(engine, load_dir: str, tag: str | None, index: Index, load_module_stric
 
     local = {opt.global_name(n) for names in opt.group_names for n in names}
     here = set(local)
+    if opt.moe is not None and getattr(opt.moe, "active", False):  # every expert of the model, not only this rank's
+        here |= set(opt.moe.global_order)
     if opt.groups.pp_size > 1:  # each stage holds its own parameters: the model is every stage's
         parts: list = [None] * tdist.get_world_size()
         tdist.all_gather_object(parts, sorted(local))
@@ -644,15 +760,16 @@ def load(engine, load_dir: str, tag: str | None, index: Index, load_module_stric
         raise CheckpointIndexError(f"{folder}: the checkpoint's parameters differ from the model's: missing "
                                    f"{missing[:5]}, unexpected {extra[:5]}.")
     for n, p in engine.module.named_parameters():
-        shape = tuple(getattr(p, "ds_shape", p.shape))
-        if tuple(src.full_shape(n)) != shape:
-            raise CheckpointIndexError(f"{folder}: {n!r} is {tuple(src.full_shape(n))} in the checkpoint, {shape} here.")
+        shape, g = tuple(getattr(p, "ds_shape", p.shape)), opt.global_name(n)
+        if tuple(src.full_shape(g)) != shape:
+            raise CheckpointIndexError(f"{folder}: {g!r} is {tuple(src.full_shape(g))} in the checkpoint, {shape} here.")
     from .elastic import _check_state
 
     src.changed = changed
+    local_of = {opt.global_name(n): n for n in opt.state_infos}  # (a DeepSpeed MoE expert's local name)
     for name in src.state_names():  # every rule state fits this run's settings (shapes only)
-        if name in opt.state_infos:
-            _check_state(opt.rule, opt.state_infos[name], src.state_shapes(name))
+        if name in local_of:
+            _check_state(opt.rule, opt.state_infos[local_of[name]], src.state_shapes(name))
     for n in sorted(changed):
         logger.warning("canzona_ds: %s: %r changed role (%s -> %s); its optimizer state is re-initialised "
                        "(reinit_changed_roles)", folder, n, src.roles[n],
