@@ -8,8 +8,10 @@ once as this machine is ("native") and once with ``ATEN_CPU_CAPABILITY=avx2
 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2`` ("avx2": the kernels an AVX2-only AMD
 EPYC gets, oneDNN without a bf16 matrix kernel, MKL's AVX2 sgemm), the two back to back and
 the order alternating from test to test, so a shared machine's noise falls on both.  Per run:
-wall seconds and CPU seconds (user + system of the pytest process and every process it waited
-for: ranks, launchers), and the ratio avx2 / native of each.  CPU seconds separate the work from
+wall seconds and CPU seconds (user + system of every process of the run: pytest, its fork
+server's workers, launchers and ranks, found by a token in their environment and sampled from
+``/proc`` every 20 ms, so a process that lives less than that may be missed), and the ratio
+avx2 / native of each.  CPU seconds separate the work from
 waiting on an oversubscribed machine.
 
 This emulates an AVX2 CPU's kernel choice on the machine at hand; it does not emulate that
@@ -21,9 +23,9 @@ import argparse
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -52,18 +54,42 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_of_tagged(token: bytes, seen: dict[int, float]) -> None:
+    """Record into ``seen`` (pid -> CPU seconds) every live process whose environment holds ``token``."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        pid = int(stat.parent.name)
+        try:
+            if pid not in seen and token not in (stat.parent / "environ").read_bytes().split(b"\0"):
+                continue
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        seen[pid] = (int(fields[11]) + int(fields[12])) / TICK  # utime + stime of the process itself
+
+
 def run_one(test: str, kind: str) -> dict:
+    token = f"CANZONA_BENCH_RUN={os.getpid()}-{time.time_ns()}"
     env = {**os.environ, "PYTHONPATH": str(ROOT), **(AVX2 if kind == "avx2" else {})}
+    env["CANZONA_BENCH_RUN"] = token.split("=", 1)[1]
     if kind == "native":
         for k in AVX2:
             env.pop(k, None)
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    seen: dict[int, float] = {}
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], cwd=ROOT, env=env,
-                       capture_output=True, text=True)
+    with tempfile.TemporaryFile("w+") as log:  # (a file, not a pipe: a full pipe would stall the run)
+        proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], cwd=ROOT,
+                                env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        while proc.poll() is None:
+            _cpu_of_tagged(token.encode(), seen)
+            time.sleep(0.02)
+        log.seek(0)
+        out = log.read()
     wall = time.perf_counter() - t0
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    cpu = sum(seen.values())
+    r = subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
     if r.returncode != 0:
         raise SystemExit(f"{test} failed under {kind} kernels (exit {r.returncode}):\n{r.stdout[-3000:]}{r.stderr[-2000:]}")
     return {"wall_s": round(wall, 2), "cpu_s": round(cpu, 2)}

@@ -896,9 +896,21 @@ STARTUP = {
 }
 
 
+# ============================================================================ cpu_kernels.json
+CPU_KERNELS = {
+    "cpu_kernels": Table(
+        "cpu_kernels", "bench_cpu_kernels: heavy tests natively and under the AVX2 kernels, interleaved, wall and CPU s.",
+        lambda d: [*d["rows"], {**d["total"], "test": "**all of the above**"}],
+        lambda d: _cols(("test", lambda r: r["test"] if r["test"].startswith("**") else f"`{r['test'].split('::', 1)[1]}`"),
+                        ("native wall s", "{native_wall_s:.1f}"), ("AVX2 wall s", "{avx2_wall_s:.1f}"),
+                        ("native CPU s", "{native_cpu_s:.1f}"), ("AVX2 CPU s", "{avx2_cpu_s:.1f}"),
+                        ("AVX2 / native, CPU", "{cpu_ratio:.2f}"))),
+}
+
+
 #: table name -> its spec
 TABLES: dict[str, Table] = {**PAPER_EXPERIMENTS, **PLANS, **PIPELINE_TP, **BENCH_ZERO, **MISC, **MAIN_JOB,
-                            **CHECKPOINTS, **LAYOUTS, **MOE_NS_QK, **STARTUP}
+                            **CHECKPOINTS, **LAYOUTS, **MOE_NS_QK, **STARTUP, **CPU_KERNELS}
 
 
 def load(stem: str, results: Path | str | None = None) -> Data:
