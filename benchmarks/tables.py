@@ -908,9 +908,18 @@ CPU_KERNELS = {
 }
 
 
+SUITE = {
+    "suite_time": Table(
+        "suite_time", "suite_time: the suite's pytest sessions as CI runs them (pytest's own summary per session).",
+        "runs",
+        _cols(("run", "{label}"), ("what", "{what}"), ("kernels", "{kernels}"), ("CPU, cores", "{cpu}, {cores}"),
+              ("passed", "{passed}"), ("skipped", "{skipped}"), ("failed", "{failed}"), ("minutes", "{minutes:.1f}"))),
+}
+
+
 #: table name -> its spec
 TABLES: dict[str, Table] = {**PAPER_EXPERIMENTS, **PLANS, **PIPELINE_TP, **BENCH_ZERO, **MISC, **MAIN_JOB,
-                            **CHECKPOINTS, **LAYOUTS, **MOE_NS_QK, **STARTUP, **CPU_KERNELS}
+                            **CHECKPOINTS, **LAYOUTS, **MOE_NS_QK, **STARTUP, **CPU_KERNELS, **SUITE}
 
 
 def load(stem: str, results: Path | str | None = None) -> Data:

@@ -1,0 +1,108 @@
+"""The suite's size and time, as CI runs it: ``benchmarks/results/suite_time.json``.
+
+    python benchmarks/suite_time.py                         # runs .ci/avx2 and the suite, records both
+    python benchmarks/suite_time.py --avx2-suite            # also the whole suite under the AVX2 kernels
+    python benchmarks/suite_time.py --from-log LOG --label L [--kernels native|avx2]
+                                                            # records the pytest summaries of a saved run
+
+A run is one pytest session; its record is pytest's own summary line (passed / skipped / failed,
+seconds) with the CPU model, the core count and the kernels it ran with ("native", or "avx2":
+``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2``, docs/zero.md).
+``--from-log`` reads a saved ``CI=true bash .ci/run`` log (its first summary is ``.ci/avx2``'s,
+its second the suite's) or a single pytest session's log.  Results of the same label are replaced.
+Time on a machine that runs other work is not the suite's: record idle runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "benchmarks" / "results" / "suite_time.json"
+AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+SUMMARY = re.compile(r"^=*\s*(?P<counts>(?:\d+ \w+(?:, )?)+) in (?P<seconds>[\d.]+)s\b", re.M)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def summaries(text: str) -> list[dict]:
+    """pytest's summary lines in ``text``, in order: counts by outcome and seconds."""
+    out = []
+    for m in SUMMARY.finditer(text):
+        counts = {word: int(n) for n, word in (c.split(" ", 1) for c in m["counts"].split(", "))}
+        out.append({"counts": counts, "seconds": float(m["seconds"])})
+    return out
+
+
+def record(label: str, what: str, kernels: str, summary: dict) -> dict:
+    return {"label": label, "what": what, "kernels": kernels, "cpu": cpu_model(), "cores": os.cpu_count(),
+            "passed": summary["counts"].get("passed", 0), "skipped": summary["counts"].get("skipped", 0),
+            "failed": summary["counts"].get("failed", 0) + summary["counts"].get("error", 0)
+            + summary["counts"].get("errors", 0),
+            "minutes": round(summary["seconds"] / 60, 1)}
+
+
+def run(cmd: list[str], env: dict) -> dict:
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    found = summaries(r.stdout)
+    if not found:
+        raise SystemExit(f"{' '.join(cmd)}: no pytest summary (exit {r.returncode}):\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
+    print(f"{' '.join(cmd)}: {found[-1]} ({time.perf_counter() - t0:.0f} s wall)", flush=True)
+    return found[-1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--avx2-suite", action="store_true", help="also run the whole suite under the AVX2 kernels")
+    ap.add_argument("--from-log", type=Path, help="record the pytest summaries of a saved log instead of running")
+    ap.add_argument("--label", help="with --from-log: the label of the record(s)")
+    ap.add_argument("--kernels", choices=["native", "avx2"], default="native",
+                    help="with --from-log of a single session: the kernels it ran with (default native)")
+    args = ap.parse_args()
+    new: list[dict] = []
+    if args.from_log:
+        if not args.label:
+            ap.error("--from-log needs --label")
+        found = summaries(args.from_log.read_text())
+        if len(found) >= 2:  # a .ci/run log: .ci/avx2, then the suite
+            new += [record(f"{args.label}: .ci/avx2", "the cpu_kernels tests (.ci/avx2)", "avx2", found[0]),
+                    record(args.label, "the suite (python3 -m pytest -q tests)", "native", found[-1])]
+        elif found:
+            new.append(record(args.label, "the suite (python3 -m pytest -q tests)", args.kernels, found[0]))
+        else:
+            raise SystemExit(f"{args.from_log}: no pytest summary line")
+    else:
+        native = {k: v for k, v in os.environ.items() if k not in AVX2}
+        new.append(record("CI: .ci/avx2", "the cpu_kernels tests (.ci/avx2)", "avx2",
+                          run(["bash", ".ci/avx2"], native)))
+        new.append(record("CI: the suite", "the suite (python3 -m pytest -q tests)", "native",
+                          run([sys.executable, "-m", "pytest", "-q", "tests"], native)))
+        if args.avx2_suite:
+            new.append(record("the suite, AVX2 kernels", "the suite (python3 -m pytest -q tests)", "avx2",
+                              run([sys.executable, "-m", "pytest", "-q", "tests"], {**native, **AVX2})))
+    old = json.loads(args.out.read_text())["runs"] if args.out.is_file() else []
+    labels = {r["label"] for r in new}
+    runs = [r for r in old if r["label"] not in labels] + new
+    args.out.write_text(json.dumps({"runs": runs, "command": "python benchmarks/suite_time.py"}, indent=1) + "\n")
+    for r in new:
+        print(r)
+
+
+if __name__ == "__main__":
+    main()
