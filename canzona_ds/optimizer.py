@@ -204,6 +204,9 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         self.shapes = shape_of
         #: DeepSpeed MoE's expert groups and whole-model names (integration/moe.MoEInfo; None: no MoE)
         self.moe = None
+        #: parameter name here -> its name in the whole model, where the module names it otherwise
+        #: (a pipeline stage's ``canonical_names()``: the plain model's names), for checkpoints
+        self.whole_names: dict[str, str] = {}
         #: the mixed ZeRO layout: this rank's piece of the element-wise rule state of every matrix
         #: hosted over DP (MatrixRule.elementwise_state, e.g. Muon's momentum), by name; the host's
         #: matrix_state entry holds the other keys
@@ -452,9 +455,11 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         return sd
 
     def global_name(self, name: str) -> str:
-        """``name``'s name in the whole model (a DeepSpeed MoE expert renumbered globally)."""
+        """``name``'s name in the whole model: a DeepSpeed MoE expert renumbered globally, a
+        pipeline stage's parameter by the plain model's name (``whole_names``)."""
         moe = self.moe
-        return moe.global_names.get(name, name) if moe is not None else name
+        name = moe.global_names.get(name, name) if moe is not None else name
+        return self.whole_names.get(name, name)
 
     def load_state_dict(self, state_dict: Mapping) -> None:
         state_dict = dict(state_dict)

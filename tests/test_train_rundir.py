@@ -114,13 +114,19 @@ def test_resume_passes_over_runs_it_cannot_resume_and_says_why(tmp_path):
     assert f"{zero3.name} (step2: written at ZeRO stage 3, this run is stage 1)" in note
     assert f"{pipe.name} (step2: written with pp=2, this run has pp=1)" in note
     assert f"{other_world.name} (step2: written on 4 ranks, this run has 2" in note
-    # a Canzona type resumes at another rank count (integration/elastic.py): the 4-rank run is newest
+    # a Canzona type resumes at another rank count (the checkpoint index): the 4-rank run is newest
     for run in (good, other_world):
         for f in (run / "checkpoints" / "step2").glob("mp_rank_*"):
             torch.save({"ds_config": {"optimizer": {"type": "CanzonaMuon"}, "zero_optimization": {"stage": 1}}}, f)
     canzona = Layout(zero_stage=1, pp=1, world_size=2, canzona=True)
     resumed, note = resolve(cfg, "configs/run_tiny.yaml", "Muon", resume=True, now=T0 + 60, layout=canzona)
     assert Path(resumed.log_dir) == other_world, note
+    # ... and at another ZeRO stage or pp (the checkpoint index): the newest Canzona run is taken
+    for run, stage in ((pipe, 1), (zero3, 3)):
+        for f in (run / "checkpoints" / "step2").glob("*model_states.pt"):
+            torch.save({"ds_config": {"optimizer": {"type": "CanzonaMuon"}, "zero_optimization": {"stage": stage}}}, f)
+    resumed, note = resolve(cfg, "configs/run_tiny.yaml", "Muon", resume=True, now=T0 + 65, layout=canzona)
+    assert Path(resumed.log_dir) == zero3, note
     # nothing this run can resume: a new run, and the note lists what was passed over
     stage0 = Layout(zero_stage=0, pp=1, world_size=2)
     fresh, note = resolve(cfg, "configs/run_tiny.yaml", "Muon", resume=True, now=T0 + 70, layout=stage0)

@@ -260,6 +260,13 @@ def build_optimizer(named: list, cfg: CanzonaConfig, groups: ParallelGroups, set
                            num_experts=num_experts)
     #: DeepSpeed MoE: the expert groups and whole-model names (gradient clipping, checkpoints)
     opt.moe = info
+    for module, _ in modules or ():
+        # a pipeline stage may name its parameters as the plain model does (canonical_names(),
+        # e.g. models/qwen3_pipe.py): checkpoints then index them by those names, so a resume
+        # may move between pipeline sizes and the model without a pipeline
+        names = getattr(module, "canonical_names", None)
+        if callable(names):
+            opt.whole_names.update(names())
     if cfg.qk_clip is not None:
         from ..models.qk_record import attach
 

@@ -717,7 +717,7 @@ def write(engine, src: Universal | SavedCheckpoint, gather: bool = True) -> dict
     # DeepSpeed MoE: the checkpoint names every expert by its whole-model (global) number; this
     # rank's local experts are the global ones of its expert-parallel rank (integration/moe.py)
     moe = opt.moe if opt.moe is not None and opt.moe.active else None
-    glob = (lambda n: moe.global_names.get(n, n)) if moe is not None else (lambda n: n)
+    glob = opt.global_name  # (a MoE expert by its global number, a pipeline stage's parameter by the plain model's name)
     saved_names = set(src.names)
     here = {glob(n) for n in names}
     whole_model = here | set(moe.global_order) if moe is not None else here  # every expert of the model

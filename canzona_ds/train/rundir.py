@@ -94,7 +94,7 @@ class Layout:
     zero_stage: int
     pp: int
     world_size: int | None  # None: not recorded (a checkpoint without a manifest)
-    #: a Canzona optimizer type (its elastic load takes another rank count at pp=1)
+    #: a Canzona optimizer type (its checkpoints resume at another stage, pp and rank count)
     canzona: bool = False
 
     def __str__(self) -> str:
@@ -138,6 +138,8 @@ def resume_refusal(saved: Layout, now: Layout) -> str | None:
     """Why a run laid out as ``now`` cannot resume a checkpoint laid out as ``saved`` (None: it can)."""
     if saved.zero_stage < 0:
         return "its model states are unreadable"
+    if saved.canzona and now.canzona:
+        return None  # any stage, pp and rank count: the checkpoint index (docs/checkpoints.md)
     if saved.zero_stage != now.zero_stage:
         return f"written at ZeRO stage {saved.zero_stage}, this run is stage {now.zero_stage}"
     if saved.pp != now.pp:

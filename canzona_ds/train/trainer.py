@@ -453,14 +453,17 @@ def saved_pipeline_stages(ckpt_dir: str | Path) -> int:
 
 def _loader_for(opt_type: str, pp: int = 1, world: int | None = None):
     """``checkpoint.load``'s loader: DeepSpeed's load, but a checkpoint written with another
-    optimizer type, or with another number of pipeline stages (or, under a pipeline, another
-    world size), is refused first, as a checkpoint error (every rank reads the same files, so
+    optimizer type, or (DeepSpeed's own optimizers) with another number of pipeline stages (or,
+    under a pipeline, another world size), is refused first, as a checkpoint error (every rank reads the same files, so
     every rank refuses; nothing is loaded)."""
     def load(engine, load_dir, tag, manifest, **kw):
         path = os.path.join(load_dir, tag)
         saved_pp = saved_pipeline_stages(path)
         saved_world = (manifest or {}).get("world_size") if isinstance(manifest, dict) else None
-        if saved_pp != pp or (pp > 1 and world is not None and saved_world not in (None, world)):
+        # (a Canzona checkpoint resumes at any pp and world size: the checkpoint index,
+        # integration/ckpt_index.py; DeepSpeed's own optimizers' pipeline checkpoints do not)
+        if not opt_type.startswith("Canzona") and (
+                saved_pp != pp or (pp > 1 and world is not None and saved_world not in (None, world))):
             raise checkpoint.CheckpointError(
                 f"checkpoint {path} was written with pp={saved_pp} on {saved_world} ranks; this run has pp={pp} on "
                 f"{world} ranks. A pipeline checkpoint resumes only at the same pp and world size.", path)
