@@ -770,3 +770,76 @@ def ms_names(zt) -> list[str]:
     from canzona_testkit import megatron_standin as ms
 
     return list(ms.init_full_state_dict(zt.CFG))
+
+
+def _moe_tp(rank, world, tp, ep, ckpt, layout, out):
+    """DeepSpeed MoE x TP (testkit.moe.TinyMoETP), ZeRO 1, Muon, ``layout``: ``out`` None: train
+    and save.  Else load through the index only, save at once, train on; rank 0 also runs the
+    TP=1 reference continued from the saved index's state (inside the worker, as
+    tests/test_moe_tp_elastic.py does)."""
+    from canzona_testkit import megatron_standin as ms
+    from canzona_testkit.moe import moe_ds_config, run_moe_tp_engine
+
+    ms.initialize_model_parallel(tp)
+    dp = world // tp
+    cfg = moe_ds_config(dp, optimizer="CanzonaMuon", stage=1, micro=MICRO)
+    cfg["optimizer"]["params"]["layout"] = layout
+    if out is None:
+        _, _, engine = run_moe_tp_engine(rank, tp, ep, cfg, BEFORE, _data(dp, BEFORE, 1), micro=MICRO)
+        engine.save_checkpoint(ckpt, tag="saved")
+        return engine.optimizer.canzona_layout.mixed
+    _index_route_only()
+
+    def load(engine):
+        engine.load_checkpoint(ckpt, tag="saved")
+        engine.save_checkpoint(out, tag="reloaded")
+
+    data = _data(dp, AFTER, 2)
+    params, _, engine = run_moe_tp_engine(rank, tp, ep, cfg, AFTER, data, micro=MICRO, after_init=load)
+    res = {"params": params, "steps": engine.global_steps, "mixed": engine.optimizer.canzona_layout.mixed}
+    if rank == 0:
+        from types import SimpleNamespace
+
+        from canzona_ds.ckpt import Index
+        from canzona_testkit.moe import reference_run
+
+        folder = os.path.join(ckpt, "saved")
+        index = Index.read(folder)
+        whole, roles = _tp1_state(folder), index.meta["roles"]
+        start = SimpleNamespace(
+            params={n: whole[n, "param"] for n in index.names},
+            adam={n: {k: whole[n, k] for k in ("exp_avg", "exp_avg_sq")} for n in index.names if roles[n] == "adamw"},
+            rule_state={n: {k: v for (n2, k), v in whole.items() if n2 == n and k != "param"}
+                        for n in index.names if roles[n] == "matrix"},
+            adam_step=index.meta["adam_step"], matrix_step=index.meta["matrix_step"])
+        res["ref"] = reference_run(dp, ep if tp == 1 else 1, AFTER, "CanzonaMuon", data=data, start=start,
+                                   tp_mlp=True)
+    return res
+
+
+def test_moe_tp_mixed_to_owned_goes_through_the_index(tmp_path):
+    """DeepSpeed MoE x TP, the mixed layout (the TP-split MLP grid-hosted: its weight and Muon
+    momentum in pieces of both TP shards, experts whole by whole-model name) saved at TP 2 x DP 2
+    (ep_size 2), resumed owned at TP 1 x DP 2 (ep_size 2) through the index loop only (this
+    combination was refused by name before): every state bit for bit in the TP=1 frame, and the
+    continued run equals testkit.moe's TP=1 reference from the saved state bit for bit (TP 1 x
+    DP 2: every sum of two terms, as tests/test_moe_tp_elastic.py's TP 2 -> 1 rows)."""
+    from canzona_ds.ckpt import Index
+
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+    assert all(run_distributed(_moe_tp, 4, 2, 2, ckpt, "mixed", None))  # the mixed layout ran
+    saved = os.path.join(ckpt, "saved")
+    index = Index.read(saved)
+    assert index.meta["tp"] == 2 and index.meta["ep"] == 2 and index.chunks is not None
+    pieces = [c for c in index.chunks if c.state == "momentum_buffer" and c.tp is not None and c.tp.rank is not None]
+    assert pieces, "the grid pieces of the TP-split MLP's momentum are shard-frame chunks"
+    res = run_distributed(_moe_tp, 2, 1, 2, ckpt, "owned", out)
+    assert not any(r["mixed"] for r in res)
+    from canzona_testkit.moe import whole_names
+
+    assert _assert_same_tp1_state(saved, os.path.join(out, "reloaded")) >= len(whole_names())
+    assert all(r["steps"] == BEFORE + AFTER for r in res)
+    ref = res[0]["ref"]
+    for r in res:
+        for k, v in r["params"].items():
+            np.testing.assert_array_equal(v, ref[k], err_msg=k)
