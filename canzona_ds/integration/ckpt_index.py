@@ -350,7 +350,20 @@ def layout_fingerprint(engine) -> str | None:
     """This rank's ZeRO layout fingerprint (the plan and padded layout at ZeRO 1/2, the hosting
     plan at ZeRO 3; None at stage 0, where every rank holds everything)."""
     meta = getattr(engine.optimizer, "canzona_layout_meta", None)
-    return meta().get("fingerprint") if callable(meta) else None
+    if not callable(meta):
+        return None
+    record = meta()
+    fp = record.get("fingerprint")
+    # the mixed layout under TP: a grid host's TP rank is chosen after the plan (zero.same_layout),
+    # so another choice is another layout (its rule state lives on another rank)
+    hosts = sorted((n, h["tp_host"]) for n, h in (record.get("hosted") or {}).items()
+                   if isinstance(h, dict) and h.get("tp_host") is not None)
+    if fp is not None and hosts:
+        import hashlib
+        import json
+
+        fp = f"{fp}:{hashlib.sha256(json.dumps(hosts).encode()).hexdigest()[:8]}"
+    return fp
 
 
 def _engine_files(engine) -> tuple[str, dict | None]:
