@@ -23,9 +23,17 @@ another DP size or ep_size finds it; a transformers expert stack W (E experts) k
 state per expert, W[e], stored as chunk [e*n, (e+1)*n) of the stack's state (E, *shape) under
 the name W (``meta["expert_stacks"]``; :class:`IndexSource` hands W[e] back to the optimizer).
 
-A layout that has no emitter yet (tensor parallelism; pipeline parallelism at ZeRO stage 0,
-whose module weights DeepSpeed writes to per-layer files) writes the index with ``chunks: null``
-and the reason; such tags are resumed by the per-layout readers (integration/elastic.py) as before.
+Tensor parallelism (ZeRO 1/2): a TP-split parameter's master, moments and grid pieces (the
+mixed layout) are chunks in the frame of the shard this TP rank holds (``{"tp": {dim, sizes,
+blocks, rank}}``, the global shape; canzona_ds/ckpt/frames.py), a TP host's rule state one chunk
+in the concatenated TP layout (the frame without ``rank``, the state's shape);
+:class:`IndexSource` reads them into this run's TP layout (straight where it is the saved one,
+else through the whole parameter and, for a host's state, ``MatrixRule.state_axes``).
+
+A layout that has no emitter yet (tensor parallelism at ZeRO 0 or 3; pipeline parallelism at
+ZeRO stage 0, whose module weights DeepSpeed writes to per-layer files) writes the index with
+``chunks: null`` and the reason; such tags are resumed by the per-layout readers
+(integration/elastic.py) as before.
 A ZeRO-3 tag written before the index gets one built from its layout records
 (:func:`legacy_zero3_index`).
 
@@ -765,7 +773,7 @@ def index_route(engine, load_dir: str, tag: str | None) -> Index | None:
     index describes its chunks and the loop fills this run's layout, or where a role or the
     ZeRO stage changed (the loop then refuses by name what it cannot do).  Otherwise None: a
     tag without an index (written before it), or a resize of a layout whose chunks are not
-    described yet (TP, PP at stage 0), goes to the per-layout readers as before.  The verdicts are
+    described yet (TP at ZeRO 0, PP at stage 0), goes to the per-layout readers as before.  The verdicts are
     all-gathered, so every rank takes the same branch."""
     import torch.distributed as tdist
 
