@@ -644,3 +644,202 @@ def test_canzona_checkpoint_opened_by_another_optimizer_is_refused(saved):
     ckpt = saved(1, 2, "CanzonaMuon")
     for msg in run_distributed(_foreign, 2, ckpt):
         assert msg is not None and "written by a Canzona optimizer" in msg and "canzona-ckpt convert" in msg, msg
+
+
+# ------------------------------------------------------------------------------ tensor parallelism
+# TP scenarios at ZeRO 1 through the index (TP shard frames, a TP host's state in its concatenated
+# layout).  No gradient clipping here: under TP DeepSpeed reduces the norm over the model-parallel
+# group (not canzona's torch-exact clip), as in tests/test_zero_tp.py and tests/test_moe_tp_elastic.py.
+def _tp1_state(folder: str) -> dict:
+    """(whole-model name, state) -> the tensor in the TP=1 frame: shards rebuilt by the reader,
+    a TP host's state mapped through its rule's state_axes (IndexSource)."""
+    from canzona_ds.ckpt import Index
+    from canzona_ds.integration.ckpt_index import IndexSource
+    from canzona_ds.optim import rule_class
+
+    index = Index.read(folder)
+    src = IndexSource(folder, index)
+    src.running_rule = rule_class(index.meta["rule"])()
+    out = {}
+    for n, k in index.by_key():
+        if src.reader.frame_of(n, k) is not None:
+            out[n, k] = src.state_of(n)[k].clone()
+        else:
+            out[n, k] = src.reader.whole(n, k).clone()
+    return out
+
+
+def _assert_same_tp1_state(a_dir: str, b_dir: str) -> int:
+    a, b = _tp1_state(a_dir), _tp1_state(b_dir)
+    assert set(a) == set(b), sorted(set(a) ^ set(b))[:5]
+    for key in a:
+        assert torch.equal(a[key], b[key]), (key, float((a[key] - b[key]).abs().max()))
+    return len(a)
+
+
+def _tp_dense_engine(tp: int):
+    import deepspeed
+
+    import canzona_ds  # noqa: F401
+    import test_zero_tp as zt
+    from canzona_testkit import megatron_standin as ms
+
+    torch.set_num_threads(1)
+    ms.initialize_model_parallel(tp)
+    model = ms.TinyGPTBlock(**zt.CFG)
+    model.load_state_dict(ms.shard_state_dict(ms.init_full_state_dict(zt.CFG), zt.CFG, tp,
+                                              ms.get_tensor_model_parallel_rank()))
+    cfg = zt.ds_config("CanzonaMuon", 1)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg, mpu=ms.mpu)
+    return engine, ms, zt
+
+
+def _tp_dense(rank, world, tp, ckpt, out):
+    """``out`` None: TP ``tp`` x DP world/tp, 2 steps, save.  Else load (index route only) at TP
+    ``tp``, save at once, 2 more steps tapping this rank's local gradients."""
+    engine, ms, zt = _tp_dense_engine(tp)
+    if out is None:
+        for s in range(BEFORE):
+            engine.backward(zt.loss_of(engine, zt.batch(s, ms.get_data_parallel_rank())))
+            engine.step()
+        engine.save_checkpoint(ckpt, tag="saved")
+        return None
+    _index_route_only()
+    engine.load_checkpoint(ckpt, tag="saved")
+    engine.save_checkpoint(out, tag="reloaded")
+    shadow = ms.TinyGPTBlock(**zt.CFG)
+    grads = []
+    for s in range(BEFORE, BEFORE + AFTER):
+        ids = zt.batch(s, ms.get_data_parallel_rank())
+        shadow.load_state_dict(engine.module.state_dict())
+        shadow.zero_grad(set_to_none=True)
+        zt.loss_of(shadow, ids).backward()
+        grads.append({n: p.grad.clone().numpy() for n, p in shadow.named_parameters()})
+        engine.backward(zt.loss_of(engine, ids))
+        engine.step()
+    return {"grads": grads, "params": params_of(engine.module), "steps": engine.global_steps}
+
+
+def test_tp2_to_tp1_at_zero1_goes_through_the_index(tmp_path):
+    """TP 2 x DP 1 -> TP 1 x DP 2 (ZeRO 1, Muon): the fused qkv ([q; k; v] per TP rank) and fc1
+    ([gate; up], partition_stride 2) saved as TP shard frames and their momentum in the hosts'
+    concatenated TP layout reach TP=1 through the index loop only; every state, in the TP=1 frame,
+    is the saved one bit for bit; then the resumed run equals the single-process
+    ReferenceOptimizer started from the saved state and fed the run's own gradients (averaged
+    over DP as ZeRO does), bit for bit."""
+    from types import SimpleNamespace
+
+    from canzona_ds.ckpt import Index
+    from canzona_ds.reference import ReferenceOptimizer, zero_average
+    from canzona_testkit.moe import _start_from
+    import test_zero_tp as zt
+
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+    run_distributed(_tp_dense, 2, 2, ckpt, None)
+    saved = os.path.join(ckpt, "saved")
+    index = Index.read(saved)
+    assert index.meta["tp"] == 2 and index.chunks is not None
+    assert {c.tp.rank for c in index.by_key()["qkv.weight", "param"]} == {0, 1}  # shard frames
+    assert all(c.tp is not None and c.tp.rank is None for c in index.by_key()["fc1.weight", "momentum_buffer"])
+    res = run_distributed(_tp_dense, 2, 1, ckpt, out)
+    assert _assert_same_tp1_state(saved, os.path.join(out, "reloaded")) >= 5 + 2 * 4
+    assert all(r["steps"] == BEFORE + AFTER for r in res)
+    # the reference: TP=1 weights and state as saved, the run's gradients averaged over its 2 DP ranks
+    whole = _tp1_state(saved)
+    roles = index.meta["roles"]
+    params = {n: torch.nn.Parameter(whole[n, "param"].clone()) for n in ms_names(zt)}
+    opt = ReferenceOptimizer(params.items(), zt._config("CanzonaMuon"))
+    start = SimpleNamespace(
+        params={n: whole[n, "param"] for n in params},
+        adam={n: {k: whole[n, k] for k in ("exp_avg", "exp_avg_sq")} for n in params if roles[n] == "adamw"},
+        rule_state={n: {k: v for (n2, k), v in whole.items() if n2 == n and k != "param"}
+                    for n in params if roles[n] == "matrix"},
+        adam_step=index.meta["adam_step"], matrix_step=index.meta["matrix_step"])
+    _start_from(opt, params, start)
+    for s in range(AFTER):
+        avg = zero_average([{n: torch.from_numpy(g) for n, g in r["grads"][s].items()} for r in res])
+        for n, p in params.items():
+            p.grad = avg[n]
+        opt.step()
+    for r in res:
+        for n, p in params.items():
+            np.testing.assert_array_equal(r["params"][n], p.detach().numpy(), err_msg=n)
+
+
+def ms_names(zt) -> list[str]:
+    from canzona_testkit import megatron_standin as ms
+
+    return list(ms.init_full_state_dict(zt.CFG))
+
+
+def _moe_tp(rank, world, tp, ep, ckpt, layout, out):
+    """DeepSpeed MoE x TP (testkit.moe.TinyMoETP), ZeRO 1, Muon, ``layout``: ``out`` None: train
+    and save.  Else load through the index only, save at once, train on; rank 0 also runs the
+    TP=1 reference continued from the saved index's state (inside the worker, as
+    tests/test_moe_tp_elastic.py does)."""
+    from canzona_testkit import megatron_standin as ms
+    from canzona_testkit.moe import moe_ds_config, run_moe_tp_engine
+
+    ms.initialize_model_parallel(tp)
+    dp = world // tp
+    cfg = moe_ds_config(dp, optimizer="CanzonaMuon", stage=1, micro=MICRO)
+    cfg["optimizer"]["params"]["layout"] = layout
+    if out is None:
+        _, _, engine = run_moe_tp_engine(rank, tp, ep, cfg, BEFORE, _data(dp, BEFORE, 1), micro=MICRO)
+        engine.save_checkpoint(ckpt, tag="saved")
+        return engine.optimizer.canzona_layout.mixed
+    _index_route_only()
+
+    def load(engine):
+        engine.load_checkpoint(ckpt, tag="saved")
+        engine.save_checkpoint(out, tag="reloaded")
+
+    data = _data(dp, AFTER, 2)
+    params, _, engine = run_moe_tp_engine(rank, tp, ep, cfg, AFTER, data, micro=MICRO, after_init=load)
+    res = {"params": params, "steps": engine.global_steps, "mixed": engine.optimizer.canzona_layout.mixed}
+    if rank == 0:
+        from types import SimpleNamespace
+
+        from canzona_ds.ckpt import Index
+        from canzona_testkit.moe import reference_run
+
+        folder = os.path.join(ckpt, "saved")
+        index = Index.read(folder)
+        whole, roles = _tp1_state(folder), index.meta["roles"]
+        start = SimpleNamespace(
+            params={n: whole[n, "param"] for n in index.names},
+            adam={n: {k: whole[n, k] for k in ("exp_avg", "exp_avg_sq")} for n in index.names if roles[n] == "adamw"},
+            rule_state={n: {k: v for (n2, k), v in whole.items() if n2 == n and k != "param"}
+                        for n in index.names if roles[n] == "matrix"},
+            adam_step=index.meta["adam_step"], matrix_step=index.meta["matrix_step"])
+        res["ref"] = reference_run(dp, ep if tp == 1 else 1, AFTER, "CanzonaMuon", data=data, start=start,
+                                   tp_mlp=True)
+    return res
+
+
+def test_moe_tp_mixed_to_owned_goes_through_the_index(tmp_path):
+    """DeepSpeed MoE x TP, the mixed layout (the TP-split MLP grid-hosted: its weight and Muon
+    momentum in pieces of both TP shards, experts whole by whole-model name) saved at TP 2 x DP 2
+    (ep_size 2), resumed owned at TP 1 x DP 2 (ep_size 2) through the index loop only (this
+    combination was refused by name before): every state bit for bit in the TP=1 frame, and the
+    continued run equals testkit.moe's TP=1 reference from the saved state bit for bit (TP 1 x
+    DP 2: every sum of two terms, as tests/test_moe_tp_elastic.py's TP 2 -> 1 rows)."""
+    from canzona_ds.ckpt import Index
+
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+    assert all(run_distributed(_moe_tp, 4, 2, 2, ckpt, "mixed", None))  # the mixed layout ran
+    saved = os.path.join(ckpt, "saved")
+    index = Index.read(saved)
+    assert index.meta["tp"] == 2 and index.meta["ep"] == 2 and index.chunks is not None
+    pieces = [c for c in index.chunks if c.state == "momentum_buffer" and c.tp is not None and c.tp.rank is not None]
+    assert pieces, "the grid pieces of the TP-split MLP's momentum are shard-frame chunks"
+    res = run_distributed(_moe_tp, 2, 1, 2, ckpt, "owned", out)
+    assert not any(r["mixed"] for r in res)
+    from canzona_testkit.moe import whole_names
+
+    assert _assert_same_tp1_state(saved, os.path.join(out, "reloaded")) >= len(whole_names())
+    assert all(r["steps"] == BEFORE + AFTER for r in res)
+    ref = res[0]["ref"]
+    for r in res:
+        for k, v in r["params"].items():
+            np.testing.assert_array_equal(v, ref[k], err_msg=k)

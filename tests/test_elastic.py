@@ -227,6 +227,9 @@ def _tp_save(rank, world, ckpt, opt_type):
 
 
 def _tp_resume(rank, world, ckpt, opt_type):
+    from test_ckpt_resume import _index_route_only
+
+    _index_route_only()  # TP 2 -> 1 goes through the checkpoint index (TP shard frames)
     engine, ms = _tp_engine(1, opt_type)
     try:
         engine.load_checkpoint(ckpt, tag="before")

@@ -297,9 +297,9 @@ OLD_HOSTS = ("CanzonaShampoo", "CanzonaSOAP")
 def _old_hosts(optimizer: str, root: str) -> dict[str, Any]:
     """A stage-1 mixed checkpoint written with the grid hosts' TP ranks chosen without the owned
     TP runtime's load (what versions before the seed chose: tp_cells(seed_owned=False)),
-    resumed by this version at the same DP2 x TP2, whose choice differs: the record's tp_host
-    sends it through the elastic path, which finds the hosts' rule state by name."""
-    import canzona_ds.integration.elastic as elastic
+    resumed by this version at the same DP2 x TP2, whose choice differs: another layout
+    fingerprint sends it through the index loop, which finds the hosts' rule state by name."""
+    import canzona_ds.integration.ckpt_index as ckpt_index
     import canzona_ds.planning.mixed as pm
 
     folder = str(Path(root) / f"old-hosts-{optimizer}")
@@ -313,14 +313,14 @@ def _old_hosts(optimizer: str, root: str) -> dict[str, Any]:
     finally:
         pm.tp_cells = seeded
     b = zt.build_engine(_config(optimizer, 1, "mixed"))
-    calls, stock = [], elastic.load
-    elastic.load = lambda *a, **k: calls.append(1) or stock(*a, **k)
+    calls, stock = [], ckpt_index.load
+    ckpt_index.load = lambda *a, **k: calls.append(1) or stock(*a, **k)
     try:
         b.load_checkpoint(folder, tag="mid")
     finally:
-        elastic.load = stock
+        ckpt_index.load = stock
     _train(b, range(CKPT_AFTER, STEPS))
-    return {"sd": zt.numpy_sd(b.module), "elastic": len(calls),
+    return {"sd": zt.numpy_sd(b.module), "index_loop": len(calls),
             "old": {n: h.get("tp_host") for n, h in old.items()},
             "new": {n: h.get("tp_host") for n, h in b.optimizer.canzona_layout_meta()["hosted"].items()}}
 
@@ -499,7 +499,7 @@ def test_mixed_tp_layout_change_on_resume_is_exact(before, after, runs):
 @pytest.mark.parametrize("optimizer", OLD_HOSTS)
 def test_mixed_tp_checkpoint_with_other_grid_tp_hosts_resumes_exactly(optimizer, runs):
     """A checkpoint whose grid hosts sit at other TP ranks (chosen without the owned TP runtime's
-    load, as before the seed) resumes at the same size through the elastic path, and the continued
+    load, as before the seed) resumes at the same size through the index loop, and the continued
     run equals the uninterrupted one bit for bit (DeepSpeed's own load would leave the new hosts
     without their rule state)."""
     res = _res(runs, ("old-hosts", optimizer))
@@ -507,7 +507,7 @@ def test_mixed_tp_checkpoint_with_other_grid_tp_hosts_resumes_exactly(optimizer,
     r0 = res[0]
     assert r0["old"] != r0["new"] and r0["new"] == want[0]["tp_host"], (r0["old"], r0["new"])
     for rank, (r, w) in enumerate(zip(res, want)):
-        assert r["elastic"] == 1, rank
+        assert r["index_loop"] == 1, rank
         for n in w["sd"]:
             np.testing.assert_array_equal(r["sd"][n], w["sd"][n], err_msg=f"rank {rank} {n}")
 

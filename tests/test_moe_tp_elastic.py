@@ -169,6 +169,9 @@ def _load_worker(rank, world, root, tp, jobs, refused=()):
 
     ms.initialize_model_parallel(tp)
     out = {name: _refused_worker(rank, name, root, tp) for name in refused}
+    from test_ckpt_resume import _index_route_only
+
+    _index_route_only()  # every resize below goes through the checkpoint index (TP shard frames)
     for name, start in sorted(jobs.items(), key=lambda job: SCENARIOS[job[0]][1][2]):
         _, (_, dp, ep), _, opt_type = SCENARIOS[name]
         start = _as_torch(start)

@@ -22,10 +22,16 @@ model: the writer describes, the reader intersects); :class:`Reader` copies the 
 pieces out of the memory-mapped files, so a rank touches only the bytes it needs.
 
 ``frame`` is ``None`` for a chunk in the global row-major frame; a chunk cut in another frame
-(a TP layout, a permutation) records it there, and :class:`Reader` refuses it by name until a
-reader for that frame exists (the old per-layout readers still serve those layouts).
+records it (:mod:`canzona_ds.ckpt.frames`): a TP shard's frame (``{"tp": {dim, sizes, blocks,
+rank}}``; ``offset``/``length`` index the shard's flat, ``shape`` is the global shape), or a TP
+host's rule state in the concatenated TP layout (no ``rank``; ``shape`` is the state's).
+:meth:`Reader.region` reads a region of the global frame or of any shard frame: straight from
+the chunks where they are in that frame, else through the whole tensor rebuilt from its shards
+(one parameter at a time).  A host's concatenated-layout state is read in its own frame only
+(mapping it to TP=1 needs the rule's ``state_axes``: integration/ckpt_index.IndexSource).
 
-This module imports no DeepSpeed (torch only for :class:`Reader`'s memory-mapped reads).
+This module imports no DeepSpeed (torch for :class:`Reader`'s memory-mapped reads and the frame
+arithmetic).
 """
 from __future__ import annotations
 
@@ -33,7 +39,10 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Iterable
+
+from .frames import FrameError, TPFrame, assemble, to_global
 
 INDEX = "canzona_index.json"
 FORMAT = "canzona_ds.ckpt.index/1"
@@ -66,6 +75,20 @@ class Chunk:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @cached_property
+    def tp(self) -> TPFrame | None:
+        """The chunk's frame parsed (None: the global frame)."""
+        try:
+            return TPFrame.of(self.frame, f"{self.name!r} {self.state}")
+        except FrameError as e:
+            raise CheckpointIndexError(str(e)) from None
+
+    @property
+    def flat_numel(self) -> int:
+        """Elements of the flat its offsets index: the tensor's, or a shard's (a shard frame)."""
+        tp = self.tp
+        return self.numel if tp is None or tp.rank is None else math.prod(tp.shard_shape(self.shape))
 
     @property
     def stop(self) -> int:
@@ -199,9 +222,15 @@ class Index:
         and together cover every element; every file a chunk names is in ``files``."""
         files = set(self.files)
         for c in self.chunks or ():
-            if c.offset < 0 or c.length <= 0 or c.stop > c.numel:
+            if c.tp is not None and c.tp.rank is not None:
+                try:
+                    c.tp.check(c.shape, f"{where}: {c.name!r} {c.state}")
+                except FrameError as e:
+                    raise CheckpointIndexError(str(e)) from None
+            if c.offset < 0 or c.length <= 0 or c.stop > c.flat_numel:
+                frame = "" if c.tp is None else f" of frame {c.frame}"
                 raise CheckpointIndexError(f"{where}: {c.name!r} {c.state} chunk [{c.offset}, {c.stop}) lies outside its "
-                                  f"{c.numel} elements (shape {list(c.shape)}).")
+                                  f"{c.flat_numel} elements{frame} (shape {list(c.shape)}).")
             if c.file not in files:
                 raise CheckpointIndexError(f"{where}: {c.name!r} {c.state} is in {c.file!r}, which the index's file list "
                                   f"does not name.")
@@ -209,14 +238,31 @@ class Index:
             shapes = {c.shape for c in cs}
             if len(shapes) > 1:
                 raise CheckpointIndexError(f"{where}: the chunks of {name!r} {state} disagree on its shape: {sorted(shapes)}.")
-            gaps = missing(cs, 0, cs[0].numel)
-            if gaps:
-                raise CheckpointIndexError(f"{where}: {name!r} {state} is not covered: elements {gaps[:3]} of "
-                                  f"{cs[0].numel} are in no chunk.")
+            for frame, fcs in frames(cs).items():  # each frame the state is stored in covers it whole
+                ranks = [None] if frame is None or frame.rank is None else range(len(frame.sizes))
+                for t in ranks:
+                    tcs = [c for c in fcs if c.tp is None or c.tp.rank == t]
+                    n = math.prod(frame.shard_shape(cs[0].shape, t)) if t is not None else cs[0].numel
+                    gaps = missing(tcs, 0, n)
+                    if gaps:
+                        what = "" if t is None else f" (TP shard {t} of frame {frame.at(None).to_json()})"
+                        raise CheckpointIndexError(f"{where}: {name!r} {state}{what} is not covered: elements "
+                                                   f"{gaps[:3]} of {n} are in no chunk.")
         if self.chunks is not None:
             no_master = sorted({n for n, _ in self.by_key()} - set(self.names))
             if no_master:
                 raise CheckpointIndexError(f"{where}: {no_master[:5]} have optimizer state but no fp32 master weight.")
+
+
+def frames(chunks: Iterable[Chunk]) -> dict[TPFrame | None, list[Chunk]]:
+    """The chunks of one (name, state) by the frame family they are in: None (the global frame),
+    a TP layout with ``rank=0`` standing for all its shards, or a TP layout without a rank (a
+    host's concatenated-layout state)."""
+    out: dict[TPFrame | None, list[Chunk]] = {}
+    for c in chunks:
+        key = None if c.tp is None else c.tp.at(None if c.tp.rank is None else 0)
+        out.setdefault(key, []).append(c)
+    return out
 
 
 def missing(chunks: Iterable[Chunk], start: int, stop: int) -> list[tuple[int, int]]:
@@ -266,6 +312,7 @@ class Reader:
                               f"({index.meta.get('no_chunks', 'layout without an emitter')}).")
         self.folder, self.index = folder, index
         self._files: dict[str, Any] = {}
+        self._cache: tuple | None = None  # ((name, state), its flat global tensor): one at a time
 
     def _file(self, name: str) -> Any:
         import torch
@@ -305,22 +352,68 @@ class Reader:
     def has(self, name: str, state: str) -> bool:
         return (name, state) in self.index.by_key()
 
-    def region(self, name: str, state: str, start: int, stop: int, out=None):
-        """Elements ``[start, stop)`` of the flat global ``state`` of ``name``: copied into ``out`` if
-        given; else a region inside one chunk is a view of the memory-mapped file (read-only in
-        spirit: copy what you keep), one across chunks a new tensor."""
-        import torch
+    def frame_of(self, name: str, state: str) -> TPFrame | None:
+        """The frame :meth:`whole` reads ``state`` of ``name`` in by default: None (the global frame,
+        stored so or rebuilt from TP shards), or the concatenated TP layout (a frame without a rank)
+        of a host's rule state stored only so."""
+        fams = frames(self._chunks(name, state))
+        if None in fams or any(f.rank is not None for f in fams):
+            return None
+        return next(iter(fams))
 
+    def _chunks(self, name: str, state: str) -> list[Chunk]:
         cs = self.index.by_key().get((name, state))
         if not cs:
             raise CheckpointIndexError(f"{self.folder}: the checkpoint index has no {state!r} for {name!r}.")
+        return cs
+
+    def _global(self, name: str, state: str):
+        """The flat global (TP=1) tensor of ``state`` of ``name`` rebuilt from its TP shards (or read
+        from its global chunks); the last one kept, so a run of regions of one parameter rebuilds
+        it once (memory: one parameter's state at a time)."""
+        if self._cache is not None and self._cache[0] == (name, state):
+            return self._cache[1]
+        self._cache = None
+        cs = self._chunks(name, state)
+        fams = frames(cs)
+        if None in fams:
+            flat = self.region(name, state, 0, cs[0].numel)
+        else:
+            ranked = [f for f in fams if f.rank is not None]
+            if not ranked:
+                raise CheckpointIndexError(
+                    f"{self.folder}: {name!r} {state} is stored in the concatenated TP layout "
+                    f"{next(iter(fams)).to_json()} only; it reads in that frame (mapping it to TP=1 takes the rule's "
+                    "state_axes: integration/ckpt_index.IndexSource).")
+            pieces = [(c.tp, c.offset, self.stored(c)[c.at:c.at + c.length]) for c in fams[ranked[0]]]
+            flat = assemble(pieces, cs[0].shape).reshape(-1)
+        self._cache = ((name, state), flat)
+        return flat
+
+    def region(self, name: str, state: str, start: int, stop: int, out=None, frame: TPFrame | None = None):
+        """Elements ``[start, stop)`` of the flat of ``state`` of ``name`` in ``frame`` (None: the
+        global frame; a :class:`~canzona_ds.ckpt.frames.TPFrame` with a rank: that TP shard's flat;
+        without a rank: the concatenated TP layout a host's state is stored in): copied into ``out``
+        if given; else a region inside one chunk is a view of the memory-mapped file (read-only in
+        spirit: copy what you keep), one across chunks a new tensor.  Chunks stored in ``frame``
+        are read directly; otherwise the whole tensor is rebuilt (:meth:`_global`) and the region
+        taken from it."""
+        import torch
+
+        cs = self._chunks(name, state)
         if stop <= start:  # an empty region (e.g. a rank's empty piece of a mixed-layout matrix)
             return out if out is not None else torch.empty(0, dtype=self.stored(cs[0]).dtype)
-        plan = overlaps(cs, start, stop)
-        framed = [c for c, *_ in plan if c.frame is not None]
-        if framed:
-            raise CheckpointIndexError(f"{self.folder}: {name!r} {state} is stored in frame {framed[0].frame!r}; "
-                              "the index reader reads the global frame only.")
+        same = [c for c in cs if c.tp == frame]
+        if not same:  # another frame: through the whole tensor
+            if frame is not None and frame.rank is None:
+                raise CheckpointIndexError(f"{self.folder}: {name!r} {state} is not stored in the concatenated TP "
+                                           f"layout {frame.to_json()}.")
+            flat = self._global(name, state)
+            got = flat[start:stop] if frame is None else flat[to_global(frame, cs[0].shape, start, stop)]
+            if out is None:
+                return got
+            return out.copy_(got)
+        plan = overlaps(same, start, stop)
         if out is None and len(plan) == 1:  # one chunk: a view of the mapped file, no copy (callers copy
             c, src, _, n = plan[0]             # what they keep, as from any memory-mapped checkpoint)
             return self.stored(c)[src:src + n]
@@ -330,14 +423,17 @@ class Reader:
             out[dst:dst + n].copy_(self.stored(c)[src:src + n])
         return out
 
-    def whole(self, name: str, state: str = MASTER):
-        """The whole tensor; where one chunk is the whole stored tensor, that tensor itself (a view
-        of the mapped file with its strides: a column-major eigenbasis stays column-major, and a
-        matmul on it rounds as before the save)."""
-        shape = self.index.shape(name, state)
-        cs = self.index.by_key()[(name, state)]
-        if len(cs) == 1 and cs[0].at == 0 and cs[0].length == cs[0].numel and cs[0].frame is None:
-            obj = self._obj(cs[0])
+    def whole(self, name: str, state: str = MASTER, frame: TPFrame | None = None):
+        """The whole tensor in ``frame`` (None: the global frame; a shard frame: that shard; a frame
+        without a rank: the concatenated TP layout a host's state is stored in); where one chunk
+        is the whole stored tensor, that tensor itself (a view of the mapped file with its
+        strides: a column-major eigenbasis stays column-major, and a matmul on it rounds as
+        before the save)."""
+        cs = self._chunks(name, state)
+        shape = cs[0].shape if frame is None or frame.rank is None else frame.shard_shape(cs[0].shape)
+        same = [c for c in cs if c.tp == frame]
+        if len(same) == 1 and same[0].at == 0 and same[0].length == math.prod(shape):
+            obj = self._obj(same[0])
             if tuple(obj.shape) == tuple(shape):
                 return obj
-        return self.region(name, state, 0, math.prod(shape)).view(shape)
+        return self.region(name, state, 0, math.prod(shape), frame=frame).view(shape)

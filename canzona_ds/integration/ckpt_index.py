@@ -23,9 +23,17 @@ another DP size or ep_size finds it; a transformers expert stack W (E experts) k
 state per expert, W[e], stored as chunk [e*n, (e+1)*n) of the stack's state (E, *shape) under
 the name W (``meta["expert_stacks"]``; :class:`IndexSource` hands W[e] back to the optimizer).
 
-A layout that has no emitter yet (tensor parallelism; pipeline parallelism at ZeRO stage 0,
-whose module weights DeepSpeed writes to per-layer files) writes the index with ``chunks: null``
-and the reason; such tags are resumed by the per-layout readers (integration/elastic.py) as before.
+Tensor parallelism (ZeRO 1/2): a TP-split parameter's master, moments and grid pieces (the
+mixed layout) are chunks in the frame of the shard this TP rank holds (``{"tp": {dim, sizes,
+blocks, rank}}``, the global shape; canzona_ds/ckpt/frames.py), a TP host's rule state one chunk
+in the concatenated TP layout (the frame without ``rank``, the state's shape);
+:class:`IndexSource` reads them into this run's TP layout (straight where it is the saved one,
+else through the whole parameter and, for a host's state, ``MatrixRule.state_axes``).
+
+A layout that has no emitter yet (tensor parallelism at ZeRO 0 or 3; pipeline parallelism at
+ZeRO stage 0, whose module weights DeepSpeed writes to per-layer files) writes the index with
+``chunks: null`` and the reason; such tags are resumed by the per-layout readers
+(integration/elastic.py) as before.
 A ZeRO-3 tag written before the index gets one built from its layout records
 (:func:`legacy_zero3_index`).
 
@@ -53,6 +61,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..ckpt.frames import TPFrame
 from ..ckpt.index import INDEX, MASTER, CheckpointIndexError, Chunk, Index, Reader
 from ..optim.rule import expert_name
 
@@ -65,8 +74,9 @@ MATRIX = "matrix"
 # ---------------------------------------------------------------------------------------- emit
 def _layout_without_emitter(engine, opt) -> str | None:
     """Why this run's layout emits no chunks (None: it does)."""
-    if opt.tp_size > 1:
-        return "tensor parallelism (TP layout frames are read by integration/elastic.py)"
+    if opt.tp_size > 1 and engine.zero_optimization_stage() not in (1, 2):
+        return (f"tensor parallelism at ZeRO stage {engine.zero_optimization_stage()} (TP frames are emitted at "
+                "ZeRO 1/2)")
     if engine.zero_optimization_stage() == 0 and opt.groups.pp_size > 1:
         return "pipeline parallelism at ZeRO stage 0 (the module weights are in DeepSpeed's per-layer files)"
     # (a bf16/fp16 model at stage 0 never runs: builder.check_settings refuses it by name)
@@ -79,11 +89,35 @@ def _experts_of(opt) -> dict[str, tuple[str, int, int]]:
             for e, i in enumerate(info.state_infos())}
 
 
-def _rule_state_chunks(opt, file: str, prefix: tuple, rank: int, piece_at: dict[str, int]) -> list[Chunk]:
+def _tp_frames(engine, opt) -> dict[str, tuple[TPFrame, tuple[int, ...]]]:
+    """This run's TP-split parameters (local name) -> (their shard's frame, the global shape)."""
+    from ..tp.layout import tp_blocks
+    from ..tp.runtime import TPMatrix
+
+    if opt.tp_size <= 1:
+        return {}
+    from deepspeed import comm as dist
+
+    t = dist.get_rank(group=opt.tp_group)
+    out = {}
+    for name, p in engine.module.named_parameters():
+        if TPMatrix.is_split(p, opt.tp_size):
+            m = TPMatrix.from_param(name, p, opt.tp_size)
+            blocks = tp_blocks(p, m.full_shape[m.partition_dim])
+            out[name] = (TPFrame(m.partition_dim, tuple(m.shard_sizes), tuple(blocks), t), tuple(m.full_shape))
+    return out
+
+
+def _rule_state_chunks(opt, file: str, prefix: tuple, rank: int, piece_at: dict[str, int],
+                       tp: dict | None = None) -> list[Chunk]:
     """The rule state this rank keeps: whole matrices (``matrix_state``), and under the mixed
     layout its piece ``[piece_at[name], + n)`` of a hosted matrix's element-wise state.  An
     expert stack ``W`` of E experts keeps one state per expert (``W[e]``): expert e's is chunk
-    ``[e*n, (e+1)*n)`` of the stack's state ``(E, *shape)`` under the stack's name."""
+    ``[e*n, (e+1)*n)`` of the stack's state ``(E, *shape)`` under the stack's name.  A TP-split
+    matrix (``tp``: :func:`_tp_frames`): its host's state is in the concatenated TP layout (the
+    frame without a rank, the state's own shape); a grid piece of its element-wise state is in
+    this rank's shard frame at its offset in the shard."""
+    tp = tp or {}
     out = []
     experts = _experts_of(opt)
     glob = opt.global_name  # (DeepSpeed MoE: local expert j of expert-parallel rank k is global k*E/ep + j)
@@ -98,11 +132,15 @@ def _rule_state_chunks(opt, file: str, prefix: tuple, rank: int, piece_at: dict[
                 out.append(Chunk(glob(stack), k, (E,) + tuple(v.shape), e * v.numel(), v.numel(), file, key, 0,
                                  None, rank))
             else:
-                out.append(Chunk(glob(name), k, tuple(v.shape), 0, v.numel(), file, key, 0, None, rank))
+                frame = tp[name][0].at(None).to_json() if name in tp else None
+                out.append(Chunk(glob(name), k, tuple(v.shape), 0, v.numel(), file, key, 0, frame, rank))
     for name, st in opt.piece_state.items():  # the mixed layout: this rank's piece of element-wise state
         for k, v in st.items():
-            out.append(Chunk(glob(name), k, tuple(opt.infos[name].shape), piece_at[name], v.numel(), file,
-                             prefix + ("piece_state", name, k), 0, None, rank))
+            shape, frame = tuple(opt.infos[name].shape), None
+            if name in tp:  # a grid piece: of this TP rank's shard
+                shape, frame = tp[name][1], tp[name][0].to_json()
+            out.append(Chunk(glob(name), k, shape, piece_at[name], v.numel(), file,
+                             prefix + ("piece_state", name, k), 0, frame, rank))
     return out
 
 
@@ -117,7 +155,9 @@ def _emit_zero12(engine, opt, rank: int) -> list[Chunk]:
     out: list[Chunk] = []
     split = opt.placement.hosted.split if opt.placement.hosted is not None else {}
     piece_at: dict[str, int] = {}
-    shape_of = {n: tuple(p.shape) for n, p in engine.module.named_parameters()}
+    tp = _tp_frames(engine, opt)  # a TP-split parameter: its global shape, offsets in its shard's frame
+    shape_of = {n: tp[n][1] if n in tp else tuple(p.shape) for n, p in engine.module.named_parameters()}
+    frame_of = {n: f.to_json() for n, (f, _) in tp.items()}
     for i, g in enumerate(opt.param_groups):
         flat = zopt.single_partition_of_fp32_groups[i]
         fkey = top + ("single_partition_of_fp32_groups", i)
@@ -129,23 +169,24 @@ def _emit_zero12(engine, opt, rank: int) -> list[Chunk]:
                 if m is not None and hasattr(m, "starts"):
                     piece_at[v.name] = lo
                 out.append(Chunk(opt.global_name(v.name), MASTER, shape_of[v.name], lo, v.numel, file, fkey,
-                                 v.offset, None, rank))
+                                 v.offset, frame_of.get(v.name), rank))
             continue
         P = zopt.partition_size[i]
         lo, hi = r * P, (r + 1) * P
         st = opt.state.get(flat) or {}
         idx = order.index(id(flat))
         for p, off in zip(zopt.round_robin_bit16_groups[i], zopt.round_robin_bit16_offsets[i]):
-            name = opt.global_name(zopt.param_names[p])
+            local = zopt.param_names[p]
+            name, shape, frame = opt.global_name(local), shape_of[local], frame_of.get(local)
             a, b = max(off, lo), min(off + p.numel(), hi)
             if a >= b:
                 continue
-            out.append(Chunk(name, MASTER, tuple(p.shape), a - off, b - a, file, fkey, a - lo, None, rank))
+            out.append(Chunk(name, MASTER, shape, a - off, b - a, file, fkey, a - lo, frame, rank))
             for k in ("exp_avg", "exp_avg_sq"):
                 if k in st:
-                    out.append(Chunk(name, k, tuple(p.shape), a - off, b - a, file, base + ("state", idx, k), a - lo,
-                                     None, rank))
-    return out + _rule_state_chunks(opt, file, base + ("canzona",), rank, piece_at)
+                    out.append(Chunk(name, k, shape, a - off, b - a, file, base + ("state", idx, k), a - lo,
+                                     frame, rank))
+    return out + _rule_state_chunks(opt, file, base + ("canzona",), rank, piece_at, tp)
 
 
 def _emit_zero3(engine, opt, rank: int) -> list[Chunk]:
@@ -317,7 +358,20 @@ def layout_fingerprint(engine) -> str | None:
     """This rank's ZeRO layout fingerprint (the plan and padded layout at ZeRO 1/2, the hosting
     plan at ZeRO 3; None at stage 0, where every rank holds everything)."""
     meta = getattr(engine.optimizer, "canzona_layout_meta", None)
-    return meta().get("fingerprint") if callable(meta) else None
+    if not callable(meta):
+        return None
+    record = meta()
+    fp = record.get("fingerprint")
+    # the mixed layout under TP: a grid host's TP rank is chosen after the plan (zero.same_layout),
+    # so another choice is another layout (its rule state lives on another rank)
+    hosts = sorted((n, h["tp_host"]) for n, h in (record.get("hosted") or {}).items()
+                   if isinstance(h, dict) and h.get("tp_host") is not None)
+    if fp is not None and hosts:
+        import hashlib
+        import json
+
+        fp = f"{fp}:{hashlib.sha256(json.dumps(hosts).encode()).hexdigest()[:8]}"
+    return fp
 
 
 def _engine_files(engine) -> tuple[str, dict | None]:
@@ -472,6 +526,8 @@ class IndexSource:
         self.changed: set[str] = set()
         #: under pipeline parallelism: this stage's parameters (what ``write`` may ask for)
         self.only: set[str] | None = None
+        #: the running rule (its ``state_axes`` move a TP host's state to TP=1; :func:`load` sets it)
+        self.running_rule = None
         self.engine_state, self.client_state = self._engine_state()
         self.zero_scalars = self._zero_scalars()
 
@@ -504,11 +560,14 @@ class IndexSource:
         return self.index.shape(name)
 
     def flat_range(self, name: str, key: str, start: int, stop: int, tp_layout=None, tp_rank: int = 0) -> Tensor:
-        if tp_layout is not None:
-            raise CheckpointIndexError(f"{name!r}: the index loop reads no TP layout (this run is TP-split).")
+        """Elements ``[start, stop)`` of ``name``'s ``key`` flattened as TP rank ``tp_rank`` of this
+        run's ``tp_layout`` ((dim, shard sizes, blocks); None: not split) holds it: straight from
+        the chunks where they were saved in that frame, else from the whole parameter
+        (:meth:`Reader.region`)."""
         if name in self.changed and key != MASTER:  # a matrix that became AdamW: its moments start at zero
             return torch.zeros(stop - start, dtype=torch.float32)
-        return self.reader.region(name, key, start, stop)
+        frame = None if tp_layout is None else TPFrame.from_layout(tp_layout, tp_rank)
+        return self.reader.region(name, key, start, stop, frame=frame)
 
     def state_names(self) -> list[str]:
         """The rule-state keys the checkpoint holds: a matrix's name, an expert stack's ``W[e]``."""
@@ -530,20 +589,73 @@ class IndexSource:
         return shapes if e is None else {k: v[1:] for k, v in shapes.items()}
 
     def state_of(self, name: str) -> dict[str, Any]:
+        """The rule state of ``name`` in the TP=1 layout (views of the files where nothing moved:
+        copy what you keep).  A TP host's state, saved in its concatenated TP layout, is
+        permuted through ``state_axes`` of :attr:`running_rule` (set by :func:`load`)."""
         stored, e = self._expert(name)
         if e is None:
-            return {k: self.reader.whole(name, k) for k in self.state_shapes(name)}
+            return self.state_in(self.running_rule, name, None)
         out = {}
         for k, shape in self.state_shapes(name).items():  # expert e's chunk of the stack's state only
             n = math.prod(shape)
             out[k] = self.reader.region(stored, k, e * n, (e + 1) * n).view(shape)
         return out
 
+    def _saved_layouts(self, name: str) -> dict[str, TPFrame | None]:
+        """state key -> the TP layout (a frame without a rank) it was saved in: a host's state in
+        the concatenated layout, or a grid piece's shards; None: the TP=1 frame."""
+        out = {}
+        for k in self.state_shapes(name):
+            fs = {c.tp.at(None) for c in self.index.by_key()[(name, k)] if c.tp is not None}
+            out[k] = next(iter(fs)) if len(fs) == 1 else None
+        return out
+
     def check_state_layout(self, rule, name: str, tp_layout) -> None:
-        return None
+        """Refuse (by name, from shapes alone) a rule state that cannot move from the TP layout it
+        was saved in into ``tp_layout`` ((dim, shard sizes, blocks) of this run; None: TP=1).  Where
+        that is the saved layout nothing moves, so every rule's state fits (Shampoo's blocked
+        factors too, at another DP size or plan)."""
+        from .elastic import _check_permutable, _layout_perm
+
+        want = None if tp_layout is None else TPFrame.from_layout(tp_layout)
+        saved = self._saved_layouts(name)
+        if all(f == want for f in saved.values()):
+            return
+        shapes, full = self.state_shapes(name), self.full_shape(name)
+        for f in {f for f in saved.values() if f is not None and f.rank is None}:  # to the TP=1 layout
+            _check_permutable(rule, name, shapes, full, f.perm())
+        if tp_layout is not None:  # and into this run's
+            _check_permutable(rule, name, shapes, full, _layout_perm(tp_layout))
 
     def state_in(self, rule, name: str, tp_layout) -> dict[str, Any]:
-        return self.state_of(name)
+        """The rule state of ``name`` in ``tp_layout`` (the concatenated TP layout a host of this run
+        sees; None: TP=1): read as saved where that is the saved layout (a grid piece's shards
+        side by side along the split dimension), else through the TP=1 layout (a host's state
+        permuted through ``rule.state_axes``; shards rebuilt into the whole matrix)."""
+        from .elastic import _layout_perm, _permute_state
+
+        want = None if tp_layout is None else TPFrame.from_layout(tp_layout)
+        full = self.full_shape(name)
+        out = {}
+        for k, saved in self._saved_layouts(name).items():
+            if saved is not None and saved == want:  # as saved: nothing moves
+                if any(c.tp.rank is None for c in self.index.by_key()[(name, k)]):
+                    out[k] = self.reader.whole(name, k, saved)
+                else:
+                    out[k] = torch.cat([self.reader.whole(name, k, saved.at(t)) for t in range(len(saved.sizes))],
+                                       dim=saved.dim)
+                continue
+            if saved is not None and self.reader.frame_of(name, k) is not None:  # a host's: to TP=1 by its axes
+                if rule is None:
+                    raise CheckpointIndexError(f"{name!r} {k}: a TP layout's rule state needs the running rule.")
+                v = _permute_state(rule, name, {k: self.reader.whole(name, k, saved)}, full, saved.dim,
+                                   saved.perm(), inverse=True)[k]
+            else:
+                v = self.reader.whole(name, k)  # (the TP=1 frame, or rebuilt from the shards)
+            if want is not None:
+                v = _permute_state(rule, name, {k: v}, full, want.dim, _layout_perm(tp_layout), inverse=False)[k]
+            out[k] = v
+        return out
 
 
 def _check_roles(engine, opt, index: Index, folder: str, reinit: bool) -> list[str]:
@@ -661,7 +773,7 @@ def index_route(engine, load_dir: str, tag: str | None) -> Index | None:
     index describes its chunks and the loop fills this run's layout, or where a role or the
     ZeRO stage changed (the loop then refuses by name what it cannot do).  Otherwise None: a
     tag without an index (written before it), or a resize of a layout whose chunks are not
-    described yet (TP, PP at stage 0), goes to the per-layout readers as before.  The verdicts are
+    described yet (TP at ZeRO 0, PP at stage 0), goes to the per-layout readers as before.  The verdicts are
     all-gathered, so every rank takes the same branch."""
     import torch.distributed as tdist
 
@@ -759,17 +871,20 @@ def load(engine, load_dir: str, tag: str | None, index: Index, load_module_stric
     if missing or extra:
         raise CheckpointIndexError(f"{folder}: the checkpoint's parameters differ from the model's: missing "
                                    f"{missing[:5]}, unexpected {extra[:5]}.")
+    tp_full = {n: full for n, (_, full) in _tp_frames(engine, opt).items()}  # (a TP shard: its global shape)
     for n, p in engine.module.named_parameters():
-        shape, g = tuple(getattr(p, "ds_shape", p.shape)), opt.global_name(n)
+        shape, g = tp_full.get(n, tuple(getattr(p, "ds_shape", p.shape))), opt.global_name(n)
         if tuple(src.full_shape(g)) != shape:
             raise CheckpointIndexError(f"{folder}: {g!r} is {tuple(src.full_shape(g))} in the checkpoint, {shape} here.")
     from .elastic import _check_state
 
-    src.changed = changed
+    src.changed, src.running_rule = changed, opt.rule
     local_of = {opt.global_name(n): n for n in opt.state_infos}  # (a DeepSpeed MoE expert's local name)
     for name in src.state_names():  # every rule state fits this run's settings (shapes only)
         if name in local_of:
             _check_state(opt.rule, opt.state_infos[local_of[name]], src.state_shapes(name))
+            if stage in (0, 3):  # (at ZeRO 1/2 write checks it against this run's TP layout)
+                src.check_state_layout(opt.rule, name, None)
     for n in sorted(changed):
         logger.warning("canzona_ds: %s: %r changed role (%s -> %s); its optimizer state is re-initialised "
                        "(reinit_changed_roles)", folder, n, src.roles[n],
