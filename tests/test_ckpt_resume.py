@@ -549,16 +549,17 @@ def test_canzona_ckpt_inspect_verify_convert(saved, tmp_path, capsys):
 PIPE_GAS = 2
 
 
-def _pipe_cfg(dp: int) -> dict:
+def _pipe_cfg(dp: int, stage: int = 1) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": PIPE_GAS,
             "train_batch_size": MICRO * PIPE_GAS * dp,
             "optimizer": {"type": "CanzonaSOAP", "params": dict(HP["CanzonaSOAP"])},
-            "zero_optimization": {"stage": 1}, "gradient_clipping": CLIP, "steps_per_print": 10 ** 9}
+            "zero_optimization": {"stage": stage}, "gradient_clipping": CLIP, "steps_per_print": 10 ** 9}
 
 
-def _pipe(rank, world, pp, ckpt, out):
-    """PP=pp x DP=1 (world = pp), the tied tiny decoder: ``out`` None: one step, save to ``ckpt``.
-    Else load ``ckpt`` (written at another PP size), save to ``out`` at once, one more step."""
+def _pipe(rank, world, pp, ckpt, out, stage=1, legacy=False):
+    """PP=pp x DP=1 (world = pp) at ZeRO ``stage``, the tied tiny decoder: ``out`` None: one step,
+    save to ``ckpt``.  Else load ``ckpt`` (written at another PP size or stage), save to ``out``
+    at once, one more step (through the index loop only)."""
     import deepspeed
 
     import canzona_ds  # noqa: F401
@@ -566,7 +567,10 @@ def _pipe(rank, world, pp, ckpt, out):
     from canzona_testkit.pipeline import build_pipe, canonical_name, dataset, rank_micro_batches
 
     module = build_pipe(pp, True, 0)
-    engine = deepspeed.initialize(model=module, model_parameters=list(module.parameters()), config=_pipe_cfg(1))[0]
+    if out is not None:
+        _index_route_only()
+    engine = deepspeed.initialize(model=module, model_parameters=list(module.parameters()),
+                                  config=_pipe_cfg(1, stage))[0]
     x, y = dataset(2 * PIPE_GAS * MICRO, 1)
     batches = rank_micro_batches(x, y, 1, 0, MICRO)
     if out is None:
@@ -607,14 +611,22 @@ def _pipe_reference(modes: list[str]) -> dict:
     return params_of(model)
 
 
-@pytest.mark.parametrize("before,after", [(2, 1), (1, 2)], ids=["pp2-to-pp1", "pp1-to-pp2"])
-def test_resume_at_another_pipeline_size(tmp_path, before, after):
+#: (saved PP, saved ZeRO stage, running PP, running stage): at ZeRO 0 the module weights are in
+#: DeepSpeed's per-layer files (``layer_XX-model_states.pt``), the optimizer in each stage's
+#: ``mp_rank_XX_model_states.pt``
+PIPE_SCENARIOS = [(2, 1, 1, 1), (1, 1, 2, 1), (2, 0, 1, 0), (1, 0, 2, 0), (2, 0, 1, 1)]
+
+
+@pytest.mark.parametrize("before,s0,after,s1", PIPE_SCENARIOS,
+                         ids=[f"pp{a}z{s}-to-pp{b}z{t}" for a, s, b, t in PIPE_SCENARIOS])
+def test_resume_at_another_pipeline_size(tmp_path, before, s0, after, s1):
     from canzona_testkit.pipeline import merge_stages
 
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
-    run_distributed(_pipe, before, before, ckpt, None)
-    res = run_distributed(_pipe, after, after, ckpt, out)
-    assert_same_state(os.path.join(ckpt, "saved"), os.path.join(out, "reloaded"))
+    run_distributed(_pipe, before, before, ckpt, None, s0)
+    res = run_distributed(_pipe, after, after, ckpt, out, s1)
+    compared = assert_same_state(os.path.join(ckpt, "saved"), os.path.join(out, "reloaded"))
+    assert compared >= 30  # every parameter's master, the AdamW moments, the rule state
     assert all(r["steps"] == 2 for r in res)
     # the tied embedding's two uses are summed as the pipeline does at each step's PP size: one
     # stage lets autograd add them micro-batch by micro-batch ("shared"), two stages add the

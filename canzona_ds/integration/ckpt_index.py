@@ -23,8 +23,11 @@ another DP size or ep_size finds it; a transformers expert stack W (E experts) k
 state per expert, W[e], stored as chunk [e*n, (e+1)*n) of the stack's state (E, *shape) under
 the name W (``meta["expert_stacks"]``; :class:`IndexSource` hands W[e] back to the optimizer).
 
-A layout that has no emitter yet (tensor parallelism; pipeline parallelism at ZeRO stage 0,
-whose module weights DeepSpeed writes to per-layer files) writes the index with ``chunks: null``
+A ``PipelineModule`` at ZeRO stage 0 has its module weights in DeepSpeed's per-layer files
+(``layer_<idx>-model_states.pt``, by the layer's own parameter names; :func:`_pipe_layer_files`)
+and each stage's optimizer in its ``mp_rank_<stage>_model_states.pt``: each stage describes its
+own parameters there, by the pipeline's names (the same at every PP size).
+A layout that has no emitter yet (tensor parallelism) writes the index with ``chunks: null``
 and the reason; such tags are resumed by the per-layout readers (integration/elastic.py) as before.
 A ZeRO-3 tag written before the index gets one built from its layout records
 (:func:`legacy_zero3_index`).
@@ -67,8 +70,6 @@ def _layout_without_emitter(engine, opt) -> str | None:
     """Why this run's layout emits no chunks (None: it does)."""
     if opt.tp_size > 1:
         return "tensor parallelism (TP layout frames are read by integration/elastic.py)"
-    if engine.zero_optimization_stage() == 0 and opt.groups.pp_size > 1:
-        return "pipeline parallelism at ZeRO stage 0 (the module weights are in DeepSpeed's per-layer files)"
     # (a bf16/fp16 model at stage 0 never runs: builder.check_settings refuses it by name)
     return None
 
@@ -182,17 +183,42 @@ def _emit_zero3(engine, opt, rank: int) -> list[Chunk]:
     return out + _rule_state_chunks(opt, file, inner + ("canzona",), rank, {})
 
 
+def _pipe_layer_files(engine) -> dict[int, tuple[str, tuple]] | None:
+    """A ``PipelineModule`` (at any PP size, 1 included): where DeepSpeed's ``save_state_dict``
+    put each parameter of this stage, ``id(p) -> (layer_<idx>[-<model rank>]-model_states.pt,
+    (its name in that layer's state_dict,))``; None for any other module.  A tied module is saved
+    by the stage whose layer *is* the module (a layer that only calls it through a ``forward_fn``
+    writes nothing), so a stage may hold a tied weight that none of its own layer files holds:
+    that stage describes the weight's optimizer state only, the other stage its master."""
+    from torch import nn
+
+    module = engine.module
+    if not hasattr(module, "forward_funcs") or not hasattr(module, "ckpt_layer_path"):
+        return None
+    where: dict[int, tuple[str, tuple]] = {}
+    for i, layer in enumerate(module.forward_funcs):
+        if isinstance(layer, nn.Module):
+            file = os.path.basename(module.ckpt_layer_path("", i))
+            for n, p in layer.named_parameters():
+                where.setdefault(id(p), (file, (n,)))
+    return where
+
+
 def _emit_stage0(engine, opt, rank: int) -> list[Chunk]:
     if not engine.save_non_zero_checkpoint:
         return []  # another rank writes the (replicated) file
     file = os.path.basename(engine._get_ckpt_name("", ""))
     order = [id(p) for g in opt.param_groups for p in g["params"]]
     names = {id(p): n for n, p in engine.module.named_parameters()}
+    layers = _pipe_layer_files(engine)  # (a PipelineModule, at any PP size: the module is in per-layer files)
     out: list[Chunk] = []
     for g in opt.param_groups:
         for p in g["params"]:
             name = names[id(p)]
-            out.append(Chunk(name, MASTER, tuple(p.shape), 0, p.numel(), file, ("module", name), 0, None, rank))
+            if layers is None:
+                out.append(Chunk(name, MASTER, tuple(p.shape), 0, p.numel(), file, ("module", name), 0, None, rank))
+            elif id(p) in layers:
+                out.append(Chunk(name, MASTER, tuple(p.shape), 0, p.numel(), *layers[id(p)], 0, None, rank))
             st = opt.state.get(p) or {}
             for k in ("exp_avg", "exp_avg_sq"):
                 if g["canzona_role"] != MATRIX and k in st:
@@ -240,8 +266,16 @@ def _emit_stage0_moe(engine, opt, rank: int) -> list[Chunk]:
     order = [id(p) for g in opt.param_groups for p in g["params"]]
     names = {id(p): n for n, p in engine.module.named_parameters()}
     out: list[Chunk] = []
+    layers = _pipe_layer_files(engine)  # (a PipelineModule: the dense weights are in per-layer files)
     for n, p in engine.module.named_parameters():
-        file, key = where.get(n, (model_file, ("module", n)))
+        if n in where:
+            file, key = where[n]
+        elif layers is None:
+            file, key = model_file, ("module", n)
+        elif id(p) in layers:
+            file, key = layers[id(p)]
+        else:
+            continue  # (a tied weight another stage's layer file holds)
         out.append(Chunk(glob(n), MASTER, tuple(p.shape), 0, p.numel(), file, key, 0, None, rank))
     for g in opt.param_groups:
         if g["canzona_role"] == MATRIX:
@@ -362,6 +396,10 @@ def gather_index(engine, tag: str, directory: str) -> Index | None:
         if meta.pop("replicas", False):  # each replica set's one writer: its file, every replica's chunk
             listed = set(files)
             all_chunks = [c for c in all_chunks if c.file in listed]
+        # (a pipeline's tied weight that no stage's layer file holds: DeepSpeed saved no master for it)
+        unsaved = sorted({c.name for c in all_chunks} - {c.name for c in all_chunks if c.state == MASTER})
+        if unsaved:
+            all_chunks, meta["no_chunks"] = None, f"parameters whose weights DeepSpeed saved in no file: {unsaved[:5]}"
     return Index(tag, meta, files, all_chunks)
 
 
@@ -661,7 +699,7 @@ def index_route(engine, load_dir: str, tag: str | None) -> Index | None:
     index describes its chunks and the loop fills this run's layout, or where a role or the
     ZeRO stage changed (the loop then refuses by name what it cannot do).  Otherwise None: a
     tag without an index (written before it), or a resize of a layout whose chunks are not
-    described yet (TP, PP at stage 0), goes to the per-layout readers as before.  The verdicts are
+    described yet (TP), goes to the per-layout readers as before.  The verdicts are
     all-gathered, so every rank takes the same branch."""
     import torch.distributed as tdist
 
