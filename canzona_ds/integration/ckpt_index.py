@@ -417,83 +417,6 @@ def read_index(folder: str) -> Index | None:
     return Index.read(folder)
 
 
-def legacy_zero3_index(folder: str) -> Index | None:
-    """The index of a ZeRO-3 tag written before the index existed, built from the layout record
-    each optimizer file carries (``canzona_layout``, ``kind: "zero3"``: every sub-group's
-    parameters in flat order, their element counts, the DP size) and the shapes DeepSpeed's
-    model-states file records; None where the tag is not such a checkpoint.  Each parameter of
-    ``n`` elements was saved as ``dp`` pieces of ``P = ceil(n / dp)`` (the last one short), piece
-    ``r`` at its offset of rank ``r``'s flat sub-group::
-
-        rank r file: fp32_flat_groups[s] = | a[rP:rP+n_r] pad | b[rP:rP+n_r] pad | ...
-    """
-    from .elastic import OPTIM_FILE, _load
-
-    if not os.path.isdir(folder):
-        return None
-    files = sorted((int(m.group(1)), f) for f in os.listdir(folder) if (m := OPTIM_FILE.search(f))
-                   and int(m.group(2)) == 0)
-    if not files:
-        return None
-    first = _load(os.path.join(folder, files[0][1]), mmap=True)["optimizer_state_dict"]
-    if (first.get("canzona_layout") or {}).get("kind") != "zero3":
-        return None
-    tops = [first] + [_load(os.path.join(folder, f), mmap=True)["optimizer_state_dict"] for _, f in files[1:]]
-    metas = [t.get("canzona_layout") or {} for t in tops]
-    if any(m.get("kind") != "zero3" or "sub_groups" not in m for m in metas):
-        return None
-    meta0 = metas[0]
-    dp = int(meta0["world_size"])
-    if [r for r, _ in files] != list(range(dp)):
-        return None  # the files of another DP size, or some missing: the manifest names them
-    model_file = "zero_pp_rank_0_mp_rank_00_model_states.pt"
-    shapes = {}
-    for group in _load(os.path.join(folder, model_file), mmap=True).get("param_shapes") or []:
-        shapes.update({n: tuple(s) for n, s in group.items()})
-    numels = meta0["numels"]
-    inner = [t["optimizer_state_dict"] for t in tops]
-    idx_of, k = {}, 0  # sub-group -> torch state index (param group order, sub-groups within)
-    for g in range(len(inner[0]["param_groups"])):
-        for sg, pg in enumerate(meta0["sub_group_param_group"]):
-            if pg == g:
-                idx_of[sg], k = k, k + 1
-    chunks = []
-    for r, (_, file) in enumerate(files):
-        state = inner[r]["state"]
-        for sg, names in enumerate(meta0["sub_groups"]):
-            off = 0
-            st = state.get(idx_of[sg]) or {}
-            for name in names:
-                n_all = int(numels[name])
-                P = -(-n_all // dp)
-                n = max(0, min(P, n_all - r * P))
-                if n:
-                    key = ("optimizer_state_dict", "fp32_flat_groups", sg)
-                    chunks.append(Chunk(name, MASTER, shapes[name], r * P, n, file, key, off, None, r))
-                    for sk in ("exp_avg", "exp_avg_sq"):
-                        if sk in st:
-                            chunks.append(Chunk(name, sk, shapes[name], r * P, n, file, ("optimizer_state_dict",
-                                          "optimizer_state_dict", "state", idx_of[sg], sk), off, None, r))
-                off += P
-        for name, st in ((inner[r].get("canzona") or {}).get("matrix_state") or {}).items():
-            for sk, v in st.items():
-                chunks.append(Chunk(name, sk, tuple(v.shape), 0, v.numel(), file, ("optimizer_state_dict",
-                              "optimizer_state_dict", "canzona", "matrix_state", name, sk), 0, None, r))
-    matrices = set(meta0["matrix_names"])
-    groups = inner[0]["param_groups"]
-    adam_step = next((float(st["step"]) for st in inner[0]["state"].values() if "step" in st), None)
-    meta = {"stage": 3, "dp": dp, "tp": 1, "pp": 1, "world_size": dp, "rule": meta0["rule"],
-            "roles": {n: (MATRIX if n in matrices else ADAM) for n in numels},
-            "matrix_step": next((int(g["step"]) for g in groups if g.get("canzona_role") == MATRIX), 0),
-            "adam_step": adam_step, "engine_file": model_file,
-            "scalars": {"file": files[0][1], "key": ["optimizer_state_dict"]},
-            "fingerprints": [m.get("fingerprint") for m in metas], "adapted_from": "canzona_layout (zero3)"}
-    listing = sorted(f for f in os.listdir(folder) if os.path.isfile(os.path.join(folder, f)))
-    index = Index(os.path.basename(folder.rstrip("/")), meta, listing, chunks)
-    index.validate(f"{folder} (index built from its ZeRO-3 layout records)")
-    return index
-
-
 class IndexSource:
     """What ``elastic.write`` (and the stage-0 and ZeRO-3 fills here) read through, answered
     from the index: regions by whole-model name, rule state whole, scalars."""
@@ -714,8 +637,11 @@ def index_route(engine, load_dir: str, tag: str | None) -> Index | None:
         return None
     folder = os.path.join(load_dir, str(tag))
     index = read_index(folder)
-    if index is None:
-        index = legacy_zero3_index(folder)  # a ZeRO-3 tag written before the index
+    adapted = index is None
+    if adapted:  # a tag written before the index: an index built from its records
+        from .ckpt_legacy import legacy_index
+
+        index = legacy_index(folder)
     if index is None:
         return None
     m = index.meta
@@ -736,7 +662,7 @@ def index_route(engine, load_dir: str, tag: str | None) -> Index | None:
         verdicts = [verdict]
     if all(v[0] for v in verdicts) and not any(v[1] for v in verdicts):
         return None  # the same fingerprint: DeepSpeed's stock load
-    if any(v[1] for v in verdicts) or m.get("stage") != engine.zero_optimization_stage():
+    if adapted or any(v[1] for v in verdicts) or m.get("stage") != engine.zero_optimization_stage():
         return index  # the loop fills it, or refuses by name (DeepSpeed's load would crash)
     if index.chunks is not None and supported_here(engine) is None:
         return index
@@ -769,6 +695,9 @@ def load(engine, load_dir: str, tag: str | None, index: Index, load_module_stric
         f"ZeRO stage {index.meta.get('stage')} -> {stage}" if index.meta.get("stage") != stage else "",
         f"PP {index.meta.get('pp')} -> {opt.groups.pp_size}" if index.meta.get("pp") != opt.groups.pp_size else "",
         f"re-initialising {sorted(changed)[:4]}" if changed else "") if t) or "another layout"
+    if index.chunks is None and index.meta.get("refusal"):  # a tag from before the index (ckpt_legacy.py)
+        raise CheckpointIndexError(f"{index.meta['refusal']}. This run has ZeRO stage {stage}, DP={opt.groups.dp_size}, "
+                                   f"TP={opt.tp_size}, PP={opt.groups.pp_size}, ep_size={_ep(opt)}.")
     if index.chunks is None:
         raise CheckpointIndexError(f"{folder} was saved at {saved} with {index.meta.get('no_chunks')}, whose index "
                                    f"describes no chunks, so {todo} cannot be done; resume it at ZeRO stage "
