@@ -361,15 +361,19 @@ PRE_INDEX = [(1, 2, "CanzonaMuon", "dense"), (2, 2, "CanzonaShampoo", "dense"), 
 def test_pre_index_tag_is_adapted_to_the_index_it_would_have_had(saved, tmp_path, stage, dp, opt_type, kind):
     """The index built from a pre-index tag's records (ckpt_legacy.legacy_index) describes every
     (name, state) the save's own index does, with the same values, shapes and meta."""
+    src = saved(stage, dp, opt_type, kind)
+    _assert_faithful(os.path.join(src, "saved"), os.path.join(_pre_index(src, str(tmp_path / "old")), "saved"))
+
+
+def _assert_faithful(folder: str, old: str) -> None:
+    """``old`` (``folder`` without its index) adapts to what ``folder``'s index says."""
     from canzona_ds.ckpt import Index, Reader
     from canzona_ds.integration.ckpt_legacy import legacy_index
 
-    src = saved(stage, dp, opt_type, kind)
-    old = os.path.join(_pre_index(src, str(tmp_path / "old")), "saved")
-    adapted, real = legacy_index(old), Index.read(os.path.join(src, "saved"))
+    adapted, real = legacy_index(old), Index.read(folder)
     assert adapted is not None and adapted.chunks is not None and adapted.meta["adapted_from"]
     assert set(adapted.by_key()) == set(real.by_key()), sorted(set(adapted.by_key()) ^ set(real.by_key()))[:5]
-    ra, rb = Reader(old, adapted), Reader(os.path.join(src, "saved"), real)
+    ra, rb = Reader(old, adapted), Reader(folder, real)
     for name, state in real.by_key():
         assert torch.equal(ra.whole(name, state), rb.whole(name, state)), (name, state)
     for key in ("stage", "dp", "tp", "pp", "ep", "world_size", "rule", "roles", "matrix_step", "adam_step",
@@ -677,18 +681,26 @@ def _pipe_reference(modes: list[str]) -> dict:
 #: (saved PP, saved ZeRO stage, running PP, running stage): at ZeRO 0 the module weights are in
 #: DeepSpeed's per-layer files (``layer_XX-model_states.pt``), the optimizer in each stage's
 #: ``mp_rank_XX_model_states.pt``
-PIPE_SCENARIOS = [(2, 1, 1, 1), (1, 1, 2, 1), (2, 0, 1, 0), (1, 0, 2, 0), (2, 0, 1, 1)]
+#: "old": the tag as written before the index (_pre_index), adapted from its records (ckpt_legacy.py)
+PIPE_SCENARIOS = [(2, 1, 1, 1, ""), (1, 1, 2, 1, ""), (2, 0, 1, 0, ""), (1, 0, 2, 0, ""), (2, 0, 1, 1, ""),
+                  (2, 1, 1, 1, "old"), (2, 0, 1, 0, "old")]
 
 
-@pytest.mark.parametrize("before,s0,after,s1", PIPE_SCENARIOS,
-                         ids=[f"pp{a}z{s}-to-pp{b}z{t}" for a, s, b, t in PIPE_SCENARIOS])
-def test_resume_at_another_pipeline_size(tmp_path, before, s0, after, s1):
+@pytest.mark.parametrize("before,s0,after,s1,old", PIPE_SCENARIOS,
+                         ids=[f"pp{a}z{s}-to-pp{b}z{t}{o and '-' + o}" for a, s, b, t, o in PIPE_SCENARIOS])
+def test_resume_at_another_pipeline_size(tmp_path, before, s0, after, s1, old):
+    from canzona_ds.integration.ckpt_legacy import legacy_index
     from canzona_testkit.pipeline import merge_stages
 
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
     run_distributed(_pipe, before, before, ckpt, None, s0)
+    adapted = None
+    if old:
+        src, ckpt = ckpt, _pre_index(ckpt, str(tmp_path / "old"))
+        _assert_faithful(os.path.join(src, "saved"), os.path.join(ckpt, "saved"))
+        adapted = legacy_index(os.path.join(ckpt, "saved"))
     res = run_distributed(_pipe, after, after, ckpt, out, s1)
-    compared = assert_same_state(os.path.join(ckpt, "saved"), os.path.join(out, "reloaded"))
+    compared = assert_same_state(os.path.join(ckpt, "saved"), os.path.join(out, "reloaded"), adapted)
     assert compared >= 30  # every parameter's master, the AdamW moments, the rule state
     assert all(r["steps"] == 2 for r in res)
     # the tied embedding's two uses are summed as the pipeline does at each step's PP size: one

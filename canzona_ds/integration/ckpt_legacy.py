@@ -273,37 +273,35 @@ def _expert_chunks(g, role, key, shapes, files, sds, metas, meta, chunks):
 
 # --------------------------------------------------------------------------------------- ZeRO 0
 def legacy_stage0_index(folder: str, moe: bool) -> Index | None:
-    """ZeRO 0: the model-states file (the module whole, the optimizer with its param groups by
-    name), under DeepSpeed MoE the expp_rank optimizer files and the per-expert weight files."""
+    """ZeRO 0: each model-parallel rank m's (a pipeline stage's; TP 1) model-states file (the
+    module whole, or None for a ``PipelineModule``, whose layers DeepSpeed writes to
+    ``layer_<idx>-model_states.pt`` by their own parameter names) and its optimizer (in that
+    file, or under DeepSpeed MoE in the expp_rank files, each expert's weight in its
+    ``layer_<l>_expert_<e>_mp_rank_<m>`` file by whole-model name); the param groups name their
+    parameters (``canzona/param_names``, ``global_names``)."""
     listing = os.listdir(folder)
-    model_files = sorted(f for f in listing if re.fullmatch(r"mp_rank_\d+_model_states\.pt", f))
-    if not model_files:
+    model = _load(os.path.join(folder, MODEL_FILE.format(0))) if MODEL_FILE.format(0) in listing else None
+    if not isinstance(model, dict):
         return None
-    model = _load(os.path.join(folder, model_files[0]))
     mp = int(model.get("mp_world_size") or 1)
     dp = int(model.get("dp_world_size") or 1)
     pp = int((model.get("checkpoint_parallel_dimensions") or {}).get("pp_degree", 1) or 1)
-    tp = int((model.get("checkpoint_parallel_dimensions") or {}).get("tp_degree", mp // pp) or 1)
-    if moe:
-        expp = sorted((int(m.group(2)), int(m.group(1)), f) for f in listing if (m := EXPP_FILE.search(f)))
-        ep = len({k for _, k, _ in expp})
-        optims = [(f, ("optimizer",)) for m, _, f in expp if m == 0]
-    else:
-        ep, optims = 1, [(model_files[0], ("optimizer",))]
-    first = _load(os.path.join(folder, optims[0][0]))
-    for k in optims[0][1]:
-        first = first[k]
-    canzona = first.get("canzona") if isinstance(first, dict) else None
+    tp = mp // pp
+    expp = sorted((int(m.group(2)), int(m.group(1)), f) for f in listing if (m := EXPP_FILE.search(f)))
+    ep = len({k for _, k, _ in expp}) if moe else 1
+    # (under MoE x PP a stage without MoE layers keeps its optimizer in its model-states file)
+    optims = {m: [f for mm, _, f in expp if mm == m] or [MODEL_FILE.format(m)] for m in range(mp)}
+    first = _load(os.path.join(folder, optims[0][0])) if optims[0] else {}
+    canzona = (first.get("optimizer") or {}).get("canzona") if isinstance(first, dict) else None
     if not isinstance(canzona, dict):
         return None  # not a Canzona optimizer's state
     meta = {"stage": 0, "dp": dp, "tp": tp, "pp": pp, "ep": ep, "world_size": dp * mp, "rule": canzona.get("rule"),
-            "roles": {}, "matrix_step": 0, "adam_step": None, "engine_file": model_files[0], "scalars": None,
+            "roles": {}, "matrix_step": 0, "adam_step": None, "engine_file": MODEL_FILE.format(0), "scalars": None,
             "fingerprints": [None] * (dp * mp), "expert_stacks": {}, "adapted_from": "stage-0 optimizer records"}
-    if mp > 1:
-        return _refused(folder, meta, f"ZeRO stage 0 with {mp} model-parallel ranks (TP={tp} x PP={pp}), written "
-                                      "before the checkpoint index: a pipeline's weights are in per-layer files and "
-                                      "TP layouts are not described here, so it resumes at its saved sizes only "
-                                      "(DeepSpeed's stock load; at TP 1 another DP size)")
+    if tp > 1:
+        return _refused(folder, meta, f"{folder}: ZeRO stage 0 with tensor parallelism (TP={tp}), written before "
+                                      "the checkpoint index: its TP layouts are not described here, so it resumes "
+                                      "at its saved sizes only (DeepSpeed's stock load)")
     if moe and "global_names" not in canzona:
         return _refused(folder, meta, f"{folder}: its ZeRO stage 0 optimizer files (expert-parallel size {ep}) do "
                                       "not name their parameters (written by an older canzona-ds), so it resumes "
@@ -312,7 +310,7 @@ def legacy_stage0_index(folder: str, moe: bool) -> Index | None:
     if "param_names" not in canzona:
         return _refused(folder, meta, f"{folder}: its ZeRO stage 0 optimizer file does not name its parameters "
                                       "(written by an older canzona-ds), so it resumes at ZeRO stage 0 only")
-    where: dict[str, tuple[str, tuple]] = {}  # whole-model name -> (file, key) of its weight
+    where: dict[str, tuple[str, tuple]] = {}  # whole-model name -> (file, key) of an expert's weight
     for f in listing:
         if EXPERT_FILE.search(f):
             for n in _load(os.path.join(folder, f)):
@@ -320,48 +318,83 @@ def legacy_stage0_index(folder: str, moe: bool) -> Index | None:
     chunks: list[Chunk] = []
     seen: set[str] = set()
     shapes: dict[str, tuple] = {}
-    for file, path in optims:
-        sd = _load(os.path.join(folder, file))
-        for k in path:
-            sd = sd[k]
-        cz = sd["canzona"]
-        glob_names = cz.get("global_names") or cz["param_names"]
-        for g, (group, locals_, globals_) in enumerate(zip(sd["param_groups"], cz["param_names"], glob_names)):
-            matrix = group.get("canzona_role") == MATRIX
-            if matrix:
-                meta["matrix_step"] = int(group["step"])
-            for i, (local, name) in enumerate(zip(locals_, globals_)):
-                if name in seen:
-                    continue  # (a dense parameter: every expp_rank file holds it; the first, as saved)
-                seen.add(name)
-                meta["roles"][name] = MATRIX if matrix else ADAM
-                wfile, wkey = where.get(name, (model_files[0], ("module", local)))
-                weight = _load(os.path.join(folder, wfile))
-                for k in wkey:
-                    weight = weight[k]
-                shape = shapes[name] = tuple(weight.shape)
-                chunks.append(Chunk(name, MASTER, shape, 0, weight.numel(), wfile, wkey))
+    layers = _layer_weights(folder, optims) if model.get("module") is None else None
+    for m in range(mp):
+        for file in optims[m]:
+            sd = _load(os.path.join(folder, file))["optimizer"]
+            path = ("optimizer",)
+            cz = sd["canzona"]
+            glob_names = cz.get("global_names") or cz["param_names"]
+            for g, (group, locals_, globals_) in enumerate(zip(sd["param_groups"], cz["param_names"], glob_names)):
+                matrix = group.get("canzona_role") == MATRIX
                 if matrix:
-                    for k, v in (cz.get("matrix_state") or {}).get(local, {}).items():
-                        chunks.append(Chunk(name, k, tuple(v.shape), 0, v.numel(), file,
+                    meta["matrix_step"] = int(group["step"])
+                for i, (local, name) in enumerate(zip(locals_, globals_)):
+                    if name in seen:
+                        continue  # (every expp_rank file, every stage of a tied weight holds it; the first)
+                    seen.add(name)
+                    meta["roles"][name] = MATRIX if matrix else ADAM
+                    if name in where:
+                        wfile, wkey = where[name]
+                    elif layers is not None:
+                        if name not in layers:
+                            return _refused(folder, meta, f"{folder}: the weight of {name!r} is in none of the "
+                                                          "pipeline's layer files, so it cannot be read by name")
+                        wfile, wkey = layers[name]
+                    else:
+                        wfile, wkey = MODEL_FILE.format(m), ("module", local)
+                    weight = _load(os.path.join(folder, wfile))
+                    for k in wkey:
+                        weight = weight[k]
+                    shape = shapes[name] = tuple(weight.shape)
+                    chunks.append(Chunk(name, MASTER, shape, 0, weight.numel(), wfile, wkey))
+                    if matrix:
+                        for k, v in (cz.get("matrix_state") or {}).get(local, {}).items():
+                            chunks.append(Chunk(name, k, tuple(v.shape), 0, v.numel(), file,
+                                                path + ("canzona", "matrix_state", local, k)))
+                        continue
+                    st = sd["state"].get(group["params"][i]) or {}
+                    if "step" in st:
+                        meta["adam_step"] = float(st["step"])
+                    for k in ADAM_KEYS:
+                        if k in st:
+                            chunks.append(Chunk(name, k, shape, 0, st[k].numel(), file,
+                                                path + ("state", group["params"][i], k)))
+            for local, st in (cz.get("matrix_state") or {}).items():  # an expert stack's experts: W[e]
+                stack, e = _stack_of(local, shapes)
+                if stack is not None:
+                    E = shapes[stack][0]
+                    meta["expert_stacks"][stack] = E
+                    for k, v in st.items():
+                        chunks.append(Chunk(stack, k, (E,) + tuple(v.shape), e * v.numel(), v.numel(), file,
                                             path + ("canzona", "matrix_state", local, k)))
-                    continue
-                st = sd["state"].get(group["params"][i]) or {}
-                if "step" in st:
-                    meta["adam_step"] = float(st["step"])
-                for k in ADAM_KEYS:
-                    if k in st:
-                        chunks.append(Chunk(name, k, shape, 0, st[k].numel(), file,
-                                            path + ("state", group["params"][i], k)))
-        for local, st in (cz.get("matrix_state") or {}).items():  # an expert stack's experts: W[e]
-            stack, e = _stack_of(local, shapes)
-            if stack is not None:
-                E = shapes[stack][0]
-                meta["expert_stacks"][stack] = E
-                for k, v in st.items():
-                    chunks.append(Chunk(stack, k, (E,) + tuple(v.shape), e * v.numel(), v.numel(), file,
-                                        path + ("canzona", "matrix_state", local, k)))
     return _index(folder, meta, chunks, "stage-0 optimizer")
+
+
+def _layer_weights(folder: str, optims: dict) -> dict[str, tuple[str, tuple]]:
+    """A ``PipelineModule`` at ZeRO 0 (TP 1): parameter ``"<idx>.<rest>"`` is ``<rest>`` of
+    ``layer_<idx:02d>-model_states.pt``; a tied module's ``"tied_modules.<key>.<rest>"`` is in
+    the one layer file that holds ``<rest>`` and whose layer has no parameters of its own name
+    (the layer that *is* the tied module; a layer calling it through a ``forward_fn`` writes no
+    file)."""
+    names = set()
+    for files in optims.values():
+        for f in files:
+            cz = _load(os.path.join(folder, f))["optimizer"]["canzona"]
+            names |= {n for group in cz["param_names"] for n in group}
+    files = {int(m.group(1)): f for f in os.listdir(folder) if (m := re.fullmatch(r"layer_(\d+)-model_states\.pt", f))}
+    own = {int(n.split(".", 1)[0]) for n in names if n.split(".", 1)[0].isdigit()}
+    out = {}
+    for n in names:
+        head, _, rest = n.partition(".")
+        if head.isdigit() and int(head) in files:
+            out[n] = (files[int(head)], (rest,))
+        elif head == "tied_modules":
+            rest = rest.partition(".")[2]
+            found = [f for i, f in sorted(files.items()) if i not in own and rest in _load(os.path.join(folder, f))]
+            if len(found) == 1:
+                out[n] = (found[0], (rest,))
+    return out
 
 
 # --------------------------------------------------------------------------------------- ZeRO 3
