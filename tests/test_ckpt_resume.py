@@ -263,13 +263,18 @@ def _stack_states(folder: str) -> set:
 @pytest.mark.parametrize("kind,s0,n,s1,m,opt_type", SCENARIOS,
                          ids=[f"{k}-{t}-z{a}dp{n}-to-z{b}dp{m}" for k, a, n, b, m, t in SCENARIOS])
 def test_resume_across_layouts(saved, tmp_path, kind, s0, n, s1, m, opt_type):
-    ckpt = saved(s0, n, opt_type, kind)
+    _resume_and_check(saved(s0, n, opt_type, kind), tmp_path, kind, n, s1, m, opt_type)
+
+
+def _resume_and_check(ckpt, tmp_path, kind, n, s1, m, opt_type, index=None):
+    """Resume ``ckpt`` (saved at DP ``n``) at stage ``s1``, DP ``m`` through the index loop only;
+    check the state bit for bit against ``ckpt``'s index (or ``index``) and the continuation."""
     out = str(tmp_path / "out")
     if kind.startswith("moe"):
         res = run_distributed(_resume_moe, m, ckpt, s1, opt_type, out, _moe_eps(kind)[1])
     else:
         res = run_distributed(_resume, m, ckpt, s1, opt_type, out, kind)
-    compared = assert_same_state(os.path.join(ckpt, "saved"), os.path.join(out, "reloaded"))
+    compared = assert_same_state(os.path.join(ckpt, "saved"), os.path.join(out, "reloaded"), index)
     if kind == "dense":
         assert compared >= 9 + 2 * 5  # every parameter's master, the AdamW moments of the 5 AdamW ones, rule state
     elif kind == "stacks":  # both stacks' rule state, every expert's chunk, compared above as the stack's (E, ...) state
@@ -282,7 +287,8 @@ def test_resume_across_layouts(saved, tmp_path, kind, s0, n, s1, m, opt_type):
     for r in res:
         assert (r["steps_at_load"], r["steps"]) == (BEFORE, BEFORE + AFTER)
     if kind.startswith("moe"):
-        ref = _moe_reference(os.path.join(ckpt, "saved"), m, _moe_eps(kind)[1], opt_type)
+        ref = _moe_reference(os.path.join(ckpt, "saved") if index is None else os.path.join(out, "reloaded"), m,
+                             _moe_eps(kind)[1], opt_type)  # (the state as reloaded: checked equal above)
         for r in res:
             for k, v in r["params"].items():
                 np.testing.assert_array_equal(v, ref[k], err_msg=k)
@@ -292,13 +298,30 @@ def test_resume_across_layouts(saved, tmp_path, kind, s0, n, s1, m, opt_type):
         np.testing.assert_array_equal(res[0]["params"][k], ref[k], err_msg=k)
 
 
+#: pre-index tags (the save's files without index and manifest, _pre_index) resumed at another
+#: layout through the index built from their records (model, saved stage, DP, running stage, DP, type)
+PRE_INDEX_RESUMES = [("dense", 1, 2, 1, 1, "CanzonaMuon"), ("dense", 2, 2, 3, 2, "CanzonaSOAP"),
+                     ("moe-ep2-ep1", 1, 2, 1, 2, "CanzonaSOAP"), ("moe-ep2-ep1", 0, 2, 0, 2, "CanzonaShampoo")]
+
+
+@pytest.mark.parametrize("kind,s0,n,s1,m,opt_type", PRE_INDEX_RESUMES,
+                         ids=[f"{k}-{t}-z{a}dp{n}-to-z{b}dp{m}" for k, a, n, b, m, t in PRE_INDEX_RESUMES])
+def test_pre_index_tag_resumes_through_the_index(saved, tmp_path, kind, s0, n, s1, m, opt_type):
+    from canzona_ds.integration.ckpt_legacy import legacy_index
+
+    ckpt = _pre_index(saved(s0, n, opt_type, kind), str(tmp_path / "old"))
+    adapted = legacy_index(os.path.join(ckpt, "saved"))
+    assert adapted is not None and adapted.chunks is not None
+    _resume_and_check(ckpt, tmp_path, kind, n, s1, m, opt_type, adapted)
+
+
 def test_zero3_tag_written_before_the_index_is_adapted(saved, tmp_path):
     """A ZeRO-3 tag without an index (as canzona-ds wrote it before the index) resumes at another
     DP size through an index built from its layout records, bit for bit."""
     import shutil
 
     from canzona_ds import checkpoint as ck
-    from canzona_ds.integration.ckpt_index import legacy_zero3_index
+    from canzona_ds.integration.ckpt_legacy import legacy_zero3_index
 
     ckpt = str(tmp_path / "old")
     shutil.copytree(saved(3, 2, "CanzonaSOAP"), ckpt)
@@ -312,6 +335,50 @@ def test_zero3_tag_written_before_the_index_is_adapted(saved, tmp_path):
     ref = _reference(2, 1, "CanzonaSOAP")
     for k in ref:
         np.testing.assert_array_equal(res[0]["params"][k], ref[k], err_msg=k)
+
+
+def _pre_index(src: str, dst: str) -> str:
+    """A copy of tag ``src/saved`` as canzona-ds wrote it before the index: the same files (the
+    save still writes the same ``canzona_layout`` and stage-0 records), no index, no manifest."""
+    import shutil
+
+    from canzona_ds import checkpoint as ck
+
+    shutil.copytree(src, dst)
+    for name in (ck.INDEX, ck.MANIFEST):
+        os.remove(os.path.join(dst, "saved", name))
+    return dst
+
+
+#: saved layouts (stage, DP, optimizer, model) whose pre-index copies are adapted
+PRE_INDEX = [(1, 2, "CanzonaMuon", "dense"), (2, 2, "CanzonaShampoo", "dense"), (0, 2, "CanzonaMuon", "dense"),
+             (1, 2, "CanzonaMuon", "stacks"), (1, 2, "CanzonaSOAP", "moe-ep2-ep1"), (2, 2, "CanzonaMuon", "moe-ep2-ep1"),
+             (0, 2, "CanzonaShampoo", "moe-ep2-ep1"), (3, 2, "CanzonaSOAP", "dense")]
+
+
+@pytest.mark.parametrize("stage,dp,opt_type,kind", PRE_INDEX,
+                         ids=[f"{k}-z{s}dp{d}-{t}" for s, d, t, k in PRE_INDEX])
+def test_pre_index_tag_is_adapted_to_the_index_it_would_have_had(saved, tmp_path, stage, dp, opt_type, kind):
+    """The index built from a pre-index tag's records (ckpt_legacy.legacy_index) describes every
+    (name, state) the save's own index does, with the same values, shapes and meta."""
+    src = saved(stage, dp, opt_type, kind)
+    _assert_faithful(os.path.join(src, "saved"), os.path.join(_pre_index(src, str(tmp_path / "old")), "saved"))
+
+
+def _assert_faithful(folder: str, old: str) -> None:
+    """``old`` (``folder`` without its index) adapts to what ``folder``'s index says."""
+    from canzona_ds.ckpt import Index, Reader
+    from canzona_ds.integration.ckpt_legacy import legacy_index
+
+    adapted, real = legacy_index(old), Index.read(folder)
+    assert adapted is not None and adapted.chunks is not None and adapted.meta["adapted_from"]
+    assert set(adapted.by_key()) == set(real.by_key()), sorted(set(adapted.by_key()) ^ set(real.by_key()))[:5]
+    ra, rb = Reader(old, adapted), Reader(folder, real)
+    for name, state in real.by_key():
+        assert torch.equal(ra.whole(name, state), rb.whole(name, state)), (name, state)
+    for key in ("stage", "dp", "tp", "pp", "ep", "world_size", "rule", "roles", "matrix_step", "adam_step",
+                "engine_file", "expert_stacks", "fingerprints"):
+        assert adapted.meta.get(key, {} if key == "expert_stacks" else None) == real.meta.get(key), key
 
 
 # ------------------------------------------------------------------------------ role changes
@@ -549,16 +616,17 @@ def test_canzona_ckpt_inspect_verify_convert(saved, tmp_path, capsys):
 PIPE_GAS = 2
 
 
-def _pipe_cfg(dp: int) -> dict:
+def _pipe_cfg(dp: int, stage: int = 1) -> dict:
     return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": PIPE_GAS,
             "train_batch_size": MICRO * PIPE_GAS * dp,
             "optimizer": {"type": "CanzonaSOAP", "params": dict(HP["CanzonaSOAP"])},
-            "zero_optimization": {"stage": 1}, "gradient_clipping": CLIP, "steps_per_print": 10 ** 9}
+            "zero_optimization": {"stage": stage}, "gradient_clipping": CLIP, "steps_per_print": 10 ** 9}
 
 
-def _pipe(rank, world, pp, ckpt, out):
-    """PP=pp x DP=1 (world = pp), the tied tiny decoder: ``out`` None: one step, save to ``ckpt``.
-    Else load ``ckpt`` (written at another PP size), save to ``out`` at once, one more step."""
+def _pipe(rank, world, pp, ckpt, out, stage=1, legacy=False):
+    """PP=pp x DP=1 (world = pp) at ZeRO ``stage``, the tied tiny decoder: ``out`` None: one step,
+    save to ``ckpt``.  Else load ``ckpt`` (written at another PP size or stage), save to ``out``
+    at once, one more step (through the index loop only)."""
     import deepspeed
 
     import canzona_ds  # noqa: F401
@@ -566,7 +634,10 @@ def _pipe(rank, world, pp, ckpt, out):
     from canzona_testkit.pipeline import build_pipe, canonical_name, dataset, rank_micro_batches
 
     module = build_pipe(pp, True, 0)
-    engine = deepspeed.initialize(model=module, model_parameters=list(module.parameters()), config=_pipe_cfg(1))[0]
+    if out is not None:
+        _index_route_only()
+    engine = deepspeed.initialize(model=module, model_parameters=list(module.parameters()),
+                                  config=_pipe_cfg(1, stage))[0]
     x, y = dataset(2 * PIPE_GAS * MICRO, 1)
     batches = rank_micro_batches(x, y, 1, 0, MICRO)
     if out is None:
@@ -607,14 +678,30 @@ def _pipe_reference(modes: list[str]) -> dict:
     return params_of(model)
 
 
-@pytest.mark.parametrize("before,after", [(2, 1), (1, 2)], ids=["pp2-to-pp1", "pp1-to-pp2"])
-def test_resume_at_another_pipeline_size(tmp_path, before, after):
+#: (saved PP, saved ZeRO stage, running PP, running stage): at ZeRO 0 the module weights are in
+#: DeepSpeed's per-layer files (``layer_XX-model_states.pt``), the optimizer in each stage's
+#: ``mp_rank_XX_model_states.pt``
+#: "old": the tag as written before the index (_pre_index), adapted from its records (ckpt_legacy.py)
+PIPE_SCENARIOS = [(2, 1, 1, 1, ""), (1, 1, 2, 1, ""), (2, 0, 1, 0, ""), (1, 0, 2, 0, ""), (2, 0, 1, 1, ""),
+                  (2, 1, 1, 1, "old"), (2, 0, 1, 0, "old")]
+
+
+@pytest.mark.parametrize("before,s0,after,s1,old", PIPE_SCENARIOS,
+                         ids=[f"pp{a}z{s}-to-pp{b}z{t}{o and '-' + o}" for a, s, b, t, o in PIPE_SCENARIOS])
+def test_resume_at_another_pipeline_size(tmp_path, before, s0, after, s1, old):
+    from canzona_ds.integration.ckpt_legacy import legacy_index
     from canzona_testkit.pipeline import merge_stages
 
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
-    run_distributed(_pipe, before, before, ckpt, None)
-    res = run_distributed(_pipe, after, after, ckpt, out)
-    assert_same_state(os.path.join(ckpt, "saved"), os.path.join(out, "reloaded"))
+    run_distributed(_pipe, before, before, ckpt, None, s0)
+    adapted = None
+    if old:
+        src, ckpt = ckpt, _pre_index(ckpt, str(tmp_path / "old"))
+        _assert_faithful(os.path.join(src, "saved"), os.path.join(ckpt, "saved"))
+        adapted = legacy_index(os.path.join(ckpt, "saved"))
+    res = run_distributed(_pipe, after, after, ckpt, out, s1)
+    compared = assert_same_state(os.path.join(ckpt, "saved"), os.path.join(out, "reloaded"), adapted)
+    assert compared >= 30  # every parameter's master, the AdamW moments, the rule state
     assert all(r["steps"] == 2 for r in res)
     # the tied embedding's two uses are summed as the pipeline does at each step's PP size: one
     # stage lets autograd add them micro-batch by micro-batch ("shared"), two stages add the

@@ -30,8 +30,11 @@ in the concatenated TP layout (the frame without ``rank``, the state's shape);
 :class:`IndexSource` reads them into this run's TP layout (straight where it is the saved one,
 else through the whole parameter and, for a host's state, ``MatrixRule.state_axes``).
 
-A layout that has no emitter yet (tensor parallelism at ZeRO 0 or 3; pipeline parallelism at
-ZeRO stage 0, whose module weights DeepSpeed writes to per-layer files) writes the index with
+A ``PipelineModule`` at ZeRO stage 0 has its module weights in DeepSpeed's per-layer files
+(``layer_<idx>-model_states.pt``, by the layer's own parameter names; :func:`_pipe_layer_files`)
+and each stage's optimizer in its ``mp_rank_<stage>_model_states.pt``: each stage describes its
+own parameters there, by the pipeline's names (the same at every PP size).
+A layout that has no emitter yet (tensor parallelism at ZeRO 0) writes the index with
 ``chunks: null`` and the reason; such tags are resumed by the per-layout readers
 (integration/elastic.py) as before.
 A ZeRO-3 tag written before the index gets one built from its layout records
@@ -77,8 +80,6 @@ def _layout_without_emitter(engine, opt) -> str | None:
     if opt.tp_size > 1 and engine.zero_optimization_stage() not in (1, 2):
         return (f"tensor parallelism at ZeRO stage {engine.zero_optimization_stage()} (TP frames are emitted at "
                 "ZeRO 1/2)")
-    if engine.zero_optimization_stage() == 0 and opt.groups.pp_size > 1:
-        return "pipeline parallelism at ZeRO stage 0 (the module weights are in DeepSpeed's per-layer files)"
     # (a bf16/fp16 model at stage 0 never runs: builder.check_settings refuses it by name)
     return None
 
@@ -223,17 +224,42 @@ def _emit_zero3(engine, opt, rank: int) -> list[Chunk]:
     return out + _rule_state_chunks(opt, file, inner + ("canzona",), rank, {})
 
 
+def _pipe_layer_files(engine) -> dict[int, tuple[str, tuple]] | None:
+    """A ``PipelineModule`` (at any PP size, 1 included): where DeepSpeed's ``save_state_dict``
+    put each parameter of this stage, ``id(p) -> (layer_<idx>[-<model rank>]-model_states.pt,
+    (its name in that layer's state_dict,))``; None for any other module.  A tied module is saved
+    by the stage whose layer *is* the module (a layer that only calls it through a ``forward_fn``
+    writes nothing), so a stage may hold a tied weight that none of its own layer files holds:
+    that stage describes the weight's optimizer state only, the other stage its master."""
+    from torch import nn
+
+    module = engine.module
+    if not hasattr(module, "forward_funcs") or not hasattr(module, "ckpt_layer_path"):
+        return None
+    where: dict[int, tuple[str, tuple]] = {}
+    for i, layer in enumerate(module.forward_funcs):
+        if isinstance(layer, nn.Module):
+            file = os.path.basename(module.ckpt_layer_path("", i))
+            for n, p in layer.named_parameters():
+                where.setdefault(id(p), (file, (n,)))
+    return where
+
+
 def _emit_stage0(engine, opt, rank: int) -> list[Chunk]:
     if not engine.save_non_zero_checkpoint:
         return []  # another rank writes the (replicated) file
     file = os.path.basename(engine._get_ckpt_name("", ""))
     order = [id(p) for g in opt.param_groups for p in g["params"]]
     names = {id(p): n for n, p in engine.module.named_parameters()}
+    layers = _pipe_layer_files(engine)  # (a PipelineModule, at any PP size: the module is in per-layer files)
     out: list[Chunk] = []
     for g in opt.param_groups:
         for p in g["params"]:
             name = names[id(p)]
-            out.append(Chunk(name, MASTER, tuple(p.shape), 0, p.numel(), file, ("module", name), 0, None, rank))
+            if layers is None:
+                out.append(Chunk(name, MASTER, tuple(p.shape), 0, p.numel(), file, ("module", name), 0, None, rank))
+            elif id(p) in layers:
+                out.append(Chunk(name, MASTER, tuple(p.shape), 0, p.numel(), *layers[id(p)], 0, None, rank))
             st = opt.state.get(p) or {}
             for k in ("exp_avg", "exp_avg_sq"):
                 if g["canzona_role"] != MATRIX and k in st:
@@ -281,8 +307,16 @@ def _emit_stage0_moe(engine, opt, rank: int) -> list[Chunk]:
     order = [id(p) for g in opt.param_groups for p in g["params"]]
     names = {id(p): n for n, p in engine.module.named_parameters()}
     out: list[Chunk] = []
+    layers = _pipe_layer_files(engine)  # (a PipelineModule: the dense weights are in per-layer files)
     for n, p in engine.module.named_parameters():
-        file, key = where.get(n, (model_file, ("module", n)))
+        if n in where:
+            file, key = where[n]
+        elif layers is None:
+            file, key = model_file, ("module", n)
+        elif id(p) in layers:
+            file, key = layers[id(p)]
+        else:
+            continue  # (a tied weight another stage's layer file holds)
         out.append(Chunk(glob(n), MASTER, tuple(p.shape), 0, p.numel(), file, key, 0, None, rank))
     for g in opt.param_groups:
         if g["canzona_role"] == MATRIX:
@@ -416,6 +450,10 @@ def gather_index(engine, tag: str, directory: str) -> Index | None:
         if meta.pop("replicas", False):  # each replica set's one writer: its file, every replica's chunk
             listed = set(files)
             all_chunks = [c for c in all_chunks if c.file in listed]
+        # (a pipeline's tied weight that no stage's layer file holds: DeepSpeed saved no master for it)
+        unsaved = sorted({c.name for c in all_chunks} - {c.name for c in all_chunks if c.state == MASTER})
+        if unsaved:
+            all_chunks, meta["no_chunks"] = None, f"parameters whose weights DeepSpeed saved in no file: {unsaved[:5]}"
     return Index(tag, meta, files, all_chunks)
 
 
@@ -431,83 +469,6 @@ def read_index(folder: str) -> Index | None:
     if not os.path.isfile(os.path.join(folder, INDEX)):
         return None
     return Index.read(folder)
-
-
-def legacy_zero3_index(folder: str) -> Index | None:
-    """The index of a ZeRO-3 tag written before the index existed, built from the layout record
-    each optimizer file carries (``canzona_layout``, ``kind: "zero3"``: every sub-group's
-    parameters in flat order, their element counts, the DP size) and the shapes DeepSpeed's
-    model-states file records; None where the tag is not such a checkpoint.  Each parameter of
-    ``n`` elements was saved as ``dp`` pieces of ``P = ceil(n / dp)`` (the last one short), piece
-    ``r`` at its offset of rank ``r``'s flat sub-group::
-
-        rank r file: fp32_flat_groups[s] = | a[rP:rP+n_r] pad | b[rP:rP+n_r] pad | ...
-    """
-    from .elastic import OPTIM_FILE, _load
-
-    if not os.path.isdir(folder):
-        return None
-    files = sorted((int(m.group(1)), f) for f in os.listdir(folder) if (m := OPTIM_FILE.search(f))
-                   and int(m.group(2)) == 0)
-    if not files:
-        return None
-    first = _load(os.path.join(folder, files[0][1]), mmap=True)["optimizer_state_dict"]
-    if (first.get("canzona_layout") or {}).get("kind") != "zero3":
-        return None
-    tops = [first] + [_load(os.path.join(folder, f), mmap=True)["optimizer_state_dict"] for _, f in files[1:]]
-    metas = [t.get("canzona_layout") or {} for t in tops]
-    if any(m.get("kind") != "zero3" or "sub_groups" not in m for m in metas):
-        return None
-    meta0 = metas[0]
-    dp = int(meta0["world_size"])
-    if [r for r, _ in files] != list(range(dp)):
-        return None  # the files of another DP size, or some missing: the manifest names them
-    model_file = "zero_pp_rank_0_mp_rank_00_model_states.pt"
-    shapes = {}
-    for group in _load(os.path.join(folder, model_file), mmap=True).get("param_shapes") or []:
-        shapes.update({n: tuple(s) for n, s in group.items()})
-    numels = meta0["numels"]
-    inner = [t["optimizer_state_dict"] for t in tops]
-    idx_of, k = {}, 0  # sub-group -> torch state index (param group order, sub-groups within)
-    for g in range(len(inner[0]["param_groups"])):
-        for sg, pg in enumerate(meta0["sub_group_param_group"]):
-            if pg == g:
-                idx_of[sg], k = k, k + 1
-    chunks = []
-    for r, (_, file) in enumerate(files):
-        state = inner[r]["state"]
-        for sg, names in enumerate(meta0["sub_groups"]):
-            off = 0
-            st = state.get(idx_of[sg]) or {}
-            for name in names:
-                n_all = int(numels[name])
-                P = -(-n_all // dp)
-                n = max(0, min(P, n_all - r * P))
-                if n:
-                    key = ("optimizer_state_dict", "fp32_flat_groups", sg)
-                    chunks.append(Chunk(name, MASTER, shapes[name], r * P, n, file, key, off, None, r))
-                    for sk in ("exp_avg", "exp_avg_sq"):
-                        if sk in st:
-                            chunks.append(Chunk(name, sk, shapes[name], r * P, n, file, ("optimizer_state_dict",
-                                          "optimizer_state_dict", "state", idx_of[sg], sk), off, None, r))
-                off += P
-        for name, st in ((inner[r].get("canzona") or {}).get("matrix_state") or {}).items():
-            for sk, v in st.items():
-                chunks.append(Chunk(name, sk, tuple(v.shape), 0, v.numel(), file, ("optimizer_state_dict",
-                              "optimizer_state_dict", "canzona", "matrix_state", name, sk), 0, None, r))
-    matrices = set(meta0["matrix_names"])
-    groups = inner[0]["param_groups"]
-    adam_step = next((float(st["step"]) for st in inner[0]["state"].values() if "step" in st), None)
-    meta = {"stage": 3, "dp": dp, "tp": 1, "pp": 1, "world_size": dp, "rule": meta0["rule"],
-            "roles": {n: (MATRIX if n in matrices else ADAM) for n in numels},
-            "matrix_step": next((int(g["step"]) for g in groups if g.get("canzona_role") == MATRIX), 0),
-            "adam_step": adam_step, "engine_file": model_file,
-            "scalars": {"file": files[0][1], "key": ["optimizer_state_dict"]},
-            "fingerprints": [m.get("fingerprint") for m in metas], "adapted_from": "canzona_layout (zero3)"}
-    listing = sorted(f for f in os.listdir(folder) if os.path.isfile(os.path.join(folder, f)))
-    index = Index(os.path.basename(folder.rstrip("/")), meta, listing, chunks)
-    index.validate(f"{folder} (index built from its ZeRO-3 layout records)")
-    return index
 
 
 class IndexSource:
@@ -773,7 +734,7 @@ def index_route(engine, load_dir: str, tag: str | None) -> Index | None:
     index describes its chunks and the loop fills this run's layout, or where a role or the
     ZeRO stage changed (the loop then refuses by name what it cannot do).  Otherwise None: a
     tag without an index (written before it), or a resize of a layout whose chunks are not
-    described yet (TP at ZeRO 0, PP at stage 0), goes to the per-layout readers as before.  The verdicts are
+    described yet (TP at ZeRO 0), goes to the per-layout readers as before.  The verdicts are
     all-gathered, so every rank takes the same branch."""
     import torch.distributed as tdist
 
@@ -788,8 +749,11 @@ def index_route(engine, load_dir: str, tag: str | None) -> Index | None:
         return None
     folder = os.path.join(load_dir, str(tag))
     index = read_index(folder)
-    if index is None:
-        index = legacy_zero3_index(folder)  # a ZeRO-3 tag written before the index
+    adapted = index is None
+    if adapted:  # a tag written before the index: an index built from its records
+        from .ckpt_legacy import legacy_index
+
+        index = legacy_index(folder)
     if index is None:
         return None
     m = index.meta
@@ -810,7 +774,7 @@ def index_route(engine, load_dir: str, tag: str | None) -> Index | None:
         verdicts = [verdict]
     if all(v[0] for v in verdicts) and not any(v[1] for v in verdicts):
         return None  # the same fingerprint: DeepSpeed's stock load
-    if any(v[1] for v in verdicts) or m.get("stage") != engine.zero_optimization_stage():
+    if adapted or any(v[1] for v in verdicts) or m.get("stage") != engine.zero_optimization_stage():
         return index  # the loop fills it, or refuses by name (DeepSpeed's load would crash)
     if index.chunks is not None and supported_here(engine) is None:
         return index
@@ -843,6 +807,9 @@ def load(engine, load_dir: str, tag: str | None, index: Index, load_module_stric
         f"ZeRO stage {index.meta.get('stage')} -> {stage}" if index.meta.get("stage") != stage else "",
         f"PP {index.meta.get('pp')} -> {opt.groups.pp_size}" if index.meta.get("pp") != opt.groups.pp_size else "",
         f"re-initialising {sorted(changed)[:4]}" if changed else "") if t) or "another layout"
+    if index.chunks is None and index.meta.get("refusal"):  # a tag from before the index (ckpt_legacy.py)
+        raise CheckpointIndexError(f"{index.meta['refusal']}. This run has ZeRO stage {stage}, DP={opt.groups.dp_size}, "
+                                   f"TP={opt.tp_size}, PP={opt.groups.pp_size}, ep_size={_ep(opt)}.")
     if index.chunks is None:
         raise CheckpointIndexError(f"{folder} was saved at {saved} with {index.meta.get('no_chunks')}, whose index "
                                    f"describes no chunks, so {todo} cannot be done; resume it at ZeRO stage "
