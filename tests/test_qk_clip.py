@@ -198,10 +198,13 @@ class LM(nn.Module):
 
     def __init__(self, kv: int) -> None:
         super().__init__()
-        cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-                          num_kv_heads=kv, head_dim=8, max_seq_len=T, qk_norm=False, init_std=0.3)
-        torch.manual_seed(0)
-        self.lm = Qwen3ForCausalLM(cfg)
+        torch.manual_seed(0)  # (build_model(LM.config(kv), 0)'s values: what Qwen3Pipe(cfg, 0) holds)
+        self.lm = Qwen3ForCausalLM(self.config(kv))
+
+    @staticmethod
+    def config(kv: int) -> Qwen3Config:
+        return Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                           num_kv_heads=kv, head_dim=8, max_seq_len=T, qk_norm=False, init_std=0.3)
 
     def forward(self, x, y):
         return self.lm(x, y)[1]
@@ -487,6 +490,75 @@ def test_main_job_logs_the_max_logit_and_clipped_heads(tmp_path):
     assert "qk_max_logit" in (tmp_path / "run" / "metrics.csv").read_text().splitlines()[0]
     if have_matplotlib():
         assert (tmp_path / "run" / "qk_logits.png").is_file()
+
+
+def _pipe_worker(rank, world, pp, kv, tau, gas):
+    """The project's model as a DeepSpeed PipelineModule (models/qwen3_pipe.Qwen3Pipe: one decoder
+    layer per stage at pp=2) with qk_clip, ZeRO-1, ``world // pp`` DP ranks, ``gas`` micro-batches
+    per train_batch: this stage's whole parameters by the plain model's names, its clipped heads
+    per step and the layers it recorded."""
+    import canzona_ds  # noqa: F401
+    import deepspeed
+    from canzona_ds.integration.runtime_info import canzona_optimizer
+    from canzona_ds.models.qwen3_pipe import Qwen3Pipe
+
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    dp = world // pp
+    pipe = Qwen3Pipe(LM.config(kv), 0, num_stages=pp)
+    engine, *_ = deepspeed.initialize(model=pipe, model_parameters=list(pipe.parameters()),
+                                      config=ds_config(dp, micro=MICRO, gas=gas, params=_params(tau), stage=1))
+    opt = canzona_optimizer(engine)
+    stats, stock = {}, opt.qk_clip.row_scales
+
+    def row_scales(step, device=None):
+        out = stock(step, device)
+        stats[step] = opt.qk_clip.stats.clipped_heads
+        return out
+
+    opt.qk_clip.row_scales = row_scales
+    d = engine.grid.get_data_parallel_id()
+    rows = slice(d * MICRO, (d + 1) * MICRO)  # DP rank d's rows of every global micro-batch (reference_grads)
+    batches = iter([(x[rows], y[rows]) for x, y in _data(STEPS, dp, gas)])
+    for _ in range(STEPS):
+        engine.train_batch(batches)
+    names = pipe.canonical_names()
+    return dict(params={"lm." + names[n]: p.detach().numpy().copy() for n, p in pipe.named_parameters()},
+                stats=[stats[k] for k in sorted(stats)], stage=engine.stage_id,
+                layers=[l.q_name for l in opt.qk_clip.layers])
+
+
+PIPE_CASES = {  # name: (world, pp, kv, gas)
+    "pp2-gqa-gas2": (2, 2, 2, 2),
+    "pp2-dp2-mha-gas2": (4, 2, 4, 2),
+}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", list(PIPE_CASES))
+def test_pipeline_runs_equal_the_reference(case):
+    """PP=2 (DeepSpeed's PipelineEngine, 1F1B over ``gas`` micro-batches; each stage records its
+    own layer, reduces over its DP group and clips it) against the single-process reference (the
+    plain model's own forward, torch Muon + AdamW, the published clip from the maxima of every
+    micro-batch of the step): bit for bit in fp32 (the pipeline's arithmetic is the plain model's:
+    tests/test_qwen3_pipe.py), heads clipping on most steps on each stage."""
+    world, pp, kv, gas = PIPE_CASES[case]
+    res = run_distributed(_pipe_worker, world, pp, kv, LOW_TAU, gas)
+    ref, ref_clipped = _reference(world // pp, kv, LOW_TAU, 1, gas)
+    per_stage = {r["stage"]: r for r in res}
+    assert sorted(per_stage) == list(range(pp))
+    # each stage recorded and clipped its own attention layer only
+    assert [per_stage[s]["layers"] for s in range(pp)] == [[f"{s}.self_attn.q_proj.weight"] for s in range(1, pp + 1)]
+    whole = {}
+    for r in res:
+        for n, v in r["params"].items():
+            assert n not in whole or (whole[n] == v).all(), n  # DP replicas agree
+            whole[n] = v
+    assert whole.keys() == ref.keys()
+    assert max_abs_diff(whole, ref) == 0.0, f"{case}: differs from Muon + AdamW + clip"
+    assert [sum(c) for c in zip(*(per_stage[s]["stats"] for s in range(pp)))] == ref_clipped
+    assert all(sum(c > 0 for c in per_stage[s]["stats"]) >= STEPS - 1 for s in range(pp)), per_stage
+    assert max_abs_diff(ref, _reference(world // pp, kv, float("inf"), 1, gas)[0]) > 1e-3
 
 
 @pytest.mark.dist
