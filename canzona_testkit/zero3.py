@@ -5,6 +5,9 @@ hosted matrix update in one process.
 ``zero3_config`` sets ``stage3_param_persistence_threshold: 0`` so that every parameter of the
 tiny model is really partitioned (DeepSpeed keeps parameters below the threshold whole on
 every rank, which would hide partitioning bugs).
+
+``sum_gradients_as_zero3`` makes a single-process reference model's autograd sum gradients in
+ZeRO-3's association (see there).
 """
 from __future__ import annotations
 
@@ -19,6 +22,48 @@ def zero3_config(dp: int, **kwargs) -> dict:
     entries in kwargs are merged in."""
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0, **kwargs.pop("zero_optimization", {})}
     return ds_config(dp, zero_optimization=zero, **kwargs)
+
+
+class _ModuleInput(torch.autograd.Function):
+    """The identity, as an autograd node of its own (forward: a detached alias; backward: the
+    gradient unchanged)."""
+
+    @staticmethod
+    def forward(t: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        return t.detach()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:  # noqa: D102
+        pass
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        return grad
+
+
+def _through(value):
+    if isinstance(value, (tuple, list)):
+        return type(value)(_through(v) for v in value)
+    return _ModuleInput.apply(value) if isinstance(value, torch.Tensor) else value
+
+
+def sum_gradients_as_zero3(model: nn.Module) -> list:
+    """Make ``model``'s backward sum gradient contributions in ZeRO-3's association; returns the
+    hook handles.
+
+    ZeRO-3 registers on every module a forward pre-hook that passes the module's tensor inputs
+    through an identity autograd Function (DeepSpeed 0.19.8
+    ``runtime/zero/parameter_offload.py``: ``_post_backward_module_hook`` applies
+    ``PostBackwardFunctionModule``, whose ``forward`` returns ``output.detach()``, to ``inputs``).
+    A tensor that a module uses several times inside (an RMSNorm's ``x`` in ``x.pow(2)`` and
+    ``x * rsqrt(...)``) and that is also used outside it (the residual stream) then gets its
+    gradient as ``outside + (use_1 + use_2)``: the uses inside the module are summed at that
+    node first.  Without the node autograd accumulates all three into one buffer, ``(outside +
+    use_1) + use_2``: the same sum in another association, so the gradients differ by ulps
+    (an fp32 sum of three terms is not associative).  This registers the same identity, written
+    here, at every module's inputs: the math is unchanged, the association is ZeRO-3's.  A model
+    whose tensors have at most two uses (``TinyLM``) needs none of it."""
+    return [m.register_forward_pre_hook(lambda module, args: _through(args)) for m in model.modules()]
 
 
 def gathered_params(module: nn.Module) -> dict:

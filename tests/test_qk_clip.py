@@ -2,7 +2,9 @@
 DeepSpeed runs against a single-process reference written here from the published rule.
 
 Reference (one process): ZeRO's averaged gradient (canzona_testkit.models.reference_grads, exact at
-DP <= 2), ``torch.optim.Muon`` on the 2-D projections + ``torch.optim.AdamW`` on the rest, then
+DP <= 2; at ZeRO-3 the model's autograd sums in ZeRO-3's association,
+canzona_testkit.zero3.sum_gradients_as_zero3), ``torch.optim.Muon`` on the 2-D projections +
+``torch.optim.AdamW`` on the rest, then
 the clip computed HERE from the logits of the reference model's own forward passes (every
 micro-batch of every DP rank of the step; q and k rebuilt from each attention layer's input with
 the model's rotary tables, the full score matrix materialised, causal mask applied)::
@@ -196,10 +198,13 @@ class LM(nn.Module):
 
     def __init__(self, kv: int) -> None:
         super().__init__()
-        cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-                          num_kv_heads=kv, head_dim=8, max_seq_len=T, qk_norm=False, init_std=0.3)
-        torch.manual_seed(0)
-        self.lm = Qwen3ForCausalLM(cfg)
+        torch.manual_seed(0)  # (build_model(LM.config(kv), 0)'s values: what Qwen3Pipe(cfg, 0) holds)
+        self.lm = Qwen3ForCausalLM(self.config(kv))
+
+    @staticmethod
+    def config(kv: int) -> Qwen3Config:
+        return Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
+                           num_kv_heads=kv, head_dim=8, max_seq_len=T, qk_norm=False, init_std=0.3)
 
     def forward(self, x, y):
         return self.lm(x, y)[1]
@@ -278,8 +283,14 @@ def _worker(rank, dp, kv, tau, stage, gas, kind="own", zero_extra=None, params_e
 
     cfg = ds_config(dp, micro=MICRO, gas=gas, params={**_params(tau), **(params_extra or {})}, stage=stage)
     cfg["zero_optimization"].update(zero_extra or {})
+    if stage == 3:  # every parameter partitioned, however small (canzona_testkit.zero3)
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     params, _, engine = run_engine(rank, dp, cfg, STEPS, micro=MICRO, gas=gas, model=MODELS[kind](kv),
                                    after_init=after_init, data=_data(STEPS, dp, gas))
+    if stage == 3:
+        from canzona_testkit.zero3 import gathered_params
+
+        params = gathered_params(engine.module)
     hosted = canzona_optimizer(engine).placement.hosted
     return dict(params=params, stats=[stats[k] for k in sorted(stats)],
                 bytes=canzona_optimizer(engine).qk_clip.collective_bytes,
@@ -317,6 +328,10 @@ def _reference(dp, kv, tau, stage, gas, kind="own", model=None):
     muon = torch.optim.Muon(mats, lr=hp["lr"], weight_decay=hp["weight_decay"], momentum=hp["momentum"])
     adamw = torch.optim.AdamW(rest, lr=hp["adam_lr"], betas=tuple(hp["betas"]), eps=hp["eps"],
                               weight_decay=hp["weight_decay"])
+    if stage == 3:  # ZeRO-3's association of gradient sums (the math is the same)
+        from canzona_testkit.zero3 import sum_gradients_as_zero3
+
+        sum_gradients_as_zero3(model)
     attn = cls.attention_modules(model)
     assert attn
     maxima: dict[int, torch.Tensor] = {}
@@ -359,6 +374,9 @@ CASES = {  # name: (dp, kv, stage, gas[, model, zero_optimization extra])
     "dp2-mha-z2": (2, 4, 2, 1),
     "dp2-gqa-z2-gas2": (2, 2, 2, 2),
     "dp2-mha-z0": (2, 4, 0, 1),
+    "dp1-mha-z3": (1, 4, 3, 1),
+    "dp2-gqa-z3": (2, 2, 3, 1),
+    "dp2-hf-llama-gqa-z3": (2, 2, 3, 1, "hf"),
 }
 
 
@@ -386,77 +404,8 @@ def test_clipped_runs_equal_the_reference(case):
         assert res[0]["stats"][0][1] > 0  # the max logit was recorded
         if "mixed" in case:  # q/k projections really went through the hosted (piece) path
             assert any("q_proj" in n or "k_proj" in n for n in res[0]["split"]), res[0]["split"]
-
-
-def _zero3_worker(rank, dp, kv, tau):
-    """ZeRO-3 with qk_clip: every hosted step recorded (pieces before / after) with the step's
-    reduced maxima, replayed on whole matrices in one process: the rule, then the published
-    clip written in this test."""
-    import torch.distributed as dist
-
-    from canzona_ds.integration.runtime_info import canzona_optimizer
-    from canzona_ds.optim.rule import rule_step
-    from canzona_testkit.zero3 import ShardedStepRecorder, gathered_params, train, zero3_config
-
-    import canzona_ds  # noqa: F401
-    import deepspeed
-
-    model = LM(kv)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=zero3_config(dp, micro=MICRO, params=_params(tau)))
-    opt = canzona_optimizer(engine)
-    rec = ShardedStepRecorder(opt)
-    maxima, stock = [], opt.qk_clip.row_scales
-
-    def row_scales(step, device=None):
-        out = stock(step, device)
-        maxima.append((dict(opt.qk_clip.stats.per_layer), opt.qk_clip.stats.clipped_heads))
-        return out
-
-    opt.qk_clip.row_scales = row_scales
-    train(engine, rank, _data(STEPS, dp, 1), micro=MICRO)
-    group = opt.placement.hosted.runtime.group
-    gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, rec.steps, group=group)
-    out = {"clipped": [c for _, c in maxima], "final": gathered_params(engine.module),
-           "split": sorted(opt.placement.hosted.split)}
-    if rank != 0:
-        return out
-    splits, layers = opt.placement.hosted.split, opt.qk_clip.layers
-    state, worst = {}, 0.0
-    for t, step_rec in enumerate(rec.steps):
-        whole = {}
-        for name, split in splits.items():
-            grad, before, after = (split.assemble([gathered[r][t]["pieces"][name][k] for r in range(len(gathered))])
-                                   for k in range(3))
-            W = before.clone()
-            rule_step(opt.rule, W, grad.clone(), state, opt.infos[name], step_rec["step"], step_rec["lr"],
-                      step_rec["weight_decay"])
-            whole[name] = (W, after)
-        for layer in layers:
-            S = torch.tensor(maxima[t][0][layer.q_name])
-            _published_clip(whole[layer.q_name][0], whole[layer.k_name][0], S, tau, layer.num_kv_heads, layer.head_dim)
-        worst = max(worst, max(float((W - after).abs().max()) for W, after in whole.values()))
-    out["replay_max_diff"] = worst
-    return out
-
-
-@pytest.mark.dist
-def test_zero3_pieces_are_clipped_exactly():
-    """ZeRO-3 cuts every matrix in flat pieces over DP; each rank scales its piece.  This model's
-    ZeRO-3 run is not bit-equal to the single-process reference even with nothing clipping
-    (DeepSpeed ZeRO-3's gradients differ from the reference's by ulps here, amplified by Newton-
-    Schulz; unrelated to QK-clip), so the check is: the recorded hosted steps replayed on whole
-    matrices (rule, then this test's published clip from the step's reduced maxima) bit for bit,
-    and the clipped heads per step equal to the reference's."""
-    res = run_distributed(_zero3_worker, 2, 2, LOW_TAU)
-    assert res[0]["replay_max_diff"] == 0.0
-    assert any("q_proj" in n for n in res[0]["split"]) and any("k_proj" in n for n in res[0]["split"])
-    _, ref_clipped = _reference(2, 2, LOW_TAU, 2, 1)
-    assert sum(c > 0 for c in res[0]["clipped"]) >= STEPS - 1
-    assert res[0]["clipped"] == res[1]["clipped"]
-    # the trajectories drift by ulps (see above), so the counts are compared where they agree
-    assert res[0]["clipped"][0] == ref_clipped[0]
+        if stage == 3 and dp > 1:  # ZeRO-3: every q and k cut in flat pieces over DP, each scaled by its rank
+            assert all(any(w in n for n in res[0]["split"]) for w in ("q_proj", "k_proj")), res[0]["split"]
 
 
 def _refusal_worker(rank, dp):
@@ -541,6 +490,75 @@ def test_main_job_logs_the_max_logit_and_clipped_heads(tmp_path):
     assert "qk_max_logit" in (tmp_path / "run" / "metrics.csv").read_text().splitlines()[0]
     if have_matplotlib():
         assert (tmp_path / "run" / "qk_logits.png").is_file()
+
+
+def _pipe_worker(rank, world, pp, kv, tau, gas):
+    """The project's model as a DeepSpeed PipelineModule (models/qwen3_pipe.Qwen3Pipe: one decoder
+    layer per stage at pp=2) with qk_clip, ZeRO-1, ``world // pp`` DP ranks, ``gas`` micro-batches
+    per train_batch: this stage's whole parameters by the plain model's names, its clipped heads
+    per step and the layers it recorded."""
+    import canzona_ds  # noqa: F401
+    import deepspeed
+    from canzona_ds.integration.runtime_info import canzona_optimizer
+    from canzona_ds.models.qwen3_pipe import Qwen3Pipe
+
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    dp = world // pp
+    pipe = Qwen3Pipe(LM.config(kv), 0, num_stages=pp)
+    engine, *_ = deepspeed.initialize(model=pipe, model_parameters=list(pipe.parameters()),
+                                      config=ds_config(dp, micro=MICRO, gas=gas, params=_params(tau), stage=1))
+    opt = canzona_optimizer(engine)
+    stats, stock = {}, opt.qk_clip.row_scales
+
+    def row_scales(step, device=None):
+        out = stock(step, device)
+        stats[step] = opt.qk_clip.stats.clipped_heads
+        return out
+
+    opt.qk_clip.row_scales = row_scales
+    d = engine.grid.get_data_parallel_id()
+    rows = slice(d * MICRO, (d + 1) * MICRO)  # DP rank d's rows of every global micro-batch (reference_grads)
+    batches = iter([(x[rows], y[rows]) for x, y in _data(STEPS, dp, gas)])
+    for _ in range(STEPS):
+        engine.train_batch(batches)
+    names = pipe.canonical_names()
+    return dict(params={"lm." + names[n]: p.detach().numpy().copy() for n, p in pipe.named_parameters()},
+                stats=[stats[k] for k in sorted(stats)], stage=engine.stage_id,
+                layers=[l.q_name for l in opt.qk_clip.layers])
+
+
+PIPE_CASES = {  # name: (world, pp, kv, gas)
+    "pp2-gqa-gas2": (2, 2, 2, 2),
+    "pp2-dp2-mha-gas2": (4, 2, 4, 2),
+}
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", list(PIPE_CASES))
+def test_pipeline_runs_equal_the_reference(case):
+    """PP=2 (DeepSpeed's PipelineEngine, 1F1B over ``gas`` micro-batches; each stage records its
+    own layer, reduces over its DP group and clips it) against the single-process reference (the
+    plain model's own forward, torch Muon + AdamW, the published clip from the maxima of every
+    micro-batch of the step): bit for bit in fp32 (the pipeline's arithmetic is the plain model's:
+    tests/test_qwen3_pipe.py), heads clipping on most steps on each stage."""
+    world, pp, kv, gas = PIPE_CASES[case]
+    res = run_distributed(_pipe_worker, world, pp, kv, LOW_TAU, gas)
+    ref, ref_clipped = _reference(world // pp, kv, LOW_TAU, 1, gas)
+    per_stage = {r["stage"]: r for r in res}
+    assert sorted(per_stage) == list(range(pp))
+    # each stage recorded and clipped its own attention layer only
+    assert [per_stage[s]["layers"] for s in range(pp)] == [[f"{s}.self_attn.q_proj.weight"] for s in range(1, pp + 1)]
+    whole = {}
+    for r in res:
+        for n, v in r["params"].items():
+            assert n not in whole or (whole[n] == v).all(), n  # DP replicas agree
+            whole[n] = v
+    assert whole.keys() == ref.keys()
+    assert max_abs_diff(whole, ref) == 0.0, f"{case}: differs from Muon + AdamW + clip"
+    assert [sum(c) for c in zip(*(per_stage[s]["stats"] for s in range(pp)))] == ref_clipped
+    assert all(sum(c > 0 for c in per_stage[s]["stats"]) >= STEPS - 1 for s in range(pp)), per_stage
+    assert max_abs_diff(ref, _reference(world // pp, kv, float("inf"), 1, gas)[0]) > 1e-3
 
 
 @pytest.mark.dist
