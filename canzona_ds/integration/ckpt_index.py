@@ -398,8 +398,9 @@ def layout_fingerprint(engine) -> str | None:
     fp = record.get("fingerprint")
     # the mixed layout under TP: a grid host's TP rank is chosen after the plan (zero.same_layout),
     # so another choice is another layout (its rule state lives on another rank)
-    hosts = sorted((n, h["tp_host"]) for n, h in (record.get("hosted") or {}).items()
-                   if isinstance(h, dict) and h.get("tp_host") is not None)
+    hosted = record.get("hosted")  # (ZeRO-3's record lists its hosted names: no TP there)
+    hosts = sorted((n, h["tp_host"]) for n, h in hosted.items()
+                   if isinstance(h, dict) and h.get("tp_host") is not None) if isinstance(hosted, dict) else []
     if fp is not None and hosts:
         import hashlib
         import json
@@ -566,8 +567,9 @@ class IndexSource:
         """state key -> the TP layout (a frame without a rank) it was saved in: a host's state in
         the concatenated layout, or a grid piece's shards; None: the TP=1 frame."""
         out = {}
+        stored, _ = self._expert(name)  # (an expert stack's W[e]: the stack's chunks)
         for k in self.state_shapes(name):
-            fs = {c.tp.at(None) for c in self.index.by_key()[(name, k)] if c.tp is not None}
+            fs = {c.tp.at(None) for c in self.index.by_key()[(stored, k)] if c.tp is not None}
             out[k] = next(iter(fs)) if len(fs) == 1 else None
         return out
 
@@ -578,6 +580,8 @@ class IndexSource:
         factors too, at another DP size or plan)."""
         from .elastic import _check_permutable, _layout_perm
 
+        if self._expert(name)[1] is not None:  # an expert of a stack (never TP-split)
+            return
         want = None if tp_layout is None else TPFrame.from_layout(tp_layout)
         saved = self._saved_layouts(name)
         if all(f == want for f in saved.values()):
@@ -595,6 +599,8 @@ class IndexSource:
         permuted through ``rule.state_axes``; shards rebuilt into the whole matrix)."""
         from .elastic import _layout_perm, _permute_state
 
+        if self._expert(name)[1] is not None:  # an expert of a stack (never TP-split): its chunk
+            return self.state_of(name)
         want = None if tp_layout is None else TPFrame.from_layout(tp_layout)
         full = self.full_shape(name)
         out = {}
