@@ -58,11 +58,12 @@ def sum_gradients_as_zero3(model: nn.Module) -> list:
     A tensor that a module uses several times inside (an RMSNorm's ``x`` in ``x.pow(2)`` and
     ``x * rsqrt(...)``) and that is also used outside it (the residual stream) then gets its
     gradient as ``outside + (use_1 + use_2)``: the uses inside the module are summed at that
-    node first.  Without the node autograd accumulates all three into one buffer, ``(outside +
-    use_1) + use_2``: the same sum in another association, so the gradients differ by ulps
-    (an fp32 sum of three terms is not associative).  This registers the same identity, written
-    here, at every module's inputs: the math is unchanged, the association is ZeRO-3's.  A model
-    whose tensors have at most two uses (``TinyLM``) needs none of it."""
+    node first.  Without the node autograd accumulates all three into one buffer as they arrive,
+    ``(outside + use_a) + use_b``: the same sum in another association, so the gradients differ
+    by ulps (an fp32 sum of three terms is not associative).  This registers the same identity,
+    written here, at every module's positional tensor inputs (DeepSpeed's hook sees no keyword
+    arguments either): the math is unchanged, the association is ZeRO-3's.  A model whose
+    tensors have at most two uses (``TinyLM``) needs none of it."""
     return [m.register_forward_pre_hook(lambda module, args: _through(args)) for m in model.modules()]
 
 

@@ -269,8 +269,13 @@ def _worker(rank, dp, kv, tau, stage, gas, kind="own", zero_extra=None, params_e
     from canzona_ds.integration.runtime_info import canzona_optimizer
 
     stats = {}  # step -> figures (DeepSpeed MoE's two matrix groups call row_scales twice a step)
+    recorder = []  # DeepSpeed MoE: the gradients each owner's matrices received
 
     def after_init(engine):
+        if kind.startswith("dsmoe"):
+            from canzona_testkit.models import MatrixStepRecorder
+
+            recorder.append(MatrixStepRecorder(canzona_optimizer(engine)))
         qk = canzona_optimizer(engine).qk_clip
         stock = qk.row_scales
 
@@ -291,8 +296,19 @@ def _worker(rank, dp, kv, tau, stage, gas, kind="own", zero_extra=None, params_e
         from canzona_testkit.zero3 import gathered_params
 
         params = gathered_params(engine.module)
+    expert_grads = {}
+    if recorder:  # the first step's expert gradients this rank owns (ZeRO's average), by global name
+        from canzona_testkit.moe import global_name
+
+        local = 1 if kind == "dsmoe-ep2" else 2  # (ep_size 2: this rank's local expert 0 is global expert `rank`)
+        expert_grads = {global_name(n, rank if local == 1 else 0, local): g.numpy()
+                        for n, (g, _, _) in recorder[0].steps[0].items() if "deepspeed_experts" in n}
+    if kind == "dsmoe-ep2":
+        from canzona_testkit.moe import global_name
+
+        params = {global_name(n, rank, 1): v for n, v in params.items()}
     hosted = canzona_optimizer(engine).placement.hosted
-    return dict(params=params, stats=[stats[k] for k in sorted(stats)],
+    return dict(params=params, stats=[stats[k] for k in sorted(stats)], expert_grads=expert_grads,
                 bytes=canzona_optimizer(engine).qk_clip.collective_bytes,
                 split=sorted(hosted.split) if hosted is not None else [])
 
@@ -316,7 +332,7 @@ def _published_clip(Wq, Wk, S, tau, KV, d) -> int:
     return int((S > tau).sum())
 
 
-def _reference(dp, kv, tau, stage, gas, kind="own", model=None):
+def _reference(dp, kv, tau, stage, gas, kind="own", model=None, grads_fn=reference_grads):
     """torch.optim.Muon + torch.optim.AdamW on ZeRO's averaged gradients, then the published clip."""
     torch.set_num_threads(1)
     cls = MODELS[kind]
@@ -350,7 +366,7 @@ def _reference(dp, kv, tau, stage, gas, kind="own", model=None):
     for s in range(STEPS):
         chunk = data[s * gas:(s + 1) * gas]
         maxima.clear()
-        grads = reference_grads(model, [c[0] for c in chunk], [c[1] for c in chunk], dp, MICRO, gas, stage)
+        grads = grads_fn(model, [c[0] for c in chunk], [c[1] for c in chunk], dp, MICRO, gas, stage)
         for n, p in named:
             p.grad = grads[n]
         muon.step()
@@ -1000,19 +1016,21 @@ def test_autotp_tracks_the_reference():
 # ---------------------------------------------------------------------------- DeepSpeed MoE
 class DSMoELM(nn.Module):
     """Embedding -> attention (plain: TPAttention without a TP group) -> a DeepSpeed MoE layer
-    (``deepspeed.moe.layer.MoE``, 2 bias-free experts, ep_size 1: every rank holds both, the expert
-    group is the DP group; top-1, no token dropped) -> RMS norm -> lm_head; loss + 0.01 x the
+    (``deepspeed.moe.layer.MoE``, 2 bias-free experts; ``ep_size`` 1: every rank holds both, the
+    expert group is the DP group; top-1, no token dropped) -> RMS norm -> lm_head; loss + 0.01 x the
     gate's load-balancing loss.  The attention is dense, as in every DeepSpeed MoE model."""
 
-    def __init__(self, kv: int) -> None:
+    def __init__(self, kv: int, ep_size: int = 1) -> None:
         super().__init__()
         from deepspeed.moe.layer import MoE
 
         torch.manual_seed(0)
         self.embed = nn.Embedding(VOCAB, HIDDEN)
         self.attn = TPAttention(4, kv)
+        # (every expert is a copy of this one, at any ep_size; nothing below draws per expert, so a
+        # rank's expert at ep_size 2 starts as the ep_size-1 model's expert of the same number)
         expert = nn.Sequential(nn.Linear(HIDDEN, 48, bias=False), nn.GELU(), nn.Linear(48, HIDDEN, bias=False))
-        self.moe = MoE(hidden_size=HIDDEN, expert=expert, num_experts=2, ep_size=1, k=1, capacity_factor=2.0,
+        self.moe = MoE(hidden_size=HIDDEN, expert=expert, num_experts=2, ep_size=ep_size, k=1, capacity_factor=2.0,
                        eval_capacity_factor=2.0, min_capacity=0, drop_tokens=True, use_rts=False)
         self.norm = nn.Parameter(torch.ones(HIDDEN))
         self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
@@ -1025,7 +1043,9 @@ class DSMoELM(nn.Module):
         h = self.embed(x)
         h = h + self.attn(h)
         out, l_aux, _ = self.moe(h)
-        h = h + out
+        return self.head(h + out, y, l_aux)
+
+    def head(self, h, y, l_aux):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm
         return F.cross_entropy(self.lm_head(h).flatten(0, 1), y.flatten()) + 0.01 * l_aux
 
@@ -1033,12 +1053,63 @@ class DSMoELM(nn.Module):
     q_k_scale = TPLM.q_k_scale
 
 
+class DSMoELMEP2(DSMoELM):
+    """DSMoELM at ep_size 2: at DP = 2 each rank holds one of the two experts (its local expert 0
+    is global expert ``rank``), tokens reach it through DeepSpeed's all-to-all."""
+
+    def __init__(self, kv: int) -> None:
+        super().__init__(kv, ep_size=2)
+
+
 MODELS["dsmoe"] = DSMoELM
+MODELS["dsmoe-ep2"] = DSMoELMEP2
 
 
-def _dsmoe_reference_worker(rank, world, kv, tau):
+def _ep_grads(model, x, y, dp, micro, gas, stage):
+    """ZeRO's averaged gradient of the ep_size-1 reference model (both experts) for the ep_size =
+    ``dp`` run: every DP rank's forward in turn up to the MoE layer; its gate (the layer's own
+    ``TopKGate``) and DeepSpeed's slot encoding; then the all-to-all written out -- EP rank k
+    receives expert k's slots of every rank in rank order and runs its expert once over all of
+    them, as the rank holding it does (canzona_testkit/moe.reference_run, the same arithmetic) --
+    and back; every rank's loss; one backward of their sum (a dense weight gets one term per
+    rank, an expert one term); each gradient / dp (ZeRO's average: a sum of two terms, exact)."""
+    from deepspeed.moe.sharded_moe import _route_slots, _sparse_decode, _sparse_encode
+
+    assert gas == 1 and stage == 1 and dp == 2
+    moe = model.moe.deepspeed_moe
+    E = len(moe.experts.deepspeed_experts)
+    local = E // dp
+    model.zero_grad(set_to_none=True)
+    x, y = x[0], y[0]
+    routed = []
+    for r in range(dp):
+        h = model.embed(x[r * micro:(r + 1) * micro])
+        h = h + model.attn(h)
+        flat = h.reshape(-1, HIDDEN)
+        l_aux, C, _, indices, locations, gates, _ = moe.gate(flat, None, True, False)
+        slots = _route_slots(indices, locations, E, int(C))
+        routed.append((h, l_aux, int(C), slots, gates, _sparse_encode(flat, slots, E, int(C))))
+    back = [[None] * dp for _ in range(dp)]
+    for k in range(dp):  # EP rank k
+        received = torch.cat([r[5][k * local:(k + 1) * local] for r in routed]).reshape(dp, local, -1, HIDDEN)
+        out = torch.cat([moe.experts.deepspeed_experts[k * local + j](chunk)
+                         for j, chunk in enumerate(received.chunk(local, dim=1))], dim=1)
+        out = out.reshape(dp * local, -1, HIDDEN)
+        for r in range(dp):
+            back[r][k] = out[r * local:(r + 1) * local]
+    total = None
+    for r, (h, l_aux, C, slots, gates, _) in enumerate(routed):
+        combined = _sparse_decode(torch.cat(back[r]).view(E * C, HIDDEN), slots, gates, h.shape[0] * h.shape[1])
+        loss = model.head(h + combined.reshape(h.shape), y[r * micro:(r + 1) * micro], l_aux)
+        total = loss if total is None else total + loss
+    total.backward()
+    return {n: (p.grad if p.grad is not None else torch.zeros_like(p)) / dp for n, p in model.named_parameters()}
+
+
+def _dsmoe_reference_worker(rank, world, kv, tau, ep_size=1):
     """The reference in a 1-rank world (DeepSpeed MoE's forward needs its expert group, here of
-    one rank: its all-to-alls are copies), each DP rank's micro-batch run in turn as _reference does."""
+    one rank: its all-to-alls are copies), each DP rank's micro-batch run in turn as _reference does;
+    ``ep_size`` 2: the all-to-all between the DP ranks written out (_ep_grads)."""
     import deepspeed
 
     deepspeed.init_distributed(dist_backend="gloo")  # (deepspeed.comm over this 1-rank world)
@@ -1046,21 +1117,38 @@ def _dsmoe_reference_worker(rank, world, kv, tau):
     def run(t):
         model = DSMoELM(kv)
         model.moe.set_deepspeed_parallelism()
-        return _reference(2, kv, t, 1, 1, "dsmoe", model=model)
+        return _reference(2, kv, t, 1, 1, "dsmoe", model=model, grads_fn=grads_fn)
+
+    grads_fn = _ep_grads if ep_size > 1 else reference_grads
 
     params, clipped = run(tau)
-    return params, clipped, run(float("inf"))[0]
+    model = DSMoELM(kv)  # the first step's gradients, with this ep_size's arithmetic
+    model.moe.set_deepspeed_parallelism()
+    x, y = _data(1, 2, 1)[0]
+    grads = grads_fn(model, [x], [y], 2, MICRO, 1, 1)
+    return params, clipped, run(float("inf"))[0], {n: g.numpy() for n, g in grads.items() if "deepspeed_experts" in n}
 
 
 @pytest.mark.dist
 @pytest.mark.cpu_kernels
-def test_deepspeed_moe_runs_equal_the_reference():
-    """DeepSpeed MoE (expert groups), ZeRO-1, DP=2, ep_size 1: the dense attention's maxima reduced
-    over the DP group, its q/k rows clipped as without MoE; bit for bit against the reference."""
-    res = run_distributed(_worker, 2, 2, LOW_TAU, 1, 1, "dsmoe")
-    ref, ref_clipped, unclipped = run_distributed(_dsmoe_reference_worker, 1, 2, LOW_TAU)[0]
+@pytest.mark.parametrize("ep_size", [1, 2])
+def test_deepspeed_moe_runs_equal_the_reference(ep_size):
+    """DeepSpeed MoE (expert groups), ZeRO-1, DP=2, ep_size 1 (each rank both experts) and 2 (one
+    expert per rank, tokens exchanged by all-to-all, expert-DP groups of one rank): the dense
+    attention's maxima reduced over the DP group, its q/k rows clipped as without MoE; bit for bit
+    against the reference, every rank's experts included, and the experts' first gradients too
+    (at ep_size 2 they differ by ulps from the ep_size-1 arithmetic, which the weights alone would
+    not show: Muon's Newton-Schulz runs in bf16)."""
+    res = run_distributed(_worker, 2, 2, LOW_TAU, 1, 1, "dsmoe" if ep_size == 1 else "dsmoe-ep2")
+    ref, ref_clipped, unclipped, ref_grads = run_distributed(_dsmoe_reference_worker, 1, 2, LOW_TAU, ep_size)[0]
+    # the experts' first gradients, bit for bit (the final weights alone could hide an fp32 ulp:
+    # Muon's Newton-Schulz runs in bf16); every expert matrix is owned by one rank
+    owned = {n: g for r in res for n, g in r["expert_grads"].items()}
+    assert owned.keys() == ref_grads.keys() and max_abs_diff(owned, ref_grads) == 0.0
+    experts = [{n.split("deepspeed_experts.")[1].split(".")[0] for n in r["params"] if "deepspeed_experts" in n}
+               for r in res]
+    assert experts == ([{"0", "1"}] * 2 if ep_size == 1 else [{"0"}, {"1"}]), experts
     for r in res:
-        assert any("deepspeed_experts" in n for n in r["params"])
         assert max_abs_diff(r["params"], ref) == 0.0, "DeepSpeed MoE: differs from Muon + AdamW + clip"
         assert [c for c, _ in r["stats"]] == ref_clipped
     assert sum(c > 0 for c in ref_clipped) >= STEPS - 1, ref_clipped
