@@ -655,11 +655,9 @@ def _tp1_state(folder: str) -> dict:
     a TP host's state mapped through its rule's state_axes (IndexSource)."""
     from canzona_ds.ckpt import Index
     from canzona_ds.integration.ckpt_index import IndexSource
-    from canzona_ds.optim import rule_class
 
     index = Index.read(folder)
-    src = IndexSource(folder, index)
-    src.running_rule = rule_class(index.meta["rule"])()
+    src = IndexSource(folder, index)  # (the saving rule, from the index: src.saved_rule)
     out = {}
     for n, k in index.by_key():
         if src.reader.frame_of(n, k) is not None:
@@ -743,6 +741,19 @@ def test_tp2_to_tp1_at_zero1_goes_through_the_index(tmp_path):
     assert all(c.tp is not None and c.tp.rank is None for c in index.by_key()["fc1.weight", "momentum_buffer"])
     res = run_distributed(_tp_dense, 2, 1, ckpt, out)
     assert _assert_same_tp1_state(saved, os.path.join(out, "reloaded")) >= 5 + 2 * 4
+    # canzona-ckpt convert writes the same TP=1 state (the hosts' momentum un-permuted)
+    from safetensors.torch import load_file
+
+    from canzona_ds.cli.ckpt import main
+
+    conv = str(tmp_path / "conv")
+    assert main(["convert", ckpt, conv, "--tag", "saved"]) == 0
+    tp1 = _tp1_state(saved)
+    weights = load_file(os.path.join(conv, "model.safetensors"))
+    state = torch.load(os.path.join(conv, "optimizer.pt"), weights_only=False)["state"]
+    for n in ("qkv.weight", "fc1.weight"):
+        assert torch.equal(weights[n], tp1[n, "param"]) and torch.equal(state[n]["momentum_buffer"],
+                                                                         tp1[n, "momentum_buffer"]), n
     assert all(r["steps"] == BEFORE + AFTER for r in res)
     # the reference: TP=1 weights and state as saved, the run's gradients averaged over its 2 DP ranks
     whole = _tp1_state(saved)
