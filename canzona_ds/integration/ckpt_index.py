@@ -30,7 +30,7 @@ in the concatenated TP layout (the frame without ``rank``, the state's shape);
 :class:`IndexSource` reads them into this run's TP layout (straight where it is the saved one,
 else through the whole parameter and, for a host's state, ``MatrixRule.state_axes``).
 
-A layout that has no emitter yet (tensor parallelism at ZeRO 0 or 3; pipeline parallelism at
+A layout that has no emitter yet (tensor parallelism at ZeRO 0; pipeline parallelism at
 ZeRO stage 0, whose module weights DeepSpeed writes to per-layer files) writes the index with
 ``chunks: null`` and the reason; such tags are resumed by the per-layout readers
 (integration/elastic.py) as before.
@@ -74,9 +74,8 @@ MATRIX = "matrix"
 # ---------------------------------------------------------------------------------------- emit
 def _layout_without_emitter(engine, opt) -> str | None:
     """Why this run's layout emits no chunks (None: it does)."""
-    if opt.tp_size > 1 and engine.zero_optimization_stage() not in (1, 2):
-        return (f"tensor parallelism at ZeRO stage {engine.zero_optimization_stage()} (TP frames are emitted at "
-                "ZeRO 1/2)")
+    if opt.tp_size > 1 and engine.zero_optimization_stage() == 0:  # (ZeRO-3 refuses TP at initialize)
+        return "tensor parallelism at ZeRO stage 0 (TP shard frames are emitted at ZeRO 1/2)"
     if engine.zero_optimization_stage() == 0 and opt.groups.pp_size > 1:
         return "pipeline parallelism at ZeRO stage 0 (the module weights are in DeepSpeed's per-layer files)"
     # (a bf16/fp16 model at stage 0 never runs: builder.check_settings refuses it by name)
@@ -364,8 +363,8 @@ def layout_fingerprint(engine) -> str | None:
     fp = record.get("fingerprint")
     # the mixed layout under TP: a grid host's TP rank is chosen after the plan (zero.same_layout),
     # so another choice is another layout (its rule state lives on another rank)
-    hosts = sorted((n, h["tp_host"]) for n, h in (record.get("hosted") or {}).items()
-                   if isinstance(h, dict) and h.get("tp_host") is not None)
+    hosted = record.get("hosted") if isinstance(record.get("hosted"), dict) else {}  # (ZeRO 3: a list, no TP)
+    hosts = sorted((n, h["tp_host"]) for n, h in hosted.items() if isinstance(h, dict) and h.get("tp_host") is not None)
     if fp is not None and hosts:
         import hashlib
         import json
