@@ -620,6 +620,8 @@ class IndexSource:
         factors too, at another DP size or plan)."""
         from .elastic import _check_permutable, _layout_perm
 
+        if self._expert(name)[1] is not None:  # an expert of a stack: never TP-split (refused at initialize)
+            return
         want = None if tp_layout is None else TPFrame.from_layout(tp_layout)
         saved = self._saved_layouts(name)
         if all(f == want for f in saved.values()):
@@ -638,6 +640,8 @@ class IndexSource:
         permuted through ``rule.state_axes``; shards rebuilt into the whole matrix)."""
         from .elastic import _layout_perm, _permute_state
 
+        if self._expert(name)[1] is not None:  # an expert of a stack (never TP-split): its chunk of the stack's
+            return self.state_of(name)
         want = None if tp_layout is None else TPFrame.from_layout(tp_layout)
         full = self.full_shape(name)
         out = {}
