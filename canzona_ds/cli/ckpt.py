@@ -46,7 +46,8 @@ def _integrity(folder: str, tag: str, mode: str) -> str:
     return f"intact ({mode} of every file matches {ck.MANIFEST})"
 
 
-def inspect(folder: str, tag: str | None, out=sys.stdout) -> int:
+def inspect(folder: str, tag: str | None, out=None) -> int:
+    out = sys.stdout if out is None else out  # (the stream at call time, not at import)
     from ..ckpt.index import INDEX, Index
 
     tag = _tag(folder, tag)
@@ -85,7 +86,8 @@ def inspect(folder: str, tag: str | None, out=sys.stdout) -> int:
     return 0
 
 
-def verify(folder: str, tag: str | None, mode: str, out=sys.stdout) -> int:
+def verify(folder: str, tag: str | None, mode: str, out=None) -> int:
+    out = sys.stdout if out is None else out  # (the stream at call time, not at import)
     from .. import checkpoint as ck
     from ..ckpt.index import INDEX, Index, Reader
 
@@ -113,12 +115,16 @@ def _consolidated(path: str) -> tuple[dict, dict, dict]:
     if os.path.isfile(os.path.join(path, INDEX)):
         index = Index.read(path)
         if index.chunks is not None:
-            reader = Reader(path, index)
+            from ..integration.ckpt_index import IndexSource
+
+            src = IndexSource(path, index)  # (a TP host's state: to TP=1 through its rule's state_axes)
+            reader = src.reader
             weights = {n: reader.whole(n, MASTER).clone() for n in index.names}  # (views of the files otherwise)
             state: dict[str, dict] = defaultdict(dict)
             for name, key in index.by_key():
                 if key != MASTER:
-                    state[name][key] = reader.whole(name, key).clone()
+                    tp1 = src.state_of(name)[key] if reader.frame_of(name, key) is not None else reader.whole(name, key)
+                    state[name][key] = tp1.clone()
             info = {k: index.meta.get(k) for k in ("stage", "dp", "tp", "pp", "rule", "roles", "matrix_step",
                                                    "adam_step")}
             return weights, dict(state), info
@@ -135,7 +141,8 @@ def _consolidated(path: str) -> tuple[dict, dict, dict]:
     return dict(uni.params), state, info
 
 
-def convert(folder: str, tag: str | None, out_dir: str, out=sys.stdout) -> int:
+def convert(folder: str, tag: str | None, out_dir: str, out=None) -> int:
+    out = sys.stdout if out is None else out  # (the stream at call time, not at import)
     import torch
     from safetensors.torch import save_file
 

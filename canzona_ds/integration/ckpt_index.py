@@ -77,9 +77,8 @@ MATRIX = "matrix"
 # ---------------------------------------------------------------------------------------- emit
 def _layout_without_emitter(engine, opt) -> str | None:
     """Why this run's layout emits no chunks (None: it does)."""
-    if opt.tp_size > 1 and engine.zero_optimization_stage() not in (1, 2):
-        return (f"tensor parallelism at ZeRO stage {engine.zero_optimization_stage()} (TP frames are emitted at "
-                "ZeRO 1/2)")
+    if opt.tp_size > 1 and engine.zero_optimization_stage() == 0:  # (ZeRO-3 refuses TP at initialize)
+        return "tensor parallelism at ZeRO stage 0 (TP shard frames are emitted at ZeRO 1/2)"
     # (a bf16/fp16 model at stage 0 never runs: builder.check_settings refuses it by name)
     return None
 
@@ -359,7 +358,7 @@ def emit(engine) -> tuple[list[Chunk] | None, dict]:
     meta: dict[str, Any] = {
         "stage": stage, "dp": opt.groups.dp_size, "tp": opt.tp_size, "pp": opt.groups.pp_size, "ep": _ep(opt),
         "world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
-        "rule": opt.rule.name, "roles": roles, "matrix_step": matrix_step, "adam_step": _adam_step(opt),
+        "rule": opt.rule.name, "rule_description": opt.rule.describe(), "roles": roles, "matrix_step": matrix_step, "adam_step": _adam_step(opt),
         "engine_file": None, "scalars": None,
         # expert stacks: their rule state is per expert, W[e] = chunk e of the stack's (E, ...) state
         "expert_stacks": {info.name: info.num_experts for info in opt.infos.values() if info.num_experts is not None},
@@ -398,9 +397,8 @@ def layout_fingerprint(engine) -> str | None:
     fp = record.get("fingerprint")
     # the mixed layout under TP: a grid host's TP rank is chosen after the plan (zero.same_layout),
     # so another choice is another layout (its rule state lives on another rank)
-    hosted = record.get("hosted")  # (ZeRO-3's record lists its hosted names: no TP there)
-    hosts = sorted((n, h["tp_host"]) for n, h in hosted.items()
-                   if isinstance(h, dict) and h.get("tp_host") is not None) if isinstance(hosted, dict) else []
+    hosted = record.get("hosted") if isinstance(record.get("hosted"), dict) else {}  # (ZeRO 3: a list, no TP)
+    hosts = sorted((n, h["tp_host"]) for n, h in hosted.items() if isinstance(h, dict) and h.get("tp_host") is not None)
     if fp is not None and hosts:
         import hashlib
         import json
@@ -488,7 +486,11 @@ class IndexSource:
         self.changed: set[str] = set()
         #: under pipeline parallelism: this stage's parameters (what ``write`` may ask for)
         self.only: set[str] | None = None
-        #: the running rule (its ``state_axes`` move a TP host's state to TP=1; :func:`load` sets it)
+        #: the saving rule (with its hyper-parameters: Shampoo's blocks decide which factors follow
+        #: a permutation), whose ``state_axes`` move a TP host's state from its TP layout to TP=1
+        described = index.meta.get("rule_description")
+        self.saved_rule = None if described is None else _rule_from(described)
+        #: the running rule (:func:`load` sets it): moves TP=1 state into this run's TP layout
         self.running_rule = None
         self.engine_state, self.client_state = self._engine_state()
         self.zero_scalars = self._zero_scalars()
@@ -556,7 +558,7 @@ class IndexSource:
         permuted through ``state_axes`` of :attr:`running_rule` (set by :func:`load`)."""
         stored, e = self._expert(name)
         if e is None:
-            return self.state_in(self.running_rule, name, None)
+            return self.state_in(self.running_rule or self.saved_rule, name, None)
         out = {}
         for k, shape in self.state_shapes(name).items():  # expert e's chunk of the stack's state only
             n = math.prod(shape)
@@ -580,15 +582,16 @@ class IndexSource:
         factors too, at another DP size or plan)."""
         from .elastic import _check_permutable, _layout_perm
 
-        if self._expert(name)[1] is not None:  # an expert of a stack (never TP-split)
+        if self._expert(name)[1] is not None:  # an expert of a stack: never TP-split (refused at initialize)
             return
         want = None if tp_layout is None else TPFrame.from_layout(tp_layout)
         saved = self._saved_layouts(name)
         if all(f == want for f in saved.values()):
             return
         shapes, full = self.state_shapes(name), self.full_shape(name)
-        for f in {f for f in saved.values() if f is not None and f.rank is None}:  # to the TP=1 layout
-            _check_permutable(rule, name, shapes, full, f.perm())
+        hosts = {f for k, f in saved.items() if f is not None and self.reader.frame_of(name, k) is not None}
+        for f in hosts:  # a host's state to the TP=1 layout
+            _check_permutable(self.saved_rule or rule, name, shapes, full, f.perm())
         if tp_layout is not None:  # and into this run's
             _check_permutable(rule, name, shapes, full, _layout_perm(tp_layout))
 
@@ -599,7 +602,7 @@ class IndexSource:
         permuted through ``rule.state_axes``; shards rebuilt into the whole matrix)."""
         from .elastic import _layout_perm, _permute_state
 
-        if self._expert(name)[1] is not None:  # an expert of a stack (never TP-split): its chunk
+        if self._expert(name)[1] is not None:  # an expert of a stack (never TP-split): its chunk of the stack's
             return self.state_of(name)
         want = None if tp_layout is None else TPFrame.from_layout(tp_layout)
         full = self.full_shape(name)
@@ -613,9 +616,10 @@ class IndexSource:
                                        dim=saved.dim)
                 continue
             if saved is not None and self.reader.frame_of(name, k) is not None:  # a host's: to TP=1 by its axes
-                if rule is None:
-                    raise CheckpointIndexError(f"{name!r} {k}: a TP layout's rule state needs the running rule.")
-                v = _permute_state(rule, name, {k: self.reader.whole(name, k, saved)}, full, saved.dim,
+                back = self.saved_rule or rule
+                if back is None:
+                    raise CheckpointIndexError(f"{name!r} {k}: a TP host's rule state needs its rule to reach TP=1.")
+                v = _permute_state(back, name, {k: self.reader.whole(name, k, saved)}, full, saved.dim,
                                    saved.perm(), inverse=True)[k]
             else:
                 v = self.reader.whole(name, k)  # (the TP=1 frame, or rebuilt from the shards)
@@ -623,6 +627,12 @@ class IndexSource:
                 v = _permute_state(rule, name, {k: v}, full, want.dim, _layout_perm(tp_layout), inverse=False)[k]
             out[k] = v
         return out
+
+
+def _rule_from(description: dict):
+    from ..optim import rule_from_description
+
+    return rule_from_description(description)
 
 
 def _check_roles(engine, opt, index: Index, folder: str, reinit: bool) -> list[str]:

@@ -45,8 +45,8 @@ stage, and each stage's ranks read their own stage's files only (``_stage_file_r
 ``ep_size`` at the same PP size; the converter and the mixed layout are refused there.
 
 ``engine.load_checkpoint`` of a Canzona engine takes this path by itself for the layouts the
-checkpoint index does not describe yet (tensor parallelism, MoE x TP included) and for ZeRO 1/2
-tags written before the index (DeepSpeed MoE at ZeRO 1/2 without TP goes through the index), when the checkpoint's DP or TP size differs from the engine's
+checkpoint index does not describe yet and for ZeRO 1/2 tags written before the index (DeepSpeed
+MoE and tensor parallelism at ZeRO 1/2 go through the index), when the checkpoint's DP or TP size differs from the engine's
 (integration/registry.py); every other layout change goes through the index
 (integration/ckpt_index.py).  ``canzona-ckpt convert`` reads through ``read`` where the index
 describes no chunks.
