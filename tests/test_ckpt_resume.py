@@ -367,6 +367,17 @@ def test_pre_index_tag_is_adapted_to_the_index_it_would_have_had(saved, tmp_path
     (name, state) the save's own index does, with the same values, shapes and meta."""
     src = saved(stage, dp, opt_type, kind)
     adapted = _assert_faithful(os.path.join(src, "saved"), os.path.join(_pre_index(src, str(tmp_path / "old")), "saved"))
+    from safetensors.torch import load_file
+
+    from canzona_ds.ckpt import Index, Reader
+    from canzona_ds.cli.ckpt import main
+
+    conv = str(tmp_path / "conv")  # canzona-ckpt convert reads the pre-index tag through the adapted index
+    assert main(["convert", str(tmp_path / "old"), conv, "--tag", "saved"]) == 0
+    real = Index.read(os.path.join(src, "saved"))
+    weights, reader = load_file(os.path.join(conv, "model.safetensors")), Reader(os.path.join(src, "saved"), real)
+    assert sorted(weights) == sorted(real.names)
+    assert all(torch.equal(w, reader.whole(n)) for n, w in weights.items())
     if kind == "mixed":  # a hosted matrix: its master and element-wise state in pieces over the ranks
         hosted = {c.name for c in adapted.chunks if "piece_state" in c.key}
         assert hosted and all(len({c.file for c in adapted.by_key()[n, "param"]}) == 2 for n in hosted), hosted
