@@ -383,6 +383,19 @@ def test_pre_index_tag_is_adapted_to_the_index_it_would_have_had(saved, tmp_path
         assert hosted and all(len({c.file for c in adapted.by_key()[n, "param"]}) == 2 for n in hosted), hosted
 
 
+def test_pre_index_tag_with_unreadable_records_is_refused_by_name(saved, tmp_path):
+    from canzona_ds.ckpt import CheckpointIndexError
+    from canzona_ds.integration.ckpt_legacy import legacy_index
+
+    old = os.path.join(_pre_index(saved(1, 2, "CanzonaMuon"), str(tmp_path / "old")), "saved")
+    path = os.path.join(old, "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    sd = torch.load(path, weights_only=False)
+    del sd["optimizer_state_dict"]["canzona_layout"]["roles"]  # a record no release wrote
+    torch.save(sd, path)
+    with pytest.raises(CheckpointIndexError, match=r"records cannot be read \(KeyError: 'roles'\).*load_module_only"):
+        legacy_index(old)
+
+
 def _assert_faithful(folder: str, old: str):
     """``old`` (``folder`` without its index) adapts to what ``folder``'s index says."""
     from canzona_ds.ckpt import Index, Reader

@@ -37,7 +37,7 @@ import re
 
 import torch
 
-from ..ckpt.index import MASTER, Chunk, Index
+from ..ckpt.index import INDEX, MASTER, CheckpointIndexError, Chunk, Index
 from ..optim.rule import expert_name
 
 ADAM, MATRIX = "adamw", "matrix"
@@ -97,6 +97,11 @@ def legacy_index(folder: str) -> Index | None:
     _opened = {}
     try:
         return _legacy_index(folder)
+    except (KeyError, IndexError, TypeError, AttributeError) as e:  # records of a shape no release wrote
+        raise CheckpointIndexError(f"{folder} has no {INDEX} (written before the checkpoint index) and its "
+                                   f"canzona-ds records cannot be read ({type(e).__name__}: {e}); it cannot be "
+                                   "resumed with its optimizer state. Load the module weights only "
+                                   "(load_module_only=True).") from e
     finally:
         _opened = None
 
