@@ -75,7 +75,10 @@ def _engine(dp: int, stage: int, opt_type: str, kind: str = "dense"):
 
     torch.set_num_threads(1)
     model = _model(kind)
-    return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=_cfg(dp, stage, opt_type))[0]
+    cfg = _cfg(dp, stage, opt_type)
+    if kind == "mixed":  # the dense model in the mixed ZeRO-1/2 layout (a hosted matrix at DP 2)
+        cfg["optimizer"]["params"]["layout"] = "mixed"
+    return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
 
 
 def _params(engine, stage) -> dict:
@@ -275,7 +278,7 @@ def _resume_and_check(ckpt, tmp_path, kind, n, s1, m, opt_type, index=None):
     else:
         res = run_distributed(_resume, m, ckpt, s1, opt_type, out, kind)
     compared = assert_same_state(os.path.join(ckpt, "saved"), os.path.join(out, "reloaded"), index)
-    if kind == "dense":
+    if kind in ("dense", "mixed"):
         assert compared >= 9 + 2 * 5  # every parameter's master, the AdamW moments of the 5 AdamW ones, rule state
     elif kind == "stacks":  # both stacks' rule state, every expert's chunk, compared above as the stack's (E, ...) state
         stacks = _stack_states(os.path.join(ckpt, "saved"))
@@ -301,7 +304,8 @@ def _resume_and_check(ckpt, tmp_path, kind, n, s1, m, opt_type, index=None):
 #: pre-index tags (the save's files without index and manifest, _pre_index) resumed at another
 #: layout through the index built from their records (model, saved stage, DP, running stage, DP, type)
 PRE_INDEX_RESUMES = [("dense", 1, 2, 1, 1, "CanzonaMuon"), ("dense", 2, 2, 3, 2, "CanzonaSOAP"),
-                     ("moe-ep2-ep1", 1, 2, 1, 2, "CanzonaSOAP"), ("moe-ep2-ep1", 0, 2, 0, 2, "CanzonaShampoo")]
+                     ("moe-ep2-ep1", 1, 2, 1, 2, "CanzonaSOAP"), ("moe-ep2-ep1", 0, 2, 0, 2, "CanzonaShampoo"),
+                     ("mixed", 2, 2, 1, 1, "CanzonaMuon")]
 
 
 @pytest.mark.parametrize("kind,s0,n,s1,m,opt_type", PRE_INDEX_RESUMES,
@@ -353,7 +357,7 @@ def _pre_index(src: str, dst: str) -> str:
 #: saved layouts (stage, DP, optimizer, model) whose pre-index copies are adapted
 PRE_INDEX = [(1, 2, "CanzonaMuon", "dense"), (2, 2, "CanzonaShampoo", "dense"), (0, 2, "CanzonaMuon", "dense"),
              (1, 2, "CanzonaMuon", "stacks"), (1, 2, "CanzonaSOAP", "moe-ep2-ep1"), (2, 2, "CanzonaMuon", "moe-ep2-ep1"),
-             (0, 2, "CanzonaShampoo", "moe-ep2-ep1"), (3, 2, "CanzonaSOAP", "dense")]
+             (0, 2, "CanzonaShampoo", "moe-ep2-ep1"), (3, 2, "CanzonaSOAP", "dense"), (2, 2, "CanzonaMuon", "mixed")]
 
 
 @pytest.mark.parametrize("stage,dp,opt_type,kind", PRE_INDEX,
@@ -362,10 +366,37 @@ def test_pre_index_tag_is_adapted_to_the_index_it_would_have_had(saved, tmp_path
     """The index built from a pre-index tag's records (ckpt_legacy.legacy_index) describes every
     (name, state) the save's own index does, with the same values, shapes and meta."""
     src = saved(stage, dp, opt_type, kind)
-    _assert_faithful(os.path.join(src, "saved"), os.path.join(_pre_index(src, str(tmp_path / "old")), "saved"))
+    adapted = _assert_faithful(os.path.join(src, "saved"), os.path.join(_pre_index(src, str(tmp_path / "old")), "saved"))
+    from safetensors.torch import load_file
+
+    from canzona_ds.ckpt import Index, Reader
+    from canzona_ds.cli.ckpt import main
+
+    conv = str(tmp_path / "conv")  # canzona-ckpt convert reads the pre-index tag through the adapted index
+    assert main(["convert", str(tmp_path / "old"), conv, "--tag", "saved"]) == 0
+    real = Index.read(os.path.join(src, "saved"))
+    weights, reader = load_file(os.path.join(conv, "model.safetensors")), Reader(os.path.join(src, "saved"), real)
+    assert sorted(weights) == sorted(real.names)
+    assert all(torch.equal(w, reader.whole(n)) for n, w in weights.items())
+    if kind == "mixed":  # a hosted matrix: its master and element-wise state in pieces over the ranks
+        hosted = {c.name for c in adapted.chunks if "piece_state" in c.key}
+        assert hosted and all(len({c.file for c in adapted.by_key()[n, "param"]}) == 2 for n in hosted), hosted
 
 
-def _assert_faithful(folder: str, old: str) -> None:
+def test_pre_index_tag_with_unreadable_records_is_refused_by_name(saved, tmp_path):
+    from canzona_ds.ckpt import CheckpointIndexError
+    from canzona_ds.integration.ckpt_legacy import legacy_index
+
+    old = os.path.join(_pre_index(saved(1, 2, "CanzonaMuon"), str(tmp_path / "old")), "saved")
+    path = os.path.join(old, "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    sd = torch.load(path, weights_only=False)
+    del sd["optimizer_state_dict"]["canzona_layout"]["roles"]  # a record no release wrote
+    torch.save(sd, path)
+    with pytest.raises(CheckpointIndexError, match=r"records cannot be read \(KeyError: 'roles'\).*load_module_only"):
+        legacy_index(old)
+
+
+def _assert_faithful(folder: str, old: str):
     """``old`` (``folder`` without its index) adapts to what ``folder``'s index says."""
     from canzona_ds.ckpt import Index, Reader
     from canzona_ds.integration.ckpt_legacy import legacy_index
@@ -379,6 +410,7 @@ def _assert_faithful(folder: str, old: str) -> None:
     for key in ("stage", "dp", "tp", "pp", "ep", "world_size", "rule", "roles", "matrix_step", "adam_step",
                 "engine_file", "expert_stacks", "fingerprints"):
         assert adapted.meta.get(key, {} if key == "expert_stacks" else None) == real.meta.get(key), key
+    return adapted
 
 
 # ------------------------------------------------------------------------------ role changes

@@ -12,6 +12,8 @@ Two checks per case:
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -279,3 +281,28 @@ def test_tp_change_refuses_state_that_cannot_follow(tmp_path):
     for r in res:
         msg = r["error"]
         assert msg is not None and "tensor-parallel size" in msg and ("'qkv.weight'" in msg or "'fc1.weight'" in msg), r
+
+
+def _tp_load(rank, world, ckpt, tp):
+    engine, ms = _tp_engine(tp, "CanzonaMuon")
+    try:
+        engine.load_checkpoint(ckpt, tag="before")
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_pre_index_tp_tag_resumes_at_its_size_and_refuses_another_by_name(tmp_path):
+    """A TP=2 tag as written before the checkpoint index (no index, no manifest): the index built
+    from its records (integration/ckpt_legacy.py) does not describe TP layouts, so the same
+    sizes take DeepSpeed's stock load and another TP size is refused by name on every rank."""
+    from canzona_ds import checkpoint as ck
+
+    ckpt = str(tmp_path / "ckpt")
+    run_distributed(_tp_save, 4, ckpt, "CanzonaMuon")
+    for name in (ck.INDEX, ck.MANIFEST):
+        os.remove(os.path.join(ckpt, "before", name))
+    assert run_distributed(_tp_load, 4, ckpt, 2) == [None] * 4
+    for msg in run_distributed(_tp_load, 4, ckpt, 1):
+        assert msg is not None and "tensor parallelism (TP=2), written before the checkpoint index" in msg, msg
+        assert "This run has ZeRO stage 1, DP=4, TP=1" in msg, msg

@@ -196,7 +196,7 @@ REFUSED = {
     # ZeRO 1/2 at another size without the layout record's expert global names (nor an index)
     "old_z2_w4_to_w2": ("w4ep2_to_ep4_z2_muon", 2, 2),
 }
-REFUSAL_TEXT = {"old_z0_ep2_to_ep1": ("this run has ep_size=1", "do not name their parameters", "saved ep_size"),
+REFUSAL_TEXT = {"old_z0_ep2_to_ep1": ("ep_size=1.", "do not name their parameters", "saved ep_size"),
                 "old_z2_w4_to_w2": ("whole-model names", "another DP or expert-parallel size", "saved at")}
 
 
@@ -228,7 +228,7 @@ def _as_old(root: str, name: str) -> str:
 
 def _refused_worker(rank, world, ckpt, name):
     from canzona_ds.checkpoint import engine_hooks_off
-    from canzona_ds.integration.elastic import ElasticError
+    from canzona_ds.ckpt import CheckpointIndexError
     from canzona_testkit.moe import moe_ds_config, run_moe_engine
 
     source, _, ep = REFUSED[name]
@@ -240,10 +240,10 @@ def _refused_worker(rank, world, ckpt, name):
 
     try:
         run_moe_engine(rank, world, ep, moe_ds_config(world, optimizer=opt_type, stage=stage), 1, after_init=load)
-    except ElasticError as e:
+    except CheckpointIndexError as e:  # (the index built from the tag's records: ckpt_legacy.py)
         return str(e)
     except Exception:  # noqa: BLE001
-        return "not an ElasticError:\n" + traceback.format_exc()
+        return "not a CheckpointIndexError:\n" + traceback.format_exc()
     return None
 
 

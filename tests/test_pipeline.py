@@ -357,26 +357,6 @@ def test_pipeline_resume_at_another_dp_size_moves_every_state(tmp_path, sizes):
         _assert_same_state(_stage_state(first, stage), _stage_state(second, stage))
 
 
-def _refuse_worker(rank, world, ckpt):
-    _, engine = _tied_pipe_engine(1, pipe_config("CanzonaSOAP", world))
-    return _load_error(engine, ckpt)
-
-
-@pytest.mark.dist
-def test_pipeline_resume_at_another_pipeline_size_without_an_index_is_refused(tmp_path):
-    """A PP=2 checkpoint without its checkpoint index (written before the index existed) at PP=1
-    (its two stages' files would read as two TP shards): refused by name.  With the index it
-    resumes (tests/test_ckpt_resume.py, test_resume_at_another_pipeline_size)."""
-    from canzona_ds import checkpoint as ck
-
-    run_distributed(_elastic_worker, 2, 2, None, str(tmp_path))
-    for name in (ck.INDEX, ck.MANIFEST):  # as an older canzona-ds wrote it (unverified: no manifest)
-        os.remove(tmp_path / "t" / name)
-    msgs = run_distributed(_refuse_worker, 2, str(tmp_path))
-    for m in msgs:
-        assert m is not None and "saved with PP=2; this run has PP=1" in m and "may change the DP size only" in m, m
-
-
 def _replan_worker(rank, world, ckpt, params):
     from canzona_testkit.pipeline import dataset, rank_micro_batches
 

@@ -9,9 +9,10 @@
                                                   OUT/info.json (what was converted, from where)
 
 ``--tag`` defaults to the one ``DIR/latest`` names.  Exit status: 0 ok, 2 a problem (the
-message names it).  ``convert`` reads through the checkpoint index; a tag whose index describes
-no chunks (tensor or pipeline parallelism, DeepSpeed MoE, or written before the index) is read
-by the per-layout reader (integration/elastic.py), which names what it cannot read.
+message names it).  ``convert`` reads through the checkpoint index (for a tag written before
+the index, the one built from its records: integration/ckpt_legacy.py); a tag whose index
+describes no chunks (tensor parallelism) is read by the per-layout reader
+(integration/elastic.py), which names what it cannot read.
 """
 from __future__ import annotations
 
@@ -114,6 +115,11 @@ def _consolidated(path: str) -> tuple[dict, dict, dict]:
 
     if os.path.isfile(os.path.join(path, INDEX)):
         index = Index.read(path)
+    else:  # written before the index: the index built from its records
+        from ..integration.ckpt_legacy import legacy_index
+
+        index = legacy_index(path)
+    if index is not None:
         if index.chunks is not None:
             from ..integration.ckpt_index import IndexSource
 

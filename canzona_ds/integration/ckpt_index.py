@@ -35,10 +35,11 @@ A ``PipelineModule`` at ZeRO stage 0 has its module weights in DeepSpeed's per-l
 and each stage's optimizer in its ``mp_rank_<stage>_model_states.pt``: each stage describes its
 own parameters there, by the pipeline's names (the same at every PP size).
 A layout that has no emitter yet (tensor parallelism at ZeRO 0) writes the index with
-``chunks: null`` and the reason; such tags are resumed by the per-layout readers
-(integration/elastic.py) as before.
-A ZeRO-3 tag written before the index gets one built from its layout records
-(:func:`legacy_zero3_index`).
+``chunks: null`` and the reason.
+A tag written before the index gets one built from the records its files carry
+(integration/ckpt_legacy.py, ``legacy_index``); where those records cannot describe it (TP,
+older MoE records) that index has no chunks and a ``refusal``: the same layout resumes by
+DeepSpeed's stock load, any other is refused by name.
 
 Load (:func:`load`; :func:`index_route` is the one comparison: the same stage, DP, TP, PP,
 ep_size, world size, every rank's layout fingerprint and every role -> DeepSpeed's stock load;
@@ -748,10 +749,11 @@ def index_route(engine, load_dir: str, tag: str | None) -> Index | None:
     TP, PP and expert-parallel size, world size, every rank's layout fingerprint and every
     parameter's role -> None (DeepSpeed's stock load); anything else -> the index, for the index loop, where the
     index describes its chunks and the loop fills this run's layout, or where a role or the
-    ZeRO stage changed (the loop then refuses by name what it cannot do).  Otherwise None: a
-    tag without an index (written before it), or a resize of a layout whose chunks are not
-    described yet (TP at ZeRO 0), goes to the per-layout readers as before.  The verdicts are
-    all-gathered, so every rank takes the same branch."""
+    ZeRO stage changed (the loop then refuses by name what it cannot do), or where the tag was
+    written before the index (an index built from its records: filled, or refused by name).
+    Otherwise None: a resize of a layout whose chunks are not described yet (TP at ZeRO 0) goes to the
+    per-layout readers as before.  The verdicts are all-gathered, so every rank takes the same
+    branch."""
     import torch.distributed as tdist
 
     from .elastic import latest_tag

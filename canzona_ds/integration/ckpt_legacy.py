@@ -37,7 +37,7 @@ import re
 
 import torch
 
-from ..ckpt.index import MASTER, Chunk, Index
+from ..ckpt.index import INDEX, MASTER, CheckpointIndexError, Chunk, Index
 from ..optim.rule import expert_name
 
 ADAM, MATRIX = "adamw", "matrix"
@@ -54,10 +54,19 @@ MOE_REFUSAL = ("{where}: this checkpoint has DeepSpeed MoE expert groups but its
                "(load_optimizer_states=False, load_module_only=True).")
 
 
+#: the files one :func:`legacy_index` call has opened (memory-mapped: structure only), by path
+_opened: dict[str, dict] | None = None
+
+
 def _load(path: str) -> dict:
     from .elastic import _load as load
 
-    return load(path, mmap=True)
+    if _opened is not None and path in _opened:
+        return _opened[path]
+    obj = load(path, mmap=True)
+    if _opened is not None:
+        _opened[path] = obj
+    return obj
 
 
 def _listing(folder: str) -> list[str]:
@@ -81,7 +90,23 @@ def _refused(folder: str, meta: dict, why: str) -> Index:
 
 def legacy_index(folder: str) -> Index | None:
     """The index of a tag written before the index existed, built from its records (module doc);
-    None where ``folder`` is no such tag (no Canzona records: DeepSpeed's own load decides)."""
+    None where ``folder`` is no such tag (no Canzona records: DeepSpeed's own load decides).
+    Each file is opened once per call (a stage-0 model file holds every weight)."""
+    global _opened
+
+    _opened = {}
+    try:
+        return _legacy_index(folder)
+    except (KeyError, IndexError, TypeError, AttributeError) as e:  # records of a shape no release wrote
+        raise CheckpointIndexError(f"{folder} has no {INDEX} (written before the checkpoint index) and its "
+                                   f"canzona-ds records cannot be read ({type(e).__name__}: {e}); it cannot be "
+                                   "resumed with its optimizer state. Load the module weights only "
+                                   "(load_module_only=True).") from e
+    finally:
+        _opened = None
+
+
+def _legacy_index(folder: str) -> Index | None:
     from .elastic import OPTIM_FILE
 
     if not os.path.isdir(folder):
