@@ -703,29 +703,21 @@ MAIN_JOB = {
 }
 
 
-# ============================================================================ elastic_rss, ckpt_index
-def _elastic_rss_rows(d: Data) -> Iterable[Row]:
-    what = {"new": "reads its share (memory-mapped)", "old": "reads the whole model (before)"}
-    for c in d["cases"]:
-        for path in ("new", "old"):
-            ranks = c[path]
-            yield {"dp": f"{c['from_dp']} -> {c['to_dp']}", "load": what[path],
-                   "peak": [r["peak_mib"] for r in ranks], "max_peak": max(r["peak_mib"] for r in ranks),
-                   "kept": max(r["retained_mib"] for r in ranks), "wall": max(r["wall_s"] for r in ranks),
-                   "same": "yes" if c["identical"] else "NO"}
+# ============================================================================ ckpt_index
+def _same(r: Row) -> str:
+    return {True: "yes", False: "NO", None: ""}[r.get("same_state")]
 
+
+_CKPT_INDEX_COLS = _cols(("change", "{change}"), ("path", "{path}"),
+                         ("peak RSS increment per rank, MiB", "{peak_mib:list,.0f}"),
+                         ("load wall s, slowest rank", "{wall_s_max:.2f}"), ("same state as the other path", _same))
 
 CHECKPOINTS = {
-    "elastic_rss": Table(
-        "elastic_rss", "bench_elastic_rss: peak RSS and wall time of an elastic resume per rank, share read vs whole "
-        "model.", _elastic_rss_rows,
-        _cols(("DP", "{dp}"), ("load", "{load}"), ("peak RSS increment per rank, MiB", "{peak:list,.0f}"),
-              ("max", "{max_peak:mib}"), ("kept (new state), max", "{kept:mib}"),
-              ("load wall s, slowest rank", "{wall:.1f}"), ("same state as the other path", "{same}"))),
     "ckpt_index": Table(
         "ckpt_index", "bench_ckpt_index: load through the checkpoint index vs the per-layout reader, per rank.", "rows",
-        _cols(("change", "{change}"), ("path", "{path}"), ("peak RSS increment per rank, MiB", "{peak_mib:list,.0f}"),
-              ("load wall s, slowest rank", "{wall_s_max:.2f}"))),
+        _CKPT_INDEX_COLS),
+    "ckpt_index_large": Table(
+        "ckpt_index_large", "bench_ckpt_index --size large: the same, 310M parameters.", "rows", _CKPT_INDEX_COLS),
 }
 
 

@@ -104,7 +104,7 @@ _ENGINE_HOOKS = contextvars.ContextVar("canzona_ds_engine_checkpoint_hooks", def
 @contextlib.contextmanager
 def engine_hooks_off():
     """Within: a Canzona engine's ``save_checkpoint`` / ``load_checkpoint`` are DeepSpeed's own
-    (plus the elastic path), no manifest written, nothing verified."""
+    (plus the checkpoint-index path), no manifest written, nothing verified."""
     token = _ENGINE_HOOKS.set(False)
     try:
         yield

@@ -448,7 +448,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             "config": self.config.describe(),
             # every param group's parameters by name, and by whole-model name (DeepSpeed MoE: local
             # expert j of expert-parallel rank k is global expert k*E/ep + j): what a stage-0 MoE
-            # checkpoint is resumed at another ep_size by (integration/elastic.py)
+            # checkpoint written before the index is adapted by (integration/ckpt_legacy.py)
             "param_names": [list(names) for names in self.group_names],
             "global_names": [[self.global_name(n) for n in names] for names in self.group_names],
         }
@@ -502,7 +502,7 @@ def _plan(specs: list[ParamSpec], dp: int, config: CanzonaConfig, rule, grid: bo
           moe_tp: bool = False) -> OwnershipPlan:
     """The ownership plan of one partition's matrices; ``grid``: a DP x TP grid group exists, so
     the mixed layout may host TP-split matrices (tp/runtime.GridSplit).  ``moe_tp``: DeepSpeed MoE
-    with tensor parallelism, whose mixed-layout checkpoints do not resize (integration/elastic.py):
+    with tensor parallelism, whose mixed-layout runs do not load another layout (integration/ckpt_fill.py):
     ``"auto"`` keeps the owned layout there (``"mixed"`` still forces it)."""
     placement = config.placement
     tp_split = [s.name for s in specs if s.is_tp_split]

@@ -153,7 +153,7 @@ def reference_run(world: int, ep_size: int, steps: int, optimizer: str = "Canzon
     DeepSpeed's ``use_data_before_expert_parallelism`` layout of the expert groups (:func:`ep_layout`).
 
     ``start``: continue from a checkpoint's state instead of the initial weights (an
-    ``integration.elastic.Universal``, every parameter and its state by whole-model name: the
+    ``canzona_testkit.ckpt.read``, every parameter and its state by whole-model name: the
     fp32 master weights, the rule state and step of every matrix, AdamW's moments and step)."""
     from deepspeed.moe.sharded_moe import _route_slots, _sparse_decode, _sparse_encode, top1gating
 

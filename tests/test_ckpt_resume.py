@@ -97,13 +97,19 @@ def _save(rank, dp, ckpt, stage, opt_type, kind="dense"):
 
 
 def _index_route_only() -> None:
-    """Make the per-layout readers fail if reached: a resume here goes through the index loop."""
-    from canzona_ds.integration import elastic
+    """Make the one comparison fail if it picks DeepSpeed's stock load: a resume here goes
+    through the index loop."""
+    from canzona_ds.integration import ckpt_index
 
-    def reached(*args, **kwargs):
-        raise AssertionError("a per-layout reader (integration/elastic.py) was reached; the index loop was expected")
+    route = ckpt_index.index_route
 
-    elastic.load = elastic.load_stage0_moe = reached
+    def checked(*args, **kwargs):
+        index = route(*args, **kwargs)
+        if index is None:
+            raise AssertionError("DeepSpeed's stock load was chosen; the index loop was expected")
+        return index
+
+    ckpt_index.index_route = checked
 
 
 def _resume(rank, dp, ckpt, stage, opt_type, out, kind="dense"):

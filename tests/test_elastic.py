@@ -4,7 +4,7 @@
 Two checks per case:
   * lossless: the checkpoint re-read from the engine right after loading at M (saved again,
     nothing stepped) equals the one written at N, parameter by parameter and state by state,
-    bit for bit (``integration.elastic.read`` gives both in the DP/TP-independent form);
+    bit for bit (``canzona_testkit.ckpt.read`` gives both by whole-model name, through the index);
   * exact continuation: the resumed run equals the single-process reference that saw N-rank
     batches before the checkpoint and M-rank batches after; bit for bit where both sides
     average over at most 2 ranks (fp32), within the reordered-sum bound for Muon when a 4-rank sum is involved
@@ -70,7 +70,7 @@ def _reference(n: int, m: int, opt_type: str) -> dict:
 
 
 def _assert_lossless(ckpt: str) -> None:
-    from canzona_ds.integration.elastic import read
+    from canzona_testkit.ckpt import read
 
     a, b = read(ckpt, "before"), read(ckpt, "reloaded")
     assert a.source["dp"] != b.source["dp"]
@@ -141,14 +141,15 @@ def test_converter_errors_name_the_problem(tmp_path):
 
 # ------------------------------------------------------------------------------ memory
 def _resume_counting(rank, dp, ckpt):
-    """Load through SavedCheckpoint and count what this rank copied out of the files."""
-    from canzona_ds.integration.elastic import SavedCheckpoint, write
+    """Load through the checkpoint index and count what this rank copied out of the files."""
+    from canzona_ds.integration import ckpt_fill, ckpt_index
     from canzona_ds.integration.runtime_info import canzona_optimizer
 
     _, _, engine = run_engine(rank, dp, ds_config(dp), 0)
-    src = SavedCheckpoint(ckpt, "before")
-    opened = src.elements_read
-    write(engine, src)
+    folder = os.path.join(ckpt, "before")
+    src = ckpt_index.IndexSource(folder, ckpt_index.read_index(folder))
+    opened = src.reader.elements_read
+    ckpt_fill.fill_zero12(engine, src)
     zopt, opt = engine.optimizer, canzona_optimizer(engine)
     share = 0  # what this rank holds in the new layout: fp32 master, AdamW moments, rule state
     for i, group in enumerate(opt.param_groups):
@@ -161,21 +162,20 @@ def _resume_counting(rank, dp, ckpt):
                    for p, off in zip(zopt.round_robin_bit16_groups[i], zopt.round_robin_bit16_offsets[i]))
         share += 3 * held  # master, exp_avg, exp_avg_sq
     share += sum(v.numel() for st in opt.matrix_state.values() for v in st.values() if torch.is_tensor(v))
-    return dict(opened=opened, read=src.elements_read, share=share, params=params_of(engine.module))
+    return dict(opened=opened, read=src.reader.elements_read, share=share, params=params_of(engine.module))
 
 
 def test_each_rank_reads_only_its_share(tmp_path):
-    """Resuming DP 2 -> 4, a rank copies out of the checkpoint exactly the elements it holds in
-    the new layout (its matrices, its AdamW range and moments, its matrices' rule state), none
-    when the files are opened; the four shares together are the checkpoint, read once."""
-    from canzona_ds.integration.elastic import SavedCheckpoint
+    """Resuming DP 2 -> 4 through the checkpoint index, a rank copies out of the checkpoint
+    exactly the elements it holds in the new layout (its matrices, its AdamW range and moments,
+    its matrices' rule state), none when the files are opened; the four shares together are the
+    checkpoint (every chunk of its index), read once."""
+    from canzona_ds.ckpt import Index
 
     ckpt = str(tmp_path / "ckpt")
     saved = run_distributed(_save, 2, ckpt, "CanzonaMuon", 1)[0]
     res = run_distributed(_resume_counting, 4, ckpt)
-    whole = SavedCheckpoint(ckpt, "before")
-    whole.universal()
-    total = whole.elements_read  # every fp32 master, moment and rule-state element, once
+    total = sum(c.length for c in Index.read(os.path.join(ckpt, "before")).chunks)  # every element, once
     for r in res:
         assert r["opened"] == 0
         assert r["read"] == r["share"] and 0 < r["read"] < total / 2, (r["read"], r["share"], total)
@@ -254,10 +254,10 @@ def test_dp2_tp2_to_dp4_tp1(tmp_path, opt_type):
     assert all(r["error"] is None for r in res), res[0]["error"]
     assert res[0]["dp"] == 4
     _assert_lossless(ckpt)
-    from canzona_ds.integration.elastic import read
+    from canzona_testkit.ckpt import read
 
     uni = read(ckpt, "before")
-    assert uni.source == {"dp": 2, "tp": 2, "dir": uni.source["dir"]}
+    assert (uni.source["dp"], uni.source["tp"]) == (2, 2), uni.source
     assert uni.params["qkv.weight"].shape == (64, 32) and uni.params["fc1.weight"].shape == (96, 32)
     # the TP=1 weights the resumed run started from are the TP=1 layout of the saved shards
     from canzona_testkit import megatron_standin as ms

@@ -14,7 +14,7 @@ step 2, train a third step, damage step2 for real (rank 0, then a barrier), then
 * ``"canzona_checkpoint": {"fallback": true}``: the flipped step2 is skipped, step1 loads
   exactly (but never a step1 without a manifest);
 * a round trip through the engine methods still resumes bit for bit; a resume at another
-  DP size (the elastic path) is verified first; `latest` moves only once the manifest is
+  DP size (the index loop) is verified first; `latest` moves only once the manifest is
   written; an engine with another optimizer keeps DeepSpeed's own methods;
 * a bad ``canzona_checkpoint`` section is an error naming the value.
 """
@@ -280,8 +280,8 @@ def _elastic_load_at_dp1(rank, world, intact, damaged):
 
 
 def test_elastic_resume_is_verified_first(tmp_path):
-    """Saved at DP=2, loaded at DP=1 (integration/elastic.py reads every optimizer file): a
-    flipped optimizer file is refused by name before the elastic reader sees it; the intact
+    """Saved at DP=2, loaded at DP=1 (the index loop reads every optimizer file): a
+    flipped optimizer file is refused by name before the index loop sees it; the intact
     checkpoint verifies and resumes exactly."""
     import shutil
 

@@ -382,9 +382,9 @@ CKPT = [(4, "mixed", 2, "owned", "CanzonaSOAP"), (2, "owned", 4, "mixed", "Canzo
 @pytest.mark.parametrize("n,before,m,after,opt_type", CKPT, ids=[f"{t}-dp{n}{b}-to-dp{m}{a}" for n, b, m, a, t in CKPT])
 def test_resume_across_a_change_of_layout(tmp_path, n, before, m, after, opt_type):
     """A matrix hosted at DP=4 (mixed) is owned at DP=2 (owned) and back, and at the same DP=4 a
-    change of layout alone takes the elastic path too: a hosted matrix's weight is read across
+    change of layout alone takes the index loop too: a hosted matrix's weight is read across
     the partitions that held its pieces, its state follows it by name."""
-    from canzona_ds.integration.elastic import read
+    from canzona_testkit.ckpt import read
 
     ckpt = str(tmp_path / "ckpt")
     saved_hosted = run_distributed(_save, n, ckpt, opt_type, before)[0]

@@ -19,9 +19,9 @@ keep the TP runtime: three runtimes, stepped in that order on every rank.
   plan: then all three runtimes run in one step); the optimizer step's
   collectives, counted by canzona_testkit/comm.CommCounter per group, are the plans' all-to-alls; a
   checkpoint resumes bit for bit (the grid host's rule state, Muon's momentum pieces); a change
-  of layout at the same size (owned <-> mixed, the elastic path) resumes exactly; the grid hosts'
+  of layout at the same size (owned <-> mixed, the index loop) resumes exactly; the grid hosts'
   TP ranks are the planner's, and a Shampoo or SOAP checkpoint written with the unseeded choice
-  (other TP ranks) resumes bit for bit through the elastic path; and the
+  (other TP ranks) resumes bit for bit through the index loop; and the
   checkpoint resumes at DP4 x TP1 losslessly (weights and rule state, read back whole);
 * PP=2 x TP=2 x DP=2 (a PipelineModule, a grid group per stage): mixed equals owned bit for bit.
 
@@ -485,7 +485,7 @@ def test_mixed_tp_checkpoint_resume_bit_exact(optimizer, runs):
 
 @pytest.mark.parametrize("before,after", SWITCH, ids=[f"{b}-to-{a}" for b, a in SWITCH])
 def test_mixed_tp_layout_change_on_resume_is_exact(before, after, runs):
-    """Saved with one layout, resumed with the other at the same DP2 x TP2 (the elastic path:
+    """Saved with one layout, resumed with the other at the same DP2 x TP2 (the index loop:
     a grid-hosted matrix's weight and momentum are read across the pieces of both TP shards, or
     cut into them): the continued run equals the uninterrupted one bit for bit."""
     res = _res(runs, SWITCH[SWITCH.index((before, after))])
@@ -516,7 +516,7 @@ def test_mixed_tp_checkpoint_resumes_at_tp1_losslessly(runs):
     """The DP2 x TP2 mixed checkpoint (grid-hosted matrices: weight and Muon momentum in pieces of
     both TP shards) resumed at DP4 x TP1 with the mixed layout and saved again: every parameter
     and every matrix's rule state, read back whole (TP=1 layout), is unchanged bit for bit."""
-    from canzona_ds.integration.elastic import read
+    from canzona_testkit.ckpt import read
 
     res = _res(runs, "resize")
     assert all(r["tp"] == 1 and r["dp"] == WORLD for r in res) and res[0]["hosted"]

@@ -30,17 +30,17 @@ its own ``try``; one failing scenario fails one test):
     holds experts 0, 1, not 2, 3, and its weights are those experts' by whole-model name.);
   - each expert matrix is owned by exactly one rank, of its expert-DP group ({0,1} for experts 0,
     1; {2,3} for 2, 3), each dense matrix by one rank of the 4; the step makes no collective call;
-* a same-size checkpoint round trip (ZeRO 2 Shampoo): DeepSpeed's own load (the elastic path not
+* a same-size checkpoint round trip (ZeRO 2 Shampoo): DeepSpeed's own load (the index loop not
   taken), 2 more steps bit for bit with the uninterrupted run, the rule state equal;
 * the layout changed at the same size (saved with it, resumed without it, ZeRO 2 SOAP; and the
   reverse, ZeRO 1 Muon): DeepSpeed numbers ZeRO files by DP rank, so ranks 1 and 2 would read each
-  other's experts; the elastic path is taken (``zero.expert_ranks_moved`` names the moved
+  other's experts; the index loop is taken (``zero.expert_ranks_moved`` names the moved
   ranks), and right after loading every fp32 master, rule state, AdamW piece and module weight
   equals the saved one bit for bit (by whole-model name) on the planned owner of its new
   expert-DP group; 2 more steps against ``reference_run(start=<saved state>)`` at the new layout
   (experts bit for bit after 1 step, Muon within the reordered-sum bound after 2); DeepSpeed's own load
   (``_load_legacy_checkpoint``) handed a file whose experts moved refuses by name;
-* the saved D + E checkpoint resumed at world 2 (ZeRO 2 SOAP; elastic): the same checks, 2 more
+* the saved D + E checkpoint resumed at world 2 (ZeRO 2 SOAP; the index loop): the same checks, 2 more
   steps bit for bit;
 * Megatron-DeepSpeed's ZeRO-0 client optimizer (``build_tp_optimizer`` before
   ``deepspeed.initialize``, with the stand-in mpu): ``create_expert_groups`` builds the D + E
@@ -214,7 +214,7 @@ def _roundtrip(rank: int, world: int, root: str) -> dict:
     """ZeRO 2 Shampoo with D + E: 2 steps, save, 2 more; a fresh engine loads and takes the same 2."""
     import torch
 
-    from canzona_ds.integration.registry import elastic_needed
+    from canzona_ds.integration.ckpt_index import index_route
     from canzona_testkit.models import batches
     from canzona_testkit.moe import run_moe_engine
 
@@ -234,7 +234,7 @@ def _roundtrip(rank: int, world: int, root: str) -> dict:
     verdict = {}
 
     def load(e):
-        verdict["elastic"] = elastic_needed(e, ckpt, "two")
+        verdict["elastic"] = index_route(e, ckpt, "two") is not None
         e.load_checkpoint(ckpt, tag="two")
 
     resumed, _, engine2 = run_moe_engine(rank, world, EP, cfg, MORE, data=data[SAVE_STEPS:], after_init=load)
@@ -251,8 +251,8 @@ def _resume(rank: int, world: int, root: str, name: str, stage: int, opt_type: s
     rank 0 adds ``reference_run(start=...)`` at this size and layout."""
     from test_moe_elastic import _as_torch, _snapshot
 
-    from canzona_ds.integration.elastic import _load
-    from canzona_ds.integration.registry import elastic_needed
+    from canzona_ds.integration.ckpt_legacy import _load
+    from canzona_ds.integration.ckpt_index import index_route
     from canzona_ds.integration.zero import LAYOUT_KEY, expert_ranks_moved
     from canzona_testkit.models import batches
     from canzona_testkit.moe import reference_run, run_moe_engine
@@ -262,10 +262,10 @@ def _resume(rank: int, world: int, root: str, name: str, stage: int, opt_type: s
     loaded, first, verdict = {}, {}, {}
 
     def load(engine):
-        verdict["elastic"] = elastic_needed(engine, ckpt, "saved")
+        verdict["elastic"] = index_route(engine, ckpt, "saved") is not None
         if world == WORLD:  # same size: what this rank's own file (DeepSpeed's pick) holds, and its own load
-            files = [_load(os.path.join(ckpt, "saved", f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"),
-                           mmap=True)["optimizer_state_dict"] for r in range(world)]
+            files = [_load(os.path.join(ckpt, "saved", f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
+                     ["optimizer_state_dict"] for r in range(world)]
             current = engine.optimizer.canzona_layout_meta()
             verdict["moved"] = expert_ranks_moved(files[rank][LAYOUT_KEY], current)
             other = next(sd for sd in files if expert_ranks_moved(sd[LAYOUT_KEY], current))

@@ -17,7 +17,7 @@ saved, independent of the checkpoint reader.  A fresh engine at the new size the
       equal the saved ones bit for bit (rtol = atol = 0); each matrix lives on exactly one rank
       of the model, the planned owner of its new (expert-)DP group (``layout.owners()``), and
       its expert-DP group is the one of its new expert-parallel rank (ZeRO 0: every rank of
-      that expert-parallel rank keeps it).  The offline converter's form (``elastic.read``)
+      that expert-parallel rank keeps it).  The offline converter's form (``canzona_testkit.ckpt.read``)
       equals the saved state too;
   (b) it trains 2 more steps, compared with the single-process reference
       (``reference_run(start=<the saved state>)``: the whole model, every expert, the ranks'
@@ -368,7 +368,7 @@ def test_moe_resume_at_new_size(name):
             want = list(range(world)) if e is None else [r for r in range(world) if r % ep == e // (4 // ep)]
             assert ranks == want, (n, ranks, want)
     if stage:  # the offline converter's size-independent form (read): the same, by whole-model name
-        from canzona_ds.integration.elastic import read
+        from canzona_testkit.ckpt import read
 
         uni = read(os.path.join(_root(), name), "saved")
         assert sorted(uni.params) == sorted(saved.params) and sorted(uni.adam) == sorted(saved.adam)

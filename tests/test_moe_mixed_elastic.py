@@ -1,5 +1,5 @@
-"""DeepSpeed MoE x the mixed ZeRO layout, resumed at another size or layout (the elastic path,
-``integration/elastic.py``): the model and scenarios of tests/test_moe_mixed.py (each expert one
+"""DeepSpeed MoE x the mixed ZeRO layout, resumed at another size or layout (the index loop,
+the checkpoint index (``integration/ckpt_index.py``)): the model and scenarios of tests/test_moe_mixed.py (each expert one
 matrix, ``0.weight``; at world 4 ep_size 2 with 2 experts each rank's local expert is hosted over
 its expert-DP pair and the dense ``proj.weight`` over the 4 DP ranks).
 
@@ -13,7 +13,7 @@ Saved at world 4, ep_size 2 (2 steps): a mixed Muon (ZeRO 2, momentum in pieces)
 
 and each (a) holds, right after the load, by whole-model name, the saved state bit for bit
 (fp32 master pieces joined, the rule state with Muon's momentum pieces joined, AdamW's pieces,
-the steps), as does the offline converter's form (``elastic.read``) of the checkpoint; (b) trains 2 more steps against ``canzona_testkit.moe.reference_run(start=<saved state>)``:
+the steps), as does the offline converter's form (``canzona_testkit.ckpt.read``) of the checkpoint; (b) trains 2 more steps against ``canzona_testkit.moe.reference_run(start=<saved state>)``:
 bit for bit at world 2 (two-term sums), at world 4 as tests/test_moe_elastic.py bounds it (the
 experts bit for bit after one step, every parameter within 1e-5, Muon within the reordered-sum bound after two).
 
@@ -273,8 +273,8 @@ def test_mixed_moe_resume(name):
     for r in results:
         for n, w in r["loaded"]["module"].items():
             _eq(w, saved.params[n], f"{name}: module weight {n}")
-    # the offline converter's size-independent form (elastic.read): the same, by whole-model name
-    from canzona_ds.integration.elastic import read
+    # the offline converter's size-independent form (canzona_testkit.ckpt.read): the same, by whole-model name
+    from canzona_testkit.ckpt import read
 
     uni = read(os.path.join(_root(), source), "saved")
     assert sorted(uni.params) == sorted(saved.params) and sorted(uni.rule_state) == sorted(saved.rule_state)

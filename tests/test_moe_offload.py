@@ -25,7 +25,7 @@ follows the run without offload within an ulp or two per step: checked below; do
     itself; its two paths round the clip norm differently: ``test_offload_equals_plain``);
   * checkpoints (ZeRO 2, Shampoo): saved after 2 steps, a fresh engine loads and trains the
     third: bit for bit with the uninterrupted run, rule state equal;
-  * resizes (integration/elastic.py): that checkpoint at ep_size 1 (the experts' expert-DP group
+  * resizes (the checkpoint index): that checkpoint at ep_size 1 (the experts' expert-DP group
     1 -> 2 ranks), and one saved at world 4, ep_size 2 (ZeRO 1 Muon) resumed at world 2 (dense DP
     4 -> 2, expert-DP 2 -> 1): the state as saved on the planned owners, then 2 steps bit for bit
     with the reference continued from it (test_moe_elastic's snapshot and merge).

@@ -5,16 +5,16 @@ clipping that clips; and CanzonaShampoo): saved at PP 2 x DP 2 with ep_size 2 (w
     z1_dp1_ep1   ZeRO 1, PP 2 x DP 1, ep_size 1 (world 2): another DP size and ep_size
     z1_dp2_ep1   ZeRO 1, PP 2 x DP 2, ep_size 1 (world 4): another ep_size at the same DP size
     z0_dp1_ep1   ZeRO 0, PP 2 x DP 1, ep_size 1 (world 2): DeepSpeed's expp_rank files, through
-                 ``elastic.load_stage0_moe``
+                 the checkpoint index
     z1_dp1_ep1_shampoo   the first with CanzonaShampoo (its whole rule state by key)
     z0_dp1_ep1_moe_in_stage0   the z0 one with MoE in stage 0 only (stage 1: the head, AdamW, no
-                 matrix; it resumes through DeepSpeed's own load, stage 0 through load_stage0_moe)
+                 matrix), through the checkpoint index
 
 Each stage's ranks read their own stage's files: DeepSpeed numbers every file of a stage by its
 model-parallel rank, which on a pipeline grid is the stage (``zero_pp_rank_{dp}_mp_rank_{stage}``,
 ``expp_rank_{k}_mp_rank_{stage}``, ``layer_{i}_expert_{e}_mp_rank_{stage}``, the layer index
-counted within the stage); the expert index of ``elastic.SavedCheckpoint`` (ZeRO 1) and
-``load_stage0_moe`` (ZeRO 0) cover one stage's expert groups, by whole-model name.  Per scenario:
+counted within the stage); each stage's chunks in the checkpoint index name its experts by
+whole-model name.  Per scenario:
 
   (a) right after ``engine.load_checkpoint``: every matrix's fp32 master and Muon state (dense
       and each expert, by whole-model name), every AdamW piece and every module weight equal
@@ -34,8 +34,8 @@ counted within the stage); the expert index of ``elastic.SavedCheckpoint`` (ZeRO
       applied in one process to either run's gradients from the saved state gives the same
       1.2e-4); Shampoo: every parameter after 2 steps within 1e-6 (measured 6e-8).
 
-A PP size change stays refused by name (the check MoE and dense pipelines share; tests/test_pipeline.py
-runs it), as do the offline converter of a MoE x PP checkpoint (tested here) and the mixed layout.
+Another PP size goes through the same index (tests/test_ckpt_resume.py's pipeline rows); the
+offline form of a MoE x PP checkpoint reads every stage by whole-model name (tested here).
 One ``run_distributed`` per run (a second PipelineEngine in the same processes hung when tried);
 one test per scenario.
 """
@@ -294,20 +294,30 @@ def test_moe_pipeline_resume_at_new_size(name):
     assert grad_dev <= GRAD_TOL and dev <= TOL[opt] < moved / 10, (grad_dev, dev, moved)
 
 
-def test_moe_pipeline_converter_refuses_by_name():
-    """The offline converter (``elastic.read``) reads every model-parallel file as a TP rank and
-    does not separate pipeline stages: a MoE x PP checkpoint is refused by name there."""
-    from canzona_ds.integration.elastic import ElasticError, read
+def test_moe_pipeline_checkpoint_read_whole_by_name():
+    """The offline form (``canzona_testkit.ckpt.read``, what ``canzona-ckpt convert`` writes): a
+    MoE x PP checkpoint read through its index, every stage's parameters and every expert by
+    whole-model name, equal to what the saving ranks held, bit for bit."""
+    from test_moe_elastic import _merge
 
-    _results(_saved(1, "CanzonaMuon", 2), "saving")
-    with pytest.raises(ElasticError, match=r"pipeline parallelism \(PP=2\)"):
-        read(_root(1, "CanzonaMuon", 2), "saved")
+    from canzona_testkit.ckpt import read
+
+    saved = _merge([r["snap"] for r in _results(_saved(1, "CanzonaMuon", 2), "saving")])
+    got = read(_root(1, "CanzonaMuon", 2), "saved")
+    assert set(saved.rule_state) <= set(got.rule_state), sorted(set(saved.rule_state) - set(got.rule_state))
+    for n, st in saved.rule_state.items():
+        _eq(got.params[n], saved.params[n], f"fp32 master of {n}")
+        for k, v in st.items():
+            _eq(got.rule_state[n][k], v, f"state {k} of {n}")
+    for n, moments in saved.adam.items():
+        for k, v in moments.items():
+            _eq(got.adam[n][k], v, f"{k} of {n}")
 
 
 def _pp_change_worker(rank, world, root):
     """The ZeRO-1 MoE x PP checkpoint into the tiny MoE model without pipeline parallelism (PP 1 x
     DP 2, ep_size 2): another model (its parameters are not the pipeline's ``<layer>.<name>``)."""
-    from canzona_ds.ckpt import CheckpointIndexError as ElasticError
+    from canzona_ds.ckpt import CheckpointIndexError as CheckpointIndexError
     from canzona_testkit.moe import moe_ds_config, run_moe_engine
 
     def load(engine):
@@ -315,10 +325,10 @@ def _pp_change_worker(rank, world, root):
 
     try:
         run_moe_engine(rank, world, 2, moe_ds_config(world, optimizer="CanzonaMuon", stage=1), 1, after_init=load)
-    except ElasticError as e:
+    except CheckpointIndexError as e:
         return str(e)
     except Exception:  # noqa: BLE001
-        return "not an ElasticError:\n" + traceback.format_exc()
+        return "not an CheckpointIndexError:\n" + traceback.format_exc()
     return None
 
 

@@ -23,7 +23,7 @@ their split dimension).  A fresh engine at the new size ``engine.load_checkpoint
       every module weight equal the saved ones bit for bit; every expert matrix lives on exactly
       one rank, the planned owner in its new expert-DP group, on its new expert-parallel rank; an
       unsplit dense matrix on one rank per TP rank (its DP group's planned owner); a TP-split
-      one's state on exactly one host.  The offline converter's form (``elastic.read``) of the
+      one's state on exactly one host.  The offline converter's form (``canzona_testkit.ckpt.read``) of the
       TP 2 checkpoint equals the saved state too;
   (b) it trains 2 more steps against ``reference_run(start=<the saved state>, tp_mlp=True)`` (the
       whole TP=1 model with its MLP, the ranks' forward/backward and ZeRO's averages at the new DP
@@ -145,7 +145,7 @@ def _merge(snaps: list):
 
 
 def _refused_worker(rank, name: str, root: str, tp: int) -> str | None:
-    from canzona_ds.integration.elastic import ElasticError
+    from canzona_ds.ckpt.index import CheckpointIndexError
     from canzona_testkit.models import batches
     from canzona_testkit.moe import run_moe_tp_engine
 
@@ -153,10 +153,10 @@ def _refused_worker(rank, name: str, root: str, tp: int) -> str | None:
     try:
         run_moe_tp_engine(rank, tp, ep, _cfg(name, dp), 1, batches(1, MICRO * dp), micro=MICRO,
                           after_init=lambda e: e.load_checkpoint(os.path.join(root, name), tag="saved"))
-    except ElasticError as e:
+    except CheckpointIndexError as e:
         return str(e)
     except Exception:  # noqa: BLE001
-        return "not an ElasticError:\n" + traceback.format_exc()
+        return "not an CheckpointIndexError:\n" + traceback.format_exc()
     return None
 
 
@@ -320,7 +320,7 @@ def test_moe_tp_resume_at_new_size(name):
             assert sorted(res[q]["tp_rank"] for q in masters[n]) == list(range(tp)), (n, masters[n])
             assert states[n] == masters[n], (n, states[n], masters[n])
     # the offline converter's TP=1 form of the saved checkpoint: the same, by whole-model name
-    from canzona_ds.integration.elastic import read
+    from canzona_testkit.ckpt import read
 
     uni = read(os.path.join(_root(), name), "saved")
     assert sorted(uni.params) == sorted(saved.params) and sorted(uni.rule_state) == matrices

@@ -270,7 +270,7 @@ def _refusals(rank, dp):
 
 def _saved_matrix_state(path, tag):
     """Every matrix's rule state in a checkpoint (the union of the hosts' files)."""
-    from canzona_ds.integration.elastic import OPTIM_FILE, _load
+    from canzona_ds.integration.ckpt_legacy import OPTIM_FILE, _load
 
     out = {}
     for f in os.listdir(os.path.join(path, tag)):

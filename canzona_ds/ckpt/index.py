@@ -134,7 +134,8 @@ class Index:
     and client state), ``scalars`` (file and key of the ZeRO loss-scaler record, or None));
     ``files``: every file of the tag the save wrote (the index itself and the manifest aside);
     ``chunks``: every chunk, or None where this layout does not describe its chunks yet
-    (``meta["no_chunks"]`` says why; such a tag is resumed by the per-layout readers)."""
+    (``meta["no_chunks"]`` says why; such a tag resumes at its own layout only, or at another DP
+    size at ZeRO stage 0)."""
 
     tag: str
     meta: dict
@@ -304,7 +305,10 @@ def overlaps(chunks: Iterable[Chunk], start: int, stop: int) -> list[tuple[Chunk
 
 
 class Reader:
-    """Regions of a checkpoint read through its index, every file opened memory-mapped once."""
+    """Regions of a checkpoint read through its index, every file opened memory-mapped once.
+
+    ``elements_read`` counts the stored elements handed out so far (a region's, a whole
+    tensor's, each TP shard a rebuild reads once): what this rank copied from the checkpoint."""
 
     def __init__(self, folder: str, index: Index) -> None:
         if index.chunks is None:
@@ -313,6 +317,7 @@ class Reader:
         self.folder, self.index = folder, index
         self._files: dict[str, Any] = {}
         self._cache: tuple | None = None  # ((name, state), its flat global tensor): one at a time
+        self.elements_read = 0
 
     def _file(self, name: str) -> Any:
         import torch
@@ -386,6 +391,7 @@ class Reader:
                     f"{next(iter(fams)).to_json()} only; it reads in that frame (mapping it to TP=1 takes the rule's "
                     "state_axes: integration/ckpt_index.IndexSource).")
             pieces = [(c.tp, c.offset, self.stored(c)[c.at:c.at + c.length]) for c in fams[ranked[0]]]
+            self.elements_read += sum(c.length for c in fams[ranked[0]])
             flat = assemble(pieces, cs[0].shape).reshape(-1)
         self._cache = ((name, state), flat)
         return flat
@@ -414,6 +420,7 @@ class Reader:
                 return got
             return out.copy_(got)
         plan = overlaps(same, start, stop)
+        self.elements_read += sum(n for *_, n in plan)
         if out is None and len(plan) == 1:  # one chunk: a view of the mapped file, no copy (callers copy
             c, src, _, n = plan[0]             # what they keep, as from any memory-mapped checkpoint)
             return self.stored(c)[src:src + n]
@@ -435,5 +442,6 @@ class Reader:
         if len(same) == 1 and same[0].at == 0 and same[0].length == math.prod(shape):
             obj = self._obj(same[0])
             if tuple(obj.shape) == tuple(shape):
+                self.elements_read += obj.numel()
                 return obj
         return self.region(name, state, 0, math.prod(shape), frame=frame).view(shape)

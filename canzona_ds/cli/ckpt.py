@@ -11,8 +11,7 @@
 ``--tag`` defaults to the one ``DIR/latest`` names.  Exit status: 0 ok, 2 a problem (the
 message names it).  ``convert`` reads through the checkpoint index (for a tag written before
 the index, the one built from its records: integration/ckpt_legacy.py); a tag whose index
-describes no chunks (tensor parallelism) is read by the per-layout reader
-(integration/elastic.py), which names what it cannot read.
+describes no chunks (tensor parallelism at ZeRO stage 0) is refused by name.
 """
 from __future__ import annotations
 
@@ -134,17 +133,8 @@ def _consolidated(path: str) -> tuple[dict, dict, dict]:
             info = {k: index.meta.get(k) for k in ("stage", "dp", "tp", "pp", "rule", "roles", "matrix_step",
                                                    "adam_step")}
             return weights, dict(state), info
-    from ..integration.elastic import read
-
-    folder, tag = os.path.split(path.rstrip("/"))
-    uni = read(folder, tag)
-    state = {n: dict(st) for n, st in uni.rule_state.items()}
-    for n, st in uni.adam.items():
-        state.setdefault(n, {}).update(st)
-    roles = {n: ("matrix" if n in uni.rule_state else "adamw") for n in uni.params}
-    info = {"dp": uni.source.get("dp"), "tp": uni.source.get("tp"), "rule": uni.rule, "roles": roles,
-            "matrix_step": uni.matrix_step, "adam_step": uni.adam_step}
-    return dict(uni.params), state, info
+    why = (index.meta.get("refusal") or index.meta.get("no_chunks")) if index is not None else "no index, no records"
+    raise ValueError(f"{path}: its index describes no chunks ({why}), so it cannot be consolidated.")
 
 
 def convert(folder: str, tag: str | None, out_dir: str, out=None) -> int:

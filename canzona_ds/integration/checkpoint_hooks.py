@@ -17,7 +17,7 @@ engine runs a Canzona optimizer (any other engine keeps DeepSpeed's own methods)
       manifest collectively (rank 0 the structure, every rank a share of the digests, one
       verdict everywhere); a bad file raises CheckpointError naming it, or with
       canzona_checkpoint.fallback the newest intact tag is loaded instead; then the
-      DeepSpeed (or elastic) load of that tag.  A tag without a manifest is loaded as it is,
+      DeepSpeed (or checkpoint-index) load of that tag.  A tag without a manifest is loaded as it is,
       rank 0 logging once that it was not verified.
 
 Unlike :func:`canzona_ds.checkpoint.save`, the engine method writes the tag directory in
@@ -181,7 +181,7 @@ def save_checkpoint(engine, stock_save, save_dir, tag=None, client_state={}, sav
 
 def load_checkpoint(engine, load, load_dir, tag=None, **load_kwargs):
     """Verify, then ``load(engine, load_dir, tag, **load_kwargs)`` (DeepSpeed's load or the
-    elastic one); returns its ``(load_path, client_state)``."""
+    checkpoint-index one); returns its ``(load_path, client_state)``."""
     cfg = checkpoint_config(engine)
     if cfg.verify == "off" or engine.load_universal_checkpoint():
         return load(engine, load_dir, tag, **load_kwargs)

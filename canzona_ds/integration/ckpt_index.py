@@ -47,7 +47,7 @@ anything else, where the index has chunks and this run's layout an emitter (or w
 or a role changed) -> this loop)::
 
     src = IndexSource(Reader(folder, index))      regions by whole-model name, memory-mapped
-    stage 1/2  elastic.write(engine, src)         each rank's views and AdamW overlap
+    stage 1/2  ckpt_fill.fill_zero12(engine, src)         each rank's views and AdamW overlap
     stage 3    each parameter's piece [r*P, r*P + n) of every state, rule state of its hosts
     stage 0    every parameter whole, its moments; every matrix's rule state
     then the engine's counters, lr scheduler and client state from the saved engine file
@@ -464,6 +464,15 @@ def _list(directory: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------- load
+def latest_tag(ckpt_dir: str) -> str | None:
+    """The tag DeepSpeed's ``latest`` file in ``ckpt_dir`` names (None: no such file)."""
+    latest = os.path.join(ckpt_dir, "latest")
+    if not os.path.isfile(latest):
+        return None
+    with open(latest) as f:
+        return f.read().strip()
+
+
 def read_index(folder: str) -> Index | None:
     """The tag's index, or None where the tag has none (written before the index existed)."""
     if not os.path.isfile(os.path.join(folder, INDEX)):
@@ -472,7 +481,7 @@ def read_index(folder: str) -> Index | None:
 
 
 class IndexSource:
-    """What ``elastic.write`` (and the stage-0 and ZeRO-3 fills here) read through, answered
+    """What ``ckpt_fill.fill_zero12`` (and the stage-0 and ZeRO-3 fills here) read through, answered
     from the index: regions by whole-model name, rule state whole, scalars."""
 
     def __init__(self, folder: str, index: Index) -> None:
@@ -497,7 +506,7 @@ class IndexSource:
         self.zero_scalars = self._zero_scalars()
 
     def _engine_state(self) -> tuple[dict, dict]:
-        from .elastic import DS_MODEL_KEYS
+        from .ckpt_fill import DS_MODEL_KEYS
 
         name = self.index.meta.get("engine_file")
         if not name:
@@ -516,7 +525,7 @@ class IndexSource:
             sd = sd[k]
         return {k: sd[k] for k in ("loss_scaler", "dynamic_loss_scale", "overflow") if k in sd}
 
-    # the source protocol of elastic.write
+    # the source protocol of ckpt_fill.fill_zero12
     @property
     def names(self) -> list[str]:
         return [n for n in self.index.names if self.only is None or n in self.only]
@@ -581,7 +590,7 @@ class IndexSource:
         was saved in into ``tp_layout`` ((dim, shard sizes, blocks) of this run; None: TP=1).  Where
         that is the saved layout nothing moves, so every rule's state fits (Shampoo's blocked
         factors too, at another DP size or plan)."""
-        from .elastic import _check_permutable, _layout_perm
+        from .ckpt_fill import _check_permutable, _layout_perm
 
         if self._expert(name)[1] is not None:  # an expert of a stack: never TP-split (refused at initialize)
             return
@@ -601,7 +610,7 @@ class IndexSource:
         sees; None: TP=1): read as saved where that is the saved layout (a grid piece's shards
         side by side along the split dimension), else through the TP=1 layout (a host's state
         permuted through ``rule.state_axes``; shards rebuilt into the whole matrix)."""
-        from .elastic import _layout_perm, _permute_state
+        from .ckpt_fill import _layout_perm, _permute_state
 
         if self._expert(name)[1] is not None:  # an expert of a stack (never TP-split): its chunk of the stack's
             return self.state_of(name)
@@ -751,12 +760,12 @@ def index_route(engine, load_dir: str, tag: str | None) -> Index | None:
     index describes its chunks and the loop fills this run's layout, or where a role or the
     ZeRO stage changed (the loop then refuses by name what it cannot do), or where the tag was
     written before the index (an index built from its records: filled, or refused by name).
-    Otherwise None: a resize of a layout whose chunks are not described yet (TP at ZeRO 0) goes to the
-    per-layout readers as before.  The verdicts are all-gathered, so every rank takes the same
-    branch."""
+    A layout whose chunks are not described (TP at ZeRO 0) resumes at another DP size through
+    DeepSpeed's stock load (stage 0 replicates everything; None), and is refused by name in
+    :func:`load` for any other change.  The verdicts are all-gathered, so every rank takes the
+    same branch."""
     import torch.distributed as tdist
 
-    from .elastic import latest_tag
     from .runtime_info import canzona_optimizer
 
     opt = canzona_optimizer(engine)
@@ -774,6 +783,11 @@ def index_route(engine, load_dir: str, tag: str | None) -> Index | None:
         index = legacy_index(folder)
     if index is None:
         return None
+    missing = sorted(f for f in index.files if not os.path.isfile(os.path.join(folder, f)))
+    if missing:  # (every rank reads the same directory: every rank refuses)
+        raise CheckpointIndexError(f"{folder} lacks {missing[:6]}{' ...' if len(missing) > 6 else ''}, which its "
+                                   "index lists: the tag is incomplete (files removed, or a copy that missed them), so "
+                                   "it cannot be resumed. Restore the files, or resume from another tag.")
     m = index.meta
     rank = tdist.get_rank() if tdist.is_initialized() else 0
     world = tdist.get_world_size() if tdist.is_initialized() else 1
@@ -794,9 +808,10 @@ def index_route(engine, load_dir: str, tag: str | None) -> Index | None:
         return None  # the same fingerprint: DeepSpeed's stock load
     if adapted or any(v[1] for v in verdicts) or m.get("stage") != engine.zero_optimization_stage():
         return index  # the loop fills it, or refuses by name (DeepSpeed's load would crash)
-    if index.chunks is not None and supported_here(engine) is None:
-        return index
-    return None  # the per-layout readers (they refuse by name what they cannot read)
+    if index.chunks is None and here[0] == m.get("stage") == 0 and here[2:5] == (m.get("tp"), m.get("pp"),
+                                                                                 m.get("ep", 1)):
+        return None  # stage 0 at another DP size: every rank loads the replicated state (DeepSpeed's own load)
+    return index  # the loop fills it, or load() refuses by name what its chunks cannot give
 
 
 def _roles_here(opt) -> dict[str, str]:
@@ -811,7 +826,7 @@ def load(engine, load_dir: str, tag: str | None, index: Index, load_module_stric
          load_lr_scheduler_states: bool = True) -> tuple[str, dict]:
     """Fill ``engine`` from any saved layout the index describes (module docstring)."""
     from .checkpoint_hooks import checkpoint_config
-    from .elastic import latest_tag, write
+    from .ckpt_fill import fill_zero12
     from .runtime_info import canzona_optimizer
 
     tag = latest_tag(load_dir) if tag is None else tag
@@ -861,7 +876,7 @@ def load(engine, load_dir: str, tag: str | None, index: Index, load_module_stric
         shape, g = tp_full.get(n, tuple(getattr(p, "ds_shape", p.shape))), opt.global_name(n)
         if tuple(src.full_shape(g)) != shape:
             raise CheckpointIndexError(f"{folder}: {g!r} is {tuple(src.full_shape(g))} in the checkpoint, {shape} here.")
-    from .elastic import _check_state
+    from .ckpt_fill import _check_state
 
     src.changed, src.running_rule = changed, opt.rule
     local_of = {opt.global_name(n): n for n in opt.state_infos}  # (a DeepSpeed MoE expert's local name)
@@ -879,5 +894,5 @@ def load(engine, load_dir: str, tag: str | None, index: Index, load_module_stric
     elif stage == 3:
         fill_zero3(engine, opt, src, changed)
     else:
-        write(engine, src)
+        fill_zero12(engine, src)
     return folder, _apply_engine_state(engine, src, load_lr_scheduler_states)

@@ -44,6 +44,7 @@ ADAM, MATRIX = "adamw", "matrix"
 EXPP_FILE = re.compile(r"expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 EXPERT_FILE = re.compile(r"layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 MODEL_FILE = "mp_rank_{:02d}_model_states.pt"
+OPTIM_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 ADAM_KEYS = ("exp_avg", "exp_avg_sq")
 
 #: an expert group whose records do not name its experts globally (an older canzona-ds)
@@ -59,11 +60,15 @@ _opened: dict[str, dict] | None = None
 
 
 def _load(path: str) -> dict:
-    from .elastic import _load as load
+    """A checkpoint file memory-mapped (its structure; tensor data stays in the file until sliced)."""
+    import torch
 
     if _opened is not None and path in _opened:
         return _opened[path]
-    obj = load(path, mmap=True)
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except RuntimeError:  # written with the legacy (non-zip) format: cannot be mapped
+        obj = torch.load(path, map_location="cpu", weights_only=False)
     if _opened is not None:
         _opened[path] = obj
     return obj
@@ -107,8 +112,6 @@ def legacy_index(folder: str) -> Index | None:
 
 
 def _legacy_index(folder: str) -> Index | None:
-    from .elastic import OPTIM_FILE
-
     if not os.path.isdir(folder):
         return None
     listing = os.listdir(folder)
@@ -433,8 +436,6 @@ def legacy_zero3_index(folder: str) -> Index | None:
 
         rank r file: fp32_flat_groups[s] = | a[rP:rP+n_r] pad | b[rP:rP+n_r] pad | ...
     """
-    from .elastic import OPTIM_FILE
-
     if not os.path.isdir(folder):
         return None
     files = sorted((int(m.group(1)), f) for f in os.listdir(folder) if (m := OPTIM_FILE.search(f))

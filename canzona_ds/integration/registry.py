@@ -13,8 +13,9 @@ optimizer is one of ``OPTIMIZER_TYPES`` ("CanzonaMuon", "CanzonaShampoo", "Canzo
   ZeRO-1, the ds_config's lr split under absolute-lr schedulers;
 * ``save_checkpoint``: a sha256 manifest beside DeepSpeed's files, then ``latest``;
   ``load_checkpoint``: the manifest verified first (a bad file is a CheckpointError naming
-  it, or the newest intact tag with ``canzona_checkpoint.fallback``), then the elastic path
-  (another DP/TP size) or DeepSpeed's own (integration/checkpoint_hooks.py);
+  it, or the newest intact tag with ``canzona_checkpoint.fallback``), then one comparison: the
+  same layout -> DeepSpeed's own load, anything else -> the checkpoint index's loop
+  (integration/checkpoint_hooks.py, integration/ckpt_index.py);
 
 ``_take_model_step`` at ZeRO stage 0 in fp32 skips and reports a step with a non-finite
 gradient, as DeepSpeed's ZeRO 1-3 do (integration/stage0.py); and
@@ -71,75 +72,12 @@ def scale_scheduler_params(name: str, params: dict, optimizer: CanzonaOptimizer)
     return params
 
 
-def elastic_needed(engine, load_dir, tag) -> bool:
-    """True when ``engine`` runs a Canzona optimizer under ZeRO and the checkpoint was written at
-    another DP, TP or PP size, or with another plan (reads this rank's optimizer file's layout
-    record).  Every rank takes the same branch: the verdicts are shared, and a run in which some
-    rank holds no planned layout (a pipeline stage without matrices uses DeepSpeed's own ZeRO)
-    cannot change size: refused on every rank, naming it."""
-    import os
-
-    import torch.distributed as tdist
-
-    from .elastic import OPTIM_FILE, ElasticError, _load, checkpoint_size, latest_tag
-    from .runtime_info import canzona_optimizer
-    from .zero import LAYOUT_KEY, expert_ranks_moved, same_layout
-
-    opt = canzona_optimizer(engine)
-    if opt is not None and engine.zero_optimization_stage() == 3:
-        return False  # another DP size at stage 3: the checkpoint index (ckpt_index.index_route)
-    if opt is None or engine.zero_optimization_stage() not in (1, 2):
-        return False
-    tag = latest_tag(load_dir) if tag is None else tag
-    if tag is None:
-        return False
-    if not os.path.isdir(os.path.join(load_dir, tag)):
-        return False
-    try:
-        sizes = checkpoint_size(load_dir, tag)
-    except ElasticError:
-        return False
-    layout = getattr(engine.optimizer, "canzona_layout", None)
-    # DeepSpeed numbers optimizer files by the mpu's model-parallel rank, which spans the pipeline
-    # stages and the TP shards (a pipeline grid's model-parallel group is pipe x slice)
-    differs = sizes != (opt.groups.dp_size, opt.groups.tp_size * opt.groups.pp_size)
-    if not differs and layout is not None:  # same sizes: this rank's own file says whether the plan moved
-        from .groups import model_parallel_file_rank
-
-        mp_rank = model_parallel_file_rank(engine)
-        own = [f for f in os.listdir(os.path.join(load_dir, tag)) if (m := OPTIM_FILE.search(f))
-               and (int(m.group(1)), int(m.group(2))) == (opt.groups.dp_rank, mp_rank)]
-        differs = True
-        if own:
-            saved = _load(os.path.join(load_dir, tag, own[0]), mmap=True)  # the layout record only, no tensor data
-            meta = saved["optimizer_state_dict"].get(LAYOUT_KEY) or {}
-            current = engine.optimizer.canzona_layout_meta()
-            # (an expert group laid out otherwise at the same sizes, e.g. use_data_before_expert_parallelism
-            # changed: this rank's own file holds another expert-parallel or expert-DP rank's partition;
-            # a grid host at another TP rank: zero.same_layout)
-            differs = not same_layout(meta, current) or bool(expert_ranks_moved(meta, current))
-    if not tdist.is_initialized():
-        return differs
-    # a load-time decision every rank must share (host objects, not the step)
-    verdicts: list = [None] * tdist.get_world_size()
-    tdist.all_gather_object(verdicts, (differs, layout is not None, opt.groups.pp_rank))
-    if not any(v[0] for v in verdicts):
-        return False
-    without = sorted({v[2] for v in verdicts if not v[1]})
-    if without:
-        raise ElasticError(f"{os.path.join(load_dir, tag)} was written at another size or plan, and pipeline "
-                           f"stage(s) {without} hold no matrices (DeepSpeed's own ZeRO runs their AdamW "
-                           "parameters), so this run cannot resume it at a new size. Resume at the size it was "
-                           "saved at.")
-    return True
-
-
 def _refuse_foreign_optimizer(engine, load_dir, tag) -> None:
     """A Canzona checkpoint (it has a checkpoint index) opened with its optimizer state by an
     engine running another optimizer: DeepSpeed would fail with a misleading layout or
     param-group error; refused by name with the way out instead."""
     from ..ckpt.index import INDEX
-    from .elastic import latest_tag
+    from .ckpt_index import latest_tag
 
     tag = latest_tag(load_dir) if tag is None else tag
     if tag is None or not os.path.isfile(os.path.join(str(load_dir), str(tag), INDEX)):
@@ -352,27 +290,14 @@ def install() -> None:
 
     def load_unverified(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
-        # the one comparison first: a checkpoint whose index says it was written at another ZeRO
-        # stage is filled by the index loop (integration/ckpt_index.py)
+        # the one comparison (integration/ckpt_index.py): the same layout -> DeepSpeed's own load;
+        # anything else -> the index loop, which fills this run's layout or refuses by name
         if load_optimizer_states and not load_module_only and custom_load_fn is None:
             from . import ckpt_index
 
             index = ckpt_index.index_route(self, load_dir, tag)
             if index is not None:
                 return ckpt_index.load(self, load_dir, tag, index, load_module_strict, load_lr_scheduler_states)
-        # a Canzona checkpoint written at another DP/TP size (or with another plan) resumes
-        # through integration/elastic.py; everything else is DeepSpeed's own load
-        if (load_optimizer_states and not load_module_only and custom_load_fn is None
-                and elastic_needed(self, load_dir, tag)):
-            from . import elastic
-
-            return elastic.load(self, load_dir, tag)
-        if load_optimizer_states and not load_module_only and custom_load_fn is None:
-            from . import elastic
-
-            if elastic.stage0_moe_resize_needed(self, load_dir, tag):  # MoE at stage 0, another ep_size
-                return elastic.load_stage0_moe(self, stock_load, load_dir, tag, load_module_strict,
-                                               load_lr_scheduler_states)
         return stock_load(self, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
                           load_module_only, custom_load_fn)
 

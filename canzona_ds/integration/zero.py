@@ -23,8 +23,8 @@ slicing.  Our overrides, each small:
 * ``flatten_dense_tensors_aligned`` - write the layout's padding and offsets for the
   matrix group, once, at construction;
 * ``state_dict`` / ``_load_legacy_checkpoint`` - record the layout and verify it on load
-  (a different DP size or plan is refused here: see canzona_ds/integration/elastic.py for
-  resuming at another size);
+  (a different DP size or plan is refused here: engine.load_checkpoint takes another layout
+  through the checkpoint index, canzona_ds/integration/ckpt_index.py);
 * ``_load_universal_checkpoint`` - refused with a message;
 * ``scaled_global_norm`` / ``unscale_and_clip_grads`` - gradient clipping with
   ``torch.nn.utils.clip_grad_norm_``'s arithmetic (integration/clip.py), so a clipped run equals
@@ -56,8 +56,8 @@ def same_layout(saved: dict, current: dict) -> bool:
     this run does (``current``): the plan's and layout's fingerprint, and the TP rank of each
     grid-hosted matrix's host, which the fingerprint does not cover (it is chosen after the
     plan, planning/mixed.tp_cells: a checkpoint written by a version that chose another TP rank
-    keeps that matrix's rule state in another TP rank's file, so it resumes through the elastic
-    path, which finds state by name)."""
+    keeps that matrix's rule state in another TP rank's file, so it resumes through the
+    checkpoint index, which finds state by name)."""
     return saved.get("fingerprint") == current.get("fingerprint") and \
         grid_tp_hosts_of(saved) == grid_tp_hosts_of(current)
 
@@ -248,7 +248,7 @@ def _make_zero_class():
         def canzona_layout_meta(self) -> dict:
             """What the layout depends on, recorded in checkpoints; with the tensor-parallel
             layout of every TP-split parameter, enough to rebuild every matrix and its state
-            at another DP or TP size (integration/elastic.py)."""
+            at another DP or TP size (integration/ckpt_legacy.py reads it from tags without an index)."""
             from ..tp.layout import tp_blocks
             from ..tp.runtime import TPMatrix
 
@@ -268,7 +268,7 @@ def _make_zero_class():
                 moe = opt.moe
                 # every expert parameter of this group on this rank -> its whole-model name (local
                 # expert j on expert-parallel rank k is global expert k*E/ep + j): what a resume at
-                # another DP or expert-parallel size finds it by (integration/elastic.py)
+                # another DP or expert-parallel size finds it by (the checkpoint index)
                 global_names = {n: moe.global_names.get(n, n) for n, part in moe.partitions.items() if part == key} \
                     if moe is not None else {}
                 experts[key] = {"world_size": lay.world_size, "shard_numel": lay.shard_numel,
@@ -409,7 +409,7 @@ def _make_zero_class():
                     "Canzona checkpoint's DeepSpeed MoE expert groups are laid out otherwise than this run's at the "
                     f"same sizes ({'; '.join(moved)}): ds_config use_data_before_expert_parallelism (or the "
                     "expert groups) changed since it was saved. Load it with engine.load_checkpoint() after `import "
-                    "canzona_ds` (the elastic path moves every expert to its new rank), or resume with the saved "
+                    "canzona_ds` (the checkpoint index moves every expert to its new rank), or resume with the saved "
                     "use_data_before_expert_parallelism.")
             return super()._load_legacy_checkpoint(state_dict_list, load_optimizer_states, load_from_fp32_weights)
 

@@ -13,10 +13,9 @@ optimizer* (newest by the timestamp in its name) **that this run can resume**, n
 run.  A run is passed over, and the note says which and why, when it has no checkpoint or its
 newest checkpoint's layout is one this run's load refuses (:func:`resume_refusal`):
 
-    ZeRO stage      must match (DeepSpeed's files differ per stage)
-    pp              must match (a pipeline checkpoint is read stage by stage)
-    rank count      may differ only at pp=1 with a Canzona type (integration/elastic.py moves
-                    every matrix to the new plan) or at ZeRO stage 0 (DeepSpeed's own load)
+    a Canzona type  any ZeRO stage, pp and rank count (the checkpoint index fills any layout)
+    other types     the same ZeRO stage and pp; another rank count only at pp=1, ZeRO stage 0
+                    (DeepSpeed's own load)
 
 No such run: a new folder, starting at step 0 (and the job says so).  An explicit ``log_dir``
 always wins (resume then reads ``<log_dir>/checkpoints`` unless ``checkpoint_dir`` is set

@@ -1,0 +1,64 @@
+"""A checkpoint read whole, by whole-model name, through its index: what a test compares.
+
+``read(dir, tag)`` -> :class:`Whole`: every parameter's fp32 master weight, the AdamW moments
+of the AdamW parameters, every matrix's rule state (an expert stack's per expert, ``W[e]``),
+the step counts and the engine's counters, lr scheduler and client state, whatever layout
+wrote the tag (ZeRO 0-3, TP, PP, MoE; a tag from before the index through its adapter).
+Every tensor is a copy (the files are memory-mapped).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+ADAM_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class Whole:
+    rule: str
+    params: dict[str, Tensor]
+    adam: dict[str, dict[str, Tensor]]
+    adam_step: float
+    rule_state: dict[str, dict[str, Any]]
+    matrix_step: int
+    zero_scalars: dict[str, Any]
+    engine_state: dict[str, Any]
+    client_state: dict[str, Any]
+    source: dict[str, Any] = field(default_factory=dict)
+
+
+def open_source(ckpt_dir: str, tag: str | None = None):
+    """The tag's :class:`~canzona_ds.integration.ckpt_index.IndexSource` (``latest`` by default)."""
+    from canzona_ds.integration import ckpt_index
+    from canzona_ds.integration.ckpt_legacy import legacy_index
+
+    if tag is None:
+        with open(os.path.join(ckpt_dir, "latest"), encoding="utf-8") as f:
+            tag = f.read().strip()
+    folder = os.path.join(ckpt_dir, str(tag))
+    index = ckpt_index.read_index(folder) or legacy_index(folder)
+    if index is None:
+        raise FileNotFoundError(f"{folder}: no checkpoint index, and not a tag the adapter reads.")
+    return ckpt_index.IndexSource(folder, index)
+
+
+def read(ckpt_dir: str, tag: str | None = None) -> Whole:
+    from canzona_ds.ckpt.index import MASTER
+
+    src = open_source(ckpt_dir, tag)
+    index, reader = src.index, src.reader
+    params = {n: reader.whole(n, MASTER).clone() for n in index.names}
+    adam = {n: {k: reader.whole(n, k).clone() for k in ADAM_KEYS} for n in index.names
+            if src.roles.get(n) != "matrix" and reader.has(n, ADAM_KEYS[0])}
+    rule_state = {n: {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in src.state_of(n).items()}
+                  for n in src.state_names()}
+    m = index.meta
+    return Whole(rule=src.rule, params=params, adam=adam, adam_step=src.adam_step, rule_state=rule_state,
+                 matrix_step=src.matrix_step, zero_scalars=src.zero_scalars, engine_state=src.engine_state,
+                 client_state=src.client_state,
+                 source={"dp": m.get("dp"), "tp": m.get("tp"), "pp": m.get("pp"), "stage": m.get("stage"),
+                         "dir": src.folder})
