@@ -47,7 +47,8 @@ def _integrity(folder: str, tag: str, mode: str) -> str:
     return f"intact ({mode} of every file matches {ck.MANIFEST})"
 
 
-def inspect(folder: str, tag: str | None, out=sys.stdout) -> int:
+def inspect(folder: str, tag: str | None, out=None) -> int:
+    out = sys.stdout if out is None else out  # (the stream of the call, not of the import)
     from ..ckpt.index import INDEX, Index
 
     tag = _tag(folder, tag)
@@ -86,7 +87,8 @@ def inspect(folder: str, tag: str | None, out=sys.stdout) -> int:
     return 0
 
 
-def verify(folder: str, tag: str | None, mode: str, out=sys.stdout) -> int:
+def verify(folder: str, tag: str | None, mode: str, out=None) -> int:
+    out = sys.stdout if out is None else out  # (the stream of the call, not of the import)
     from .. import checkpoint as ck
     from ..ckpt.index import INDEX, Index, Reader
 
@@ -141,7 +143,8 @@ def _consolidated(path: str) -> tuple[dict, dict, dict]:
     return dict(uni.params), state, info
 
 
-def convert(folder: str, tag: str | None, out_dir: str, out=sys.stdout) -> int:
+def convert(folder: str, tag: str | None, out_dir: str, out=None) -> int:
+    out = sys.stdout if out is None else out  # (the stream of the call, not of the import)
     import torch
     from safetensors.torch import save_file
 
