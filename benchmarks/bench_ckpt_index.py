@@ -45,7 +45,7 @@ sys.path.insert(0, str(TREE))
 sys.path.insert(1, str(ROOT / "benchmarks"))
 
 #: the last commit with the per-layout reader (integration/elastic.load)
-BEFORE = "b5d9d5e"
+BEFORE = "5a72feed806ecbedf585c8a98b651e6814b02ea1"
 D, VOCAB = 256, 32768
 SIZES = {"small": (6, 8192), "large": (18, 32768), "tiny": (2, 1024)}  # (tiny: a smoke run, with --out)
 MUON = {"lr": 0.02, "adam_lr": 1e-3, "momentum": 0.95, "weight_decay": 0.01}

@@ -51,10 +51,10 @@ def read(ckpt_dir: str, tag: str | None = None) -> Whole:
 
     src = open_source(ckpt_dir, tag)
     index, reader = src.index, src.reader
-    params = {n: reader.whole(n, MASTER).clone() for n in index.names}
-    adam = {n: {k: reader.whole(n, k).clone() for k in ADAM_KEYS} for n in index.names
+    params = {n: reader.whole(n, MASTER).detach().clone() for n in index.names}
+    adam = {n: {k: reader.whole(n, k).detach().clone() for k in ADAM_KEYS} for n in index.names
             if src.roles.get(n) != "matrix" and reader.has(n, ADAM_KEYS[0])}
-    rule_state = {n: {k: (v.clone() if isinstance(v, Tensor) else v) for k, v in src.state_of(n).items()}
+    rule_state = {n: {k: (v.detach().clone() if isinstance(v, Tensor) else v) for k, v in src.state_of(n).items()}
                   for n in src.state_names()}
     m = index.meta
     return Whole(rule=src.rule, params=params, adam=adam, adam_step=src.adam_step, rule_state=rule_state,

@@ -75,8 +75,8 @@ REFUSED = {
     # load cannot change TP
     "z0_tp2dp2_to_tp1dp2_refused": ((2, 2, 2), (1, 2, 2), 0, "CanzonaMuon"),
 }
-REFUSAL_TEXT = {"z0_tp2dp2_to_tp1dp2_refused": ("ZeRO stage 0", "2 model-parallel rank(s)", "this run has TP=1",
-                                                "ZeRO 1/2")}
+REFUSAL_TEXT = {"z0_tp2dp2_to_tp1dp2_refused": ("saved at ZeRO stage 0, DP=2, TP=2", "tensor parallelism at ZeRO stage 0",
+                                                "this run has ZeRO stage 0, DP=2, TP=1")}
 
 
 def _spec(name: str) -> tuple:

@@ -124,12 +124,12 @@ def _consolidated(path: str) -> tuple[dict, dict, dict]:
 
             src = IndexSource(path, index)  # (a TP host's state: to TP=1 through its rule's state_axes)
             reader = src.reader
-            weights = {n: reader.whole(n, MASTER).clone() for n in index.names}  # (views of the files otherwise)
+            weights = {n: reader.whole(n, MASTER).detach().clone() for n in index.names}  # (views of the files otherwise)
             state: dict[str, dict] = defaultdict(dict)
             for name, key in index.by_key():
                 if key != MASTER:
                     tp1 = src.state_of(name)[key] if reader.frame_of(name, key) is not None else reader.whole(name, key)
-                    state[name][key] = tp1.clone()
+                    state[name][key] = tp1.detach().clone()
             info = {k: index.meta.get(k) for k in ("stage", "dp", "tp", "pp", "rule", "roles", "matrix_step",
                                                    "adam_step")}
             return weights, dict(state), info

@@ -17,6 +17,7 @@ name before any rank writes (:func:`_check_permutable`).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -109,6 +110,28 @@ def _check_state(rule, info, shapes: dict[str, tuple[int, ...]]) -> None:
                                f"{tuple(t.shape)} (a hyper-parameter that shapes the state changed?).")
 
 
+@contextlib.contextmanager
+def agreed():
+    """Every rank leaves the block together: a refusal on any rank is raised on every rank, so no
+    rank goes on into a collective the others never reach.  The block itself holds no collective."""
+    import torch.distributed as tdist
+
+    err = None
+    try:
+        yield
+    except (CheckpointIndexError, ValueError, KeyError) as e:
+        err = e
+    errors = [None if err is None else f"{type(err).__name__}: {err}"]
+    if tdist.is_initialized() and tdist.get_world_size() > 1:
+        errors = [None] * tdist.get_world_size()
+        tdist.all_gather_object(errors, None if err is None else f"{type(err).__name__}: {err}")
+    if err is not None:
+        raise err
+    first = next(((r, e) for r, e in enumerate(errors) if e), None)
+    if first is not None:
+        raise CheckpointIndexError(f"rank {first[0]} refused the load: {first[1]}")
+
+
 def fill_zero12(engine, src) -> dict:
     """Fill ``engine`` (a Canzona optimizer under ZeRO 1/2, any DP x TP) from ``src`` (an
     :class:`~.ckpt_index.IndexSource`), copying only what this rank holds; returns the client
@@ -124,53 +147,54 @@ def fill_zero12(engine, src) -> dict:
     from ..tp.runtime import FlatSplit, GridSplit, TPMatrix
     from .runtime_info import canzona_optimizer
 
-    opt = canzona_optimizer(engine)
-    zopt = engine.optimizer
-    if opt is None or getattr(zopt, "canzona_layout", None) is None:
-        raise CheckpointIndexError("fill_zero12 needs an engine running a Canzona optimizer under ZeRO stage 1 or 2.")
-    if opt.rule.name != src.rule:
-        raise CheckpointIndexError(f"The checkpoint holds {src.rule!r} state; this engine runs {opt.rule.name!r}.")
-    names = dict(engine.module.named_parameters())
-    # DeepSpeed MoE: the checkpoint names every expert by its whole-model (global) number; this
-    # rank's local experts are the global ones of its expert-parallel rank (integration/moe.py)
-    moe = opt.moe if opt.moe is not None and opt.moe.active else None
-    glob = opt.global_name  # (a MoE expert by its global number, a pipeline stage's parameter by the plain model's name)
-    saved_names = set(src.names)
-    here = {glob(n) for n in names}
-    whole_model = here | set(moe.global_order) if moe is not None else here  # every expert of the model
-    missing = sorted(here - saved_names)
-    extra = sorted(saved_names - whole_model)
-    if moe is not None and not missing and not extra:
-        missing = sorted(whole_model - saved_names)  # (another number of experts)
-    if missing or extra:
-        raise CheckpointIndexError(f"The checkpoint's parameters differ from the model's: missing {missing[:5]}, "
-                                   f"unexpected {extra[:5]}.")
-    tp_size = opt.tp_size
-    if moe is not None and tp_size > 1 and any(lay.mixed for lay in zopt.canzona_layouts.values()):
-        raise CheckpointIndexError(
-            f"This run is DeepSpeed MoE with tensor parallelism (TP={tp_size}) in the mixed ZeRO layout, which cannot "
-            "load a checkpoint saved at another size or layout (not implemented for MoE x TP x the mixed layout). "
-            "Resume at the size and layout the checkpoint was saved at, or set layout 'owned' for MoE x TP runs that "
-            "must resize (an owned run loads any saved layout).")
-    tp_rank = dist.get_rank(group=opt.tp_group) if tp_size > 1 else 0
-    layouts = {}  # name -> (dim, shard sizes, blocks) of this run's TP-split parameters
-    for name, p in names.items():
-        full = src.full_shape(glob(name))
-        if TPMatrix.is_split(p, tp_size):
-            m = TPMatrix.from_param(name, p, tp_size)
-            if tuple(full) != tuple(m.full_shape):
-                raise CheckpointIndexError(f"{name!r} is {tuple(full)} in the checkpoint, {m.full_shape} here.")
-            layouts[name] = (m.partition_dim, tuple(m.shard_sizes), tuple(tp_blocks(p, m.full_shape[m.partition_dim])))
-        elif tuple(full) != tuple(p.shape):
-            raise CheckpointIndexError(f"{name!r} is {tuple(full)} in the checkpoint, {tuple(p.shape)} here.")
-    # rule state is keyed per matrix, and per expert for a stack ("<stack>[e]"); here by this
-    # rank's (local) names, in the checkpoint by the whole model's
-    local_of = {glob(n): n for n in opt.state_infos}
-    with_state = [local_of[n] for n in src.state_names() if n in local_of]
-    for name in with_state:
-        shapes = src.state_shapes(glob(name))
-        src.check_state_layout(opt.rule, glob(name), layouts.get(name))  # saved TP-split, or split here
-        _check_state(opt.rule, opt.state_infos[name], shapes)
+    with agreed():  # (every check below is local: a refusal is raised on every rank)
+        opt = canzona_optimizer(engine)
+        zopt = engine.optimizer
+        if opt is None or getattr(zopt, "canzona_layout", None) is None:
+            raise CheckpointIndexError("fill_zero12 needs an engine running a Canzona optimizer under ZeRO stage 1 or 2.")
+        if opt.rule.name != src.rule:
+            raise CheckpointIndexError(f"The checkpoint holds {src.rule!r} state; this engine runs {opt.rule.name!r}.")
+        names = dict(engine.module.named_parameters())
+        # DeepSpeed MoE: the checkpoint names every expert by its whole-model (global) number; this
+        # rank's local experts are the global ones of its expert-parallel rank (integration/moe.py)
+        moe = opt.moe if opt.moe is not None and opt.moe.active else None
+        glob = opt.global_name  # (a MoE expert by its global number, a pipeline stage's parameter by the plain model's name)
+        saved_names = set(src.names)
+        here = {glob(n) for n in names}
+        whole_model = here | set(moe.global_order) if moe is not None else here  # every expert of the model
+        missing = sorted(here - saved_names)
+        extra = sorted(saved_names - whole_model)
+        if moe is not None and not missing and not extra:
+            missing = sorted(whole_model - saved_names)  # (another number of experts)
+        if missing or extra:
+            raise CheckpointIndexError(f"The checkpoint's parameters differ from the model's: missing {missing[:5]}, "
+                                       f"unexpected {extra[:5]}.")
+        tp_size = opt.tp_size
+        if moe is not None and tp_size > 1 and any(lay.mixed for lay in zopt.canzona_layouts.values()):
+            raise CheckpointIndexError(
+                f"This run is DeepSpeed MoE with tensor parallelism (TP={tp_size}) in the mixed ZeRO layout, which cannot "
+                "load a checkpoint saved at another size or layout (not implemented for MoE x TP x the mixed layout). "
+                "Resume at the size and layout the checkpoint was saved at, or set layout 'owned' for MoE x TP runs that "
+                "must resize (an owned run loads any saved layout).")
+        tp_rank = dist.get_rank(group=opt.tp_group) if tp_size > 1 else 0
+        layouts = {}  # name -> (dim, shard sizes, blocks) of this run's TP-split parameters
+        for name, p in names.items():
+            full = src.full_shape(glob(name))
+            if TPMatrix.is_split(p, tp_size):
+                m = TPMatrix.from_param(name, p, tp_size)
+                if tuple(full) != tuple(m.full_shape):
+                    raise CheckpointIndexError(f"{name!r} is {tuple(full)} in the checkpoint, {m.full_shape} here.")
+                layouts[name] = (m.partition_dim, tuple(m.shard_sizes), tuple(tp_blocks(p, m.full_shape[m.partition_dim])))
+            elif tuple(full) != tuple(p.shape):
+                raise CheckpointIndexError(f"{name!r} is {tuple(full)} in the checkpoint, {tuple(p.shape)} here.")
+        # rule state is keyed per matrix, and per expert for a stack ("<stack>[e]"); here by this
+        # rank's (local) names, in the checkpoint by the whole model's
+        local_of = {glob(n): n for n in opt.state_infos}
+        with_state = [local_of[n] for n in src.state_names() if n in local_of]
+        for name in with_state:
+            shapes = src.state_shapes(glob(name))
+            src.check_state_layout(opt.rule, glob(name), layouts.get(name))  # saved TP-split, or split here
+            _check_state(opt.rule, opt.state_infos[name], shapes)
 
     def mine(name: str, key: str, start: int, stop: int) -> Tensor:
         return src.flat_range(glob(name), key, start, stop, layouts.get(name), tp_rank)

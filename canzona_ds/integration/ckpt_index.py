@@ -307,16 +307,10 @@ def _emit_stage0_moe(engine, opt, rank: int) -> list[Chunk]:
     order = [id(p) for g in opt.param_groups for p in g["params"]]
     names = {id(p): n for n, p in engine.module.named_parameters()}
     out: list[Chunk] = []
-    layers = _pipe_layer_files(engine)  # (a PipelineModule: the dense weights are in per-layer files)
+    # (a PipelineModule too: DeepSpeed's MoE save writes the module with DeepSpeedEngine's
+    # module_state_dict, not the pipeline's per-layer files)
     for n, p in engine.module.named_parameters():
-        if n in where:
-            file, key = where[n]
-        elif layers is None:
-            file, key = model_file, ("module", n)
-        elif id(p) in layers:
-            file, key = layers[id(p)]
-        else:
-            continue  # (a tied weight another stage's layer file holds)
+        file, key = where.get(n, (model_file, ("module", n)))
         out.append(Chunk(glob(n), MASTER, tuple(p.shape), 0, p.numel(), file, key, 0, None, rank))
     for g in opt.param_groups:
         if g["canzona_role"] == MATRIX:
@@ -390,21 +384,32 @@ def _ep(opt) -> int:
 
 def layout_fingerprint(engine) -> str | None:
     """This rank's ZeRO layout fingerprint (the plan and padded layout at ZeRO 1/2, the hosting
-    plan at ZeRO 3; None at stage 0, where every rank holds everything)."""
+    plan at ZeRO 3; None at stage 0, where every rank holds everything): :func:`record_fingerprint`
+    of its layout record."""
     meta = getattr(engine.optimizer, "canzona_layout_meta", None)
-    if not callable(meta):
-        return None
-    record = meta()
+    return record_fingerprint(meta()) if callable(meta) else None
+
+
+def record_fingerprint(record: dict) -> str | None:
+    """A layout record's fingerprint, with what the plan's own fingerprint does not cover: the
+    TP rank of each grid host (the mixed layout under TP: chosen after the plan, so another
+    choice keeps a rule state on another rank) and, under DeepSpeed MoE, this rank's place in
+    each expert group (``ep_size``, ``ep_rank``, ``edp_rank``: another
+    ``use_data_before_expert_parallelism`` puts other experts in this rank's files at the same
+    sizes)."""
     fp = record.get("fingerprint")
-    # the mixed layout under TP: a grid host's TP rank is chosen after the plan (zero.same_layout),
-    # so another choice is another layout (its rule state lives on another rank)
+    if fp is None:
+        return None
     hosted = record.get("hosted") if isinstance(record.get("hosted"), dict) else {}  # (ZeRO 3: a list, no TP)
-    hosts = sorted((n, h["tp_host"]) for n, h in hosted.items() if isinstance(h, dict) and h.get("tp_host") is not None)
-    if fp is not None and hosts:
+    extra: list = sorted([n, h["tp_host"]] for n, h in hosted.items()
+                         if isinstance(h, dict) and h.get("tp_host") is not None)
+    extra += [[key] + [info.get(k) for k in ("ep_size", "ep_rank", "edp_rank")]
+              for key, info in sorted((record.get("moe") or {}).items()) if isinstance(info, dict)]
+    if extra:
         import hashlib
         import json
 
-        fp = f"{fp}:{hashlib.sha256(json.dumps(hosts).encode()).hexdigest()[:8]}"
+        fp = f"{fp}:{hashlib.sha256(json.dumps(extra).encode()).hexdigest()[:8]}"
     return fp
 
 
@@ -428,7 +433,7 @@ def gather_index(engine, tag: str, directory: str) -> Index | None:
     chunks, meta = emit(engine)
     meta["engine_file"], meta["scalars"] = _engine_files(engine)
     payload = (None if chunks is None else [c.to_json() for c in chunks], meta["roles"], layout_fingerprint(engine),
-               meta["expert_stacks"])
+               meta["expert_stacks"], meta["ep"])
     if tdist.is_initialized():
         parts: list = [None] * tdist.get_world_size()
         tdist.all_gather_object(parts, payload)
@@ -438,9 +443,10 @@ def gather_index(engine, tag: str, directory: str) -> Index | None:
         return None
     # every rank's roles and expert stacks (a pipeline stage knows its own parameters only) and
     # layout fingerprint
-    meta["roles"] = {n: r for _, roles, _, _ in parts for n, r in roles.items()}
-    meta["expert_stacks"] = {n: e for *_, stacks in parts for n, e in stacks.items()}
-    meta["fingerprints"] = [fp for _, _, fp, _ in parts]
+    meta["roles"] = {n: r for _, roles, *_ in parts for n, r in roles.items()}
+    meta["expert_stacks"] = {n: e for _, _, _, stacks, _ in parts for n, e in stacks.items()}
+    meta["fingerprints"] = [fp for _, _, fp, *_ in parts]
+    meta["ep"] = max(ep for *_, ep in parts)  # (a pipeline stage without MoE layers has ep 1)
     parts = [c for c, *_ in parts]
     files = sorted(f for f in _list(directory))
     if any(p is None for p in parts):
@@ -794,22 +800,23 @@ def index_route(engine, load_dir: str, tag: str | None) -> Index | None:
     here = (engine.zero_optimization_stage(), opt.groups.dp_size, opt.tp_size, opt.groups.pp_size, _ep(opt), world)
     saved_fps = m.get("fingerprints") or []
     mine = layout_fingerprint(engine)
-    same = (here == (m.get("stage"), m.get("dp"), m.get("tp"), m.get("pp"), m.get("ep", 1), m.get("world_size"))
+    same = (here[:4] + here[5:] == (m.get("stage"), m.get("dp"), m.get("tp"), m.get("pp"), m.get("world_size"))
             and rank < len(saved_fps) and saved_fps[rank] == mine)
     roles_here = _roles_here(opt)
     changed = any(n in m.get("roles", {}) and m["roles"][n] != r for n, r in roles_here.items())
-    verdict = (same, changed)
+    verdict = (same, changed, _ep(opt))
     if tdist.is_initialized():
         verdicts: list = [None] * world
         tdist.all_gather_object(verdicts, verdict)
     else:
         verdicts = [verdict]
-    if all(v[0] for v in verdicts) and not any(v[1] for v in verdicts):
+    ep = max(v[2] for v in verdicts)  # (a pipeline stage without MoE layers has ep 1)
+    if all(v[0] for v in verdicts) and not any(v[1] for v in verdicts) and ep == m.get("ep", 1):
         return None  # the same fingerprint: DeepSpeed's stock load
     if adapted or any(v[1] for v in verdicts) or m.get("stage") != engine.zero_optimization_stage():
         return index  # the loop fills it, or refuses by name (DeepSpeed's load would crash)
-    if index.chunks is None and here[0] == m.get("stage") == 0 and here[2:5] == (m.get("tp"), m.get("pp"),
-                                                                                 m.get("ep", 1)):
+    if index.chunks is None and here[0] == m.get("stage") == 0 and (here[2], here[3], ep) == (
+            m.get("tp"), m.get("pp"), m.get("ep", 1)):
         return None  # stage 0 at another DP size: every rank loads the replicated state (DeepSpeed's own load)
     return index  # the loop fills it, or load() refuses by name what its chunks cannot give
 
@@ -844,9 +851,12 @@ def load(engine, load_dir: str, tag: str | None, index: Index, load_module_stric
         raise CheckpointIndexError(f"{index.meta['refusal']}. This run has ZeRO stage {stage}, DP={opt.groups.dp_size}, "
                                    f"TP={opt.tp_size}, PP={opt.groups.pp_size}, ep_size={_ep(opt)}.")
     if index.chunks is None:
-        raise CheckpointIndexError(f"{folder} was saved at {saved} with {index.meta.get('no_chunks')}, whose index "
-                                   f"describes no chunks, so {todo} cannot be done; resume it at ZeRO stage "
-                                   f"{index.meta.get('stage')} with the matrix selection it was saved with.")
+        m = index.meta
+        raise CheckpointIndexError(
+            f"{folder} was saved at ZeRO stage {m.get('stage')}, DP={m.get('dp')}, TP={m.get('tp')}, PP={m.get('pp')}, "
+            f"ep_size={m.get('ep', 1)} with {m.get('no_chunks')}, so its index describes no chunks and only its own "
+            f"layout loads (at stage 0 also another DP size); this run has ZeRO stage {stage}, DP={opt.groups.dp_size}, "
+            f"TP={opt.tp_size}, PP={opt.groups.pp_size}, ep_size={_ep(opt)} ({todo}).")
     why = supported_here(engine)
     if why is not None:
         raise CheckpointIndexError(f"{folder} (saved at {saved}): {todo} goes through the checkpoint index, which "
@@ -866,25 +876,26 @@ def load(engine, load_dir: str, tag: str | None, index: Index, load_module_stric
         tdist.all_gather_object(parts, sorted(local))
         here = {n for part in parts for n in part}
         src.only = local
-    saved_names = set(index.names)
-    missing, extra = sorted(here - saved_names), sorted(saved_names - here)
-    if missing or extra:
-        raise CheckpointIndexError(f"{folder}: the checkpoint's parameters differ from the model's: missing "
-                                   f"{missing[:5]}, unexpected {extra[:5]}.")
-    tp_full = {n: full for n, (_, full) in _tp_frames(engine, opt).items()}  # (a TP shard: its global shape)
-    for n, p in engine.module.named_parameters():
-        shape, g = tp_full.get(n, tuple(getattr(p, "ds_shape", p.shape))), opt.global_name(n)
-        if tuple(src.full_shape(g)) != shape:
-            raise CheckpointIndexError(f"{folder}: {g!r} is {tuple(src.full_shape(g))} in the checkpoint, {shape} here.")
-    from .ckpt_fill import _check_state
+    from .ckpt_fill import _check_state, agreed
 
-    src.changed, src.running_rule = changed, opt.rule
-    local_of = {opt.global_name(n): n for n in opt.state_infos}  # (a DeepSpeed MoE expert's local name)
-    for name in src.state_names():  # every rule state fits this run's settings (shapes only)
-        if name in local_of:
-            _check_state(opt.rule, opt.state_infos[local_of[name]], src.state_shapes(name))
-            if stage in (0, 3):  # (at ZeRO 1/2 write checks it against this run's TP layout)
-                src.check_state_layout(opt.rule, name, None)
+    with agreed():  # (local checks: a refusal on any rank is raised on every rank)
+        saved_names = set(index.names)
+        missing, extra = sorted(here - saved_names), sorted(saved_names - here)
+        if missing or extra:
+            raise CheckpointIndexError(f"{folder}: the checkpoint's parameters differ from the model's: missing "
+                                       f"{missing[:5]}, unexpected {extra[:5]}.")
+        tp_full = {n: full for n, (_, full) in _tp_frames(engine, opt).items()}  # (a TP shard: its global shape)
+        for n, p in engine.module.named_parameters():
+            shape, g = tp_full.get(n, tuple(getattr(p, "ds_shape", p.shape))), opt.global_name(n)
+            if tuple(src.full_shape(g)) != shape:
+                raise CheckpointIndexError(f"{folder}: {g!r} is {tuple(src.full_shape(g))} in the checkpoint, {shape} here.")
+        src.changed, src.running_rule = changed, opt.rule
+        local_of = {opt.global_name(n): n for n in opt.state_infos}  # (a DeepSpeed MoE expert's local name)
+        for name in src.state_names():  # every rule state fits this run's settings (shapes only)
+            if name in local_of:
+                _check_state(opt.rule, opt.state_infos[local_of[name]], src.state_shapes(name))
+                if stage in (0, 3):  # (at ZeRO 1/2 write checks it against this run's TP layout)
+                    src.check_state_layout(opt.rule, name, None)
     for n in sorted(changed):
         logger.warning("canzona_ds: %s: %r changed role (%s -> %s); its optimizer state is re-initialised "
                        "(reinit_changed_roles)", folder, n, src.roles[n],

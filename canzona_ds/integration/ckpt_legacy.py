@@ -39,6 +39,7 @@ import torch
 
 from ..ckpt.index import INDEX, MASTER, CheckpointIndexError, Chunk, Index
 from ..optim.rule import expert_name
+from .ckpt_index import record_fingerprint
 
 ADAM, MATRIX = "adamw", "matrix"
 EXPP_FILE = re.compile(r"expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -149,7 +150,7 @@ def legacy_zero12_index(folder: str, optim: list[tuple[int, int, str]]) -> Index
     eps = [int(i["ep_size"]) for m in metas.values() for i in (m.get("moe") or {}).values() if "ep_size" in i]
     fps = [None] * (dp * len(mps))
     for (r, m), mt in metas.items():  # by global rank: a pipeline grid's ranks are stage-major
-        fps[(int(mt.get("pp_rank", m)) if pp > 1 else m) * dp + r] = mt.get("fingerprint")
+        fps[(int(mt.get("pp_rank", m)) if pp > 1 else m) * dp + r] = record_fingerprint(mt)
     meta = {"stage": None, "dp": dp, "tp": tp, "pp": pp, "ep": max(eps, default=1), "world_size": dp * len(mps),
             "rule": meta0["rule"], "roles": {}, "matrix_step": 0, "adam_step": None,
             "engine_file": MODEL_FILE.format(0), "scalars": {"file": by[(0, 0)], "key": ["optimizer_state_dict"]},
@@ -162,7 +163,8 @@ def legacy_zero12_index(folder: str, optim: list[tuple[int, int, str]]) -> Index
     if tp > 1:
         return _refused(folder, meta, f"tensor parallelism (TP={tp}), written before the checkpoint index: its TP "
                                       "layouts are not described here, so it resumes at its saved TP, DP and PP "
-                                      "size only (DeepSpeed's stock load)")
+                                      "size only (DeepSpeed's stock load); resume it there and save once (that save "
+                                      "writes the index), then resume the new tag at the new size")
     for mt in metas.values():
         for info in (mt.get("moe") or {}).values():
             if not {"global_names", "ep_rank", "ep_size", "edp_rank"} <= set(info):
@@ -494,5 +496,5 @@ def legacy_zero3_index(folder: str) -> Index | None:
             "matrix_step": next((int(g["step"]) for g in groups if g.get("canzona_role") == MATRIX), 0),
             "adam_step": adam_step, "engine_file": model_file,
             "scalars": {"file": files[0][1], "key": ["optimizer_state_dict"]},
-            "fingerprints": [m.get("fingerprint") for m in metas], "adapted_from": "canzona_layout (zero3)"}
+            "fingerprints": [record_fingerprint(m) for m in metas], "adapted_from": "canzona_layout (zero3)"}
     return _index(folder, meta, chunks, "ZeRO-3 layout")
