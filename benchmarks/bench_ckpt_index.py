@@ -119,6 +119,9 @@ def _digest(engine) -> str:
 
 
 def _load(rank, world, ckpt, tag, stage, path, size):
+    import canzona_ds
+
+    assert Path(canzona_ds.__file__).resolve().is_relative_to(TREE.resolve()), (canzona_ds.__file__, TREE)
     engine = _engine(world, stage, size)
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
@@ -154,8 +157,9 @@ def _child(argv: list[str]) -> int:
 def _run(tree: Path, *args) -> list[dict]:
     """One load in fresh processes importing ``tree``'s canzona_ds."""
     env = dict(os.environ, CANZONA_BENCH_TREE=str(tree))
+    # (cwd too: the rank processes' fork server puts its working directory first on sys.path)
     r = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", *map(str, args)], env=env,
-                       capture_output=True, text=True, timeout=3600)
+                       cwd=str(tree), capture_output=True, text=True, timeout=3600)
     line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if r.returncode != 0 or line is None:
         raise SystemExit(f"load {args} in {tree} failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
