@@ -18,6 +18,7 @@ Saved checkpoints are shared between the scenarios that start from the same layo
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -153,24 +154,28 @@ def _resume_moe(rank, world, ckpt, stage, opt_type, out, ep):
     return dict(params=params, steps_at_load=at["steps"], steps=engine.global_steps)
 
 
-def _moe_reference(folder: str, m: int, ep: int, opt_type: str) -> dict:
-    """testing.moe's whole-model reference at the running size, continued from the saved state
-    (every tensor read whole through the saved index)."""
-    from types import SimpleNamespace
-
-    from canzona_ds.ckpt import Index, Reader
-    from canzona_testkit.moe import reference_run
-
-    index = Index.read(folder)
-    reader = Reader(folder, index)
+def _start_state(index, whole: dict) -> SimpleNamespace:
+    """The saved state in ``testing.moe.reference_run``'s ``start`` form, from ``whole``: (name,
+    state) -> the whole tensor of every chunk family of ``index``."""
     roles = index.meta["roles"]
-    whole = {(n, k): reader.whole(n, k).clone() for n, k in index.by_key()}
-    start = SimpleNamespace(
+    return SimpleNamespace(
         params={n: whole[n, "param"] for n in index.names},
         adam={n: {k: whole[n, k] for k in ("exp_avg", "exp_avg_sq")} for n in index.names if roles[n] == "adamw"},
         rule_state={n: {k: v for (n2, k), v in whole.items() if n2 == n and k != "param"}
                     for n in index.names if roles[n] == "matrix"},
         adam_step=index.meta["adam_step"], matrix_step=index.meta["matrix_step"])
+
+
+def _moe_reference(folder: str, m: int, ep: int, opt_type: str) -> dict:
+    """testing.moe's whole-model reference at the running size, continued from the saved state
+    (every tensor read whole through the saved index)."""
+    from canzona_ds.ckpt import Index, Reader
+    from canzona_testkit.moe import reference_run
+
+    index = Index.read(folder)
+    reader = Reader(folder, index)
+    whole = {(n, k): reader.whole(n, k).clone() for n, k in index.by_key()}
+    start = _start_state(index, whole)
     return reference_run(m, ep, AFTER, opt_type, data=_data(m, AFTER, 2), start=start, clip=CLIP)
 
 
@@ -934,20 +939,14 @@ def _moe_tp(rank, world, tp, ep, ckpt, layout, out):
     params, _, engine = run_moe_tp_engine(rank, tp, ep, cfg, AFTER, data, micro=MICRO, after_init=load)
     res = {"params": params, "steps": engine.global_steps, "mixed": engine.optimizer.canzona_layout.mixed}
     if rank == 0:
-        from types import SimpleNamespace
 
         from canzona_ds.ckpt import Index
         from canzona_testkit.moe import reference_run
 
         folder = os.path.join(ckpt, "saved")
         index = Index.read(folder)
-        whole, roles = _tp1_state(folder), index.meta["roles"]
-        start = SimpleNamespace(
-            params={n: whole[n, "param"] for n in index.names},
-            adam={n: {k: whole[n, k] for k in ("exp_avg", "exp_avg_sq")} for n in index.names if roles[n] == "adamw"},
-            rule_state={n: {k: v for (n2, k), v in whole.items() if n2 == n and k != "param"}
-                        for n in index.names if roles[n] == "matrix"},
-            adam_step=index.meta["adam_step"], matrix_step=index.meta["matrix_step"])
+        whole = _tp1_state(folder)
+        start = _start_state(index, whole)
         res["ref"] = reference_run(dp, ep if tp == 1 else 1, AFTER, "CanzonaMuon", data=data, start=start,
                                    tp_mlp=True)
     return res
