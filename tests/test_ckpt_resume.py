@@ -1,355 +1,137 @@
-"""Resume through the checkpoint index: one scenario table (saved layout x running layout), then
-the index's guarantees (role changes, save faults, a damaged index, canzona-ckpt, another PP
-size, a ZeRO-3 tag from before the index, another optimizer).
+"""Resume through the checkpoint index: one scenario table (model, optimizer, saved layout,
+running layout), then the index's guarantees (role changes, save faults, a damaged index,
+canzona-ckpt, a tag from before the index, another optimizer).
 
 Each scenario saves (real gloo processes, gradient clipping that clips on every step), loads
-at another ZeRO stage and/or DP size through the plain ``engine.load_checkpoint``, and checks:
+at the running layout through the plain ``engine.load_checkpoint`` (the index loop only:
+DeepSpeed's stock load would fail the test), and checks (``canzona_testkit/resume``):
 
   * lossless: right after the load the engine saves again; every (whole-model name, state key)
     the first index holds (fp32 master, AdamW moments, every rule-state entry) reads back bit
-    for bit from the second, whatever the two layouts, and the step counts agree;
-  * exact continuation: the resumed run equals the single-process reference (torch's
-    clip_grad_norm_, the reference optimizer) that saw the saved run's batches before the
-    checkpoint and the resumed run's after it, bit for bit: both sides average over at most 2
-    ranks in fp32 (a sum of two is exact in either order) and run the same kernels.
+    for bit from the second, whatever the two layouts (in the TP=1 frame where TP changed), and
+    the step counts agree;
+  * exact continuation: the resumed run equals its family's single-process reference (torch's
+    clip_grad_norm_, the reference optimizer) continued from the saved state: bit for bit where
+    both sides average over at most 2 ranks in fp32 (a sum of two is exact in either order) and
+    run the same kernels; at 4 ranks within the reordered-sum bounds each family names.
 
 Saved checkpoints are shared between the scenarios that start from the same layout.
 """
 from __future__ import annotations
 
+import importlib
 import os
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from canzona_testkit.dist import run_distributed
-from canzona_testkit.models import HP, batches, ds_config, make_model, params_of
+from canzona_testkit.models import HP, ds_config, make_model, params_of
+from canzona_testkit.resume import AFTER, BEFORE, CLIP, MICRO, Layout, assert_same_state, index_route_only  # noqa: F401
+from canzona_testkit.resume import assert_same_tp1_state, dense, start_state, tp1_state
 
-BEFORE, AFTER, MICRO = 2, 2, 2
-STACK_GATE_UP = "model.model.layers.0.mlp.experts.gate_up_proj"
-STACK_DOWN = "model.model.layers.0.mlp.experts.down_proj"
-#: below the tiny model's gradient norm on every step (~1): every step clips
-CLIP = 0.05
+#: model -> the family module that saves, resumes and checks it (canzona_testkit/resume/)
+FAMILIES = {"dense": "dense", "stacks": "dense", "moe": "moe", "moe-e2": "moe"}
 
-
-def _cfg(dp: int, stage, opt_type: str) -> dict:
-    """``stage``: 0-3, or ``"3o"`` (ZeRO-3 with the optimizer offloaded to the CPU)."""
-    from canzona_testkit.zero3 import zero3_config
-
-    kw = dict(optimizer=opt_type, gradient_clipping=CLIP)
-    if stage == "3o":
-        return zero3_config(dp, zero_optimization={"offload_optimizer": {"device": "cpu"}}, **kw)
-    return zero3_config(dp, **kw) if stage == 3 else ds_config(dp, stage=stage, **kw)
-
-
-def _data(dp: int, steps: int, seed: int, kind: str = "dense") -> list:
-    if kind == "stacks":
-        from canzona_testkit.hf_moe import moe_batches
-
-        return moe_batches(steps, MICRO * dp, seed=seed)
-    return batches(steps, MICRO * dp, seed=seed)
-
-
-def _model(kind: str):
-    """``dense``: the tiny LM; ``stacks``: a tiny transformers Qwen3-MoE whose experts are 3-D
-    stacks (rule state per expert, ``W[e]``)."""
-    if kind == "stacks":
-        from canzona_testkit.hf_moe import make_moe_model
-
-        return make_moe_model(0)
-    return make_model(0)
-
-
-def _train(engine, rank: int, data: list) -> None:
-    for x, y in data:
-        x, y = x[rank * MICRO:(rank + 1) * MICRO], y[rank * MICRO:(rank + 1) * MICRO]
-        engine.backward(engine(x, y))
-        engine.step()
-
-
-def _engine(dp: int, stage: int, opt_type: str, kind: str = "dense"):
-    import deepspeed
-
-    import canzona_ds  # noqa: F401
-
-    torch.set_num_threads(1)
-    model = _model(kind)
-    cfg = _cfg(dp, stage, opt_type)
-    if kind == "mixed":  # the dense model in the mixed ZeRO-1/2 layout (a hosted matrix at DP 2)
-        cfg["optimizer"]["params"]["layout"] = "mixed"
-    return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
-
-
-def _params(engine, stage) -> dict:
-    if stage in (3, "3o"):
-        from canzona_testkit.zero3 import gathered_params
-
-        return gathered_params(engine.module)
-    return params_of(engine.module)
-
-
-def _save(rank, dp, ckpt, stage, opt_type, kind="dense"):
-    engine = _engine(dp, stage, opt_type, kind)
-    _train(engine, rank, _data(dp, BEFORE, 1, kind))
-    engine.save_checkpoint(ckpt, tag="saved")
-    return True
-
-
-def _index_route_only() -> None:
-    """Make the one comparison fail if it picks DeepSpeed's stock load: a resume here goes
-    through the index loop."""
-    from canzona_ds.integration import ckpt_index
-
-    route = ckpt_index.index_route
-
-    def checked(*args, **kwargs):
-        index = route(*args, **kwargs)
-        if index is None:
-            raise AssertionError("DeepSpeed's stock load was chosen; the index loop was expected")
-        return index
-
-    ckpt_index.index_route = checked
-
-
-def _resume(rank, dp, ckpt, stage, opt_type, out, kind="dense"):
-    _index_route_only()
-    engine = _engine(dp, stage, opt_type, kind)
-    engine.load_checkpoint(ckpt, tag="saved")
-    engine.save_checkpoint(out, tag="reloaded")  # what this rank holds right after the load
-    steps = engine.global_steps
-    _train(engine, rank, _data(dp, AFTER, 2, kind))
-    return dict(params=_params(engine, stage), steps_at_load=steps, steps=engine.global_steps)
-
-
-def _moe_eps(kind: str) -> tuple[int, int]:
-    """``moe-ep{a}-ep{b}``: DeepSpeed MoE (testing.moe's TinyMoE) saved at ep_size a, resumed at b."""
-    a, b = kind.split("-")[1:]
-    return int(a[2:]), int(b[2:])
-
-
-def _save_moe(rank, world, ckpt, stage, opt_type, ep):
-    from canzona_testkit.moe import moe_ds_config, run_moe_engine
-
-    cfg = moe_ds_config(world, optimizer=opt_type, stage=stage, gradient_clipping=CLIP)
-    _, _, engine = run_moe_engine(rank, world, ep, cfg, BEFORE, data=_data(world, BEFORE, 1))
-    engine.save_checkpoint(ckpt, tag="saved")
-    return True
-
-
-def _resume_moe(rank, world, ckpt, stage, opt_type, out, ep):
-    from canzona_testkit.moe import moe_ds_config, run_moe_engine
-
-    _index_route_only()
-    at = {}
-
-    def load(engine):
-        engine.load_checkpoint(ckpt, tag="saved")
-        engine.save_checkpoint(out, tag="reloaded")  # what this rank holds right after the load
-        at["steps"] = engine.global_steps
-
-    cfg = moe_ds_config(world, optimizer=opt_type, stage=stage, gradient_clipping=CLIP)
-    params, _, engine = run_moe_engine(rank, world, ep, cfg, AFTER, after_init=load, data=_data(world, AFTER, 2))
-    return dict(params=params, steps_at_load=at["steps"], steps=engine.global_steps)
-
-
-def _start_state(index, whole: dict) -> SimpleNamespace:
-    """The saved state in ``testing.moe.reference_run``'s ``start`` form, from ``whole``: (name,
-    state) -> the whole tensor of every chunk family of ``index``."""
-    roles = index.meta["roles"]
-    return SimpleNamespace(
-        params={n: whole[n, "param"] for n in index.names},
-        adam={n: {k: whole[n, k] for k in ("exp_avg", "exp_avg_sq")} for n in index.names if roles[n] == "adamw"},
-        rule_state={n: {k: v for (n2, k), v in whole.items() if n2 == n and k != "param"}
-                    for n in index.names if roles[n] == "matrix"},
-        adam_step=index.meta["adam_step"], matrix_step=index.meta["matrix_step"])
-
-
-def _moe_reference(folder: str, m: int, ep: int, opt_type: str) -> dict:
-    """testing.moe's whole-model reference at the running size, continued from the saved state
-    (every tensor read whole through the saved index)."""
-    from canzona_ds.ckpt import Index, Reader
-    from canzona_testkit.moe import reference_run
-
-    index = Index.read(folder)
-    reader = Reader(folder, index)
-    whole = {(n, k): reader.whole(n, k).clone() for n, k in index.by_key()}
-    start = _start_state(index, whole)
-    return reference_run(m, ep, AFTER, opt_type, data=_data(m, AFTER, 2), start=start, clip=CLIP)
-
-
-def _reference(n: int, m: int, opt_type: str, kind: str = "dense") -> dict:
-    from canzona_ds.config import CanzonaConfig
-    from canzona_ds.reference import ReferenceOptimizer
-    from canzona_testkit.models import reference_grads
-
-    torch.set_num_threads(1)
-    model = _model(kind)
-    if kind == "stacks":  # every expert slice its own 2-D matrix
-        from canzona_testkit.hf_moe import PerExpertReference
-
-        opt = PerExpertReference(model, opt_type)
-    else:
-        opt = ReferenceOptimizer(model.named_parameters(), CanzonaConfig.from_ds(opt_type, HP[opt_type]))
-    for dp, data in ((n, _data(n, BEFORE, 1, kind)), (m, _data(m, AFTER, 2, kind))):
-        for x, y in data:
-            grads = reference_grads(model, [x], [y], dp, MICRO)
-            for name, p in model.named_parameters():
-                p.grad = grads[name]
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-            assert norm > 2 * CLIP, f"the clipping must clip (norm {float(norm):.3g})"
-            opt.step()
-    return params_of(model)
-
-
-def assert_same_state(a_dir: str, b_dir: str, a=None) -> int:
-    """Every (name, state) of checkpoint ``a_dir``'s index (or ``a``) equals ``b_dir``'s, bit for
-    bit, read through each one's own index (whatever layout wrote it); returns how many were
-    compared."""
-    from canzona_ds.ckpt import Index, Reader
-
-    a, b = Index.read(a_dir) if a is None else a, Index.read(b_dir)
-    ra, rb = Reader(a_dir, a), Reader(b_dir, b)
-    assert set(a.by_key()) == set(b.by_key()), sorted(set(a.by_key()) ^ set(b.by_key()))[:5]
-    for name, state in a.by_key():
-        x, y = ra.whole(name, state), rb.whole(name, state)
-        assert torch.equal(x, y), (name, state, float((x - y).abs().max()))
-    for index, reader in ((a, ra), (b, rb)):  # every chunk, replicas too (stage-0 MoE), holds those values
-        for c in index.chunks:
-            got = reader.stored(c)[c.at:c.at + c.length]
-            assert torch.equal(got, reader.whole(c.name, c.state).reshape(-1)[c.offset:c.stop]), (c.name, c.state, c.file)
-    for key in ("rule", "matrix_step", "adam_step", "roles"):
-        assert a.meta[key] == b.meta[key], key
-    return len(a.by_key())
-
-
-#: (model, saved stage, saved DP, running stage, running DP, optimizer): ZeRO stage changes at
-#: the same and at another DP size, then DP resizes at the same stage (what tests/test_elastic.py
-#: and tests/test_zero3.py checked per combination before); then transformers expert stacks
-#: (3-D ``mlp.experts.*``, rule state per expert ``W[e]``: tests/test_experts.py's resumes before);
-#: then ZeRO-3 with the optimizer offloaded (stage ``"3o"``), off and on; then DeepSpeed MoE
-#: (``moe-ep{saved}-ep{running}``: experts by whole-model name, ZeRO 0-2; tests/test_moe_elastic.py's
-#: shrinking resumes before)
+M, SH, SO = "CanzonaMuon", "CanzonaShampoo", "CanzonaSOAP"
+#: (model, optimizer, saved layout, running layout) -- layouts as canzona_testkit.resume.Layout specs
 SCENARIOS = [
-    ("dense", 1, 2, 3, 2, "CanzonaMuon"), ("dense", 3, 2, 1, 2, "CanzonaSOAP"), ("dense", 2, 2, 0, 2, "CanzonaShampoo"),
-    ("dense", 0, 2, 3, 2, "CanzonaMuon"), ("dense", 1, 2, 3, 1, "CanzonaMuon"), ("dense", 3, 1, 1, 2, "CanzonaSOAP"),
-    ("dense", 2, 2, 0, 1, "CanzonaShampoo"), ("dense", 0, 1, 3, 2, "CanzonaMuon"), ("dense", 1, 2, 1, 1, "CanzonaMuon"),
-    ("dense", 1, 1, 1, 2, "CanzonaShampoo"), ("dense", 2, 2, 2, 1, "CanzonaSOAP"), ("dense", 3, 2, 3, 1, "CanzonaSOAP"),
-    ("stacks", 1, 2, 1, 1, "CanzonaMuon"), ("stacks", 1, 2, 0, 2, "CanzonaMuon"), ("stacks", 2, 1, 2, 2, "CanzonaSOAP"),
-    ("dense", "3o", 2, 3, 1, "CanzonaSOAP"), ("dense", 1, 2, "3o", 2, "CanzonaMuon"),
-    ("moe-ep2-ep1", 1, 2, 1, 2, "CanzonaSOAP"), ("moe-ep2-ep1", 2, 2, 2, 1, "CanzonaMuon"),
-    ("moe-ep2-ep2", 2, 2, 1, 2, "CanzonaMuon"), ("moe-ep2-ep1", 0, 2, 0, 2, "CanzonaShampoo"),
-    ("moe-ep2-ep1", 0, 2, 2, 1, "CanzonaShampoo"), ("moe-ep2-ep2", 1, 2, 0, 2, "CanzonaSOAP"),
+    # ZeRO stage changes at the same and at another DP size, DP resizes at one stage
+    ("dense", M, "z1 dp2", "z3 dp2"), ("dense", SO, "z3 dp2", "z1 dp2"), ("dense", SH, "z2 dp2", "z0 dp2"),
+    ("dense", M, "z0 dp2", "z3 dp2"), ("dense", M, "z1 dp2", "z3 dp1"), ("dense", SO, "z3 dp1", "z1 dp2"),
+    ("dense", SH, "z2 dp2", "z0 dp1"), ("dense", M, "z0 dp1", "z3 dp2"), ("dense", M, "z1 dp2", "z1 dp1"),
+    ("dense", SH, "z1 dp1", "z1 dp2"), ("dense", SO, "z2 dp2", "z2 dp1"), ("dense", SO, "z3 dp2", "z3 dp1"),
+    ("dense", M, "z1 dp4", "z1 dp2"), ("dense", M, "z1 dp2", "z2 dp4"), ("dense", SO, "z2 dp2", "z1 dp4"),
+    # ZeRO-3 with the optimizer offloaded, off and on; the mixed ZeRO-1/2 layout to owned
+    ("dense", SO, "z3 dp2 offload", "z3 dp1"), ("dense", M, "z1 dp2", "z3 dp2 offload"),
+    ("dense", M, "z2 dp2 mixed", "z1 dp1"),
+    # transformers expert stacks (3-D mlp.experts.*, rule state per expert W[e])
+    ("stacks", M, "z1 dp2", "z1 dp1"), ("stacks", M, "z1 dp2", "z0 dp2"), ("stacks", SO, "z2 dp1", "z2 dp2"),
+    # DeepSpeed MoE: experts by whole-model name; another ep_size, DP size, stage
+    ("moe", SO, "z1 dp2 ep2", "z1 dp2 ep1"), ("moe", M, "z2 dp2 ep2", "z2 dp1 ep1"),
+    ("moe", M, "z2 dp2 ep2", "z1 dp2 ep2"), ("moe", SH, "z0 dp2 ep2", "z0 dp2 ep1"),
+    ("moe", SH, "z0 dp2 ep2", "z2 dp1 ep1"), ("moe", SO, "z1 dp2 ep2", "z0 dp2 ep2"),
+    ("moe", SO, "z1 dp2 ep2", "z1 dp4 ep2"), ("moe", SH, "z0 dp2 ep2", "z0 dp4 ep2"),
+    ("moe", M, "z2 dp2 ep2", "z2 dp4 ep4"), ("moe", M, "z0 dp4 ep2", "z0 dp2 ep2"),
+    # two MoE layers of different ep_size (two expert groups), same and swapped
+    ("moe", SH, "z2 dp4 ep2 epb1", "z2 dp2 ep2 epb1"), ("moe", SH, "z2 dp4 ep2 epb1", "z1 dp2 ep1 epb2"),
+    # use_data_before_expert_parallelism flipped at the same size, and resized
+    ("moe", SO, "z2 dp4 ep2 before", "z2 dp4 ep2"), ("moe", SO, "z2 dp4 ep2 before", "z2 dp2 ep2"),
+    ("moe", M, "z0 dp4 ep2", "z1 dp4 ep2 before"),
+    # the mixed layout with MoE (each rank's expert hosted over its expert-DP pair): to owned, to
+    # mixed at another size, owned to mixed
+    ("moe-e2", M, "z2 dp4 ep2 mixed", "z2 dp2 ep2"), ("moe-e2", M, "z2 dp4 ep2 mixed", "z2 dp2 ep2 mixed"),
+    ("moe-e2", SO, "z1 dp4 ep2 mixed", "z1 dp2 ep2 mixed"), ("moe-e2", M, "z2 dp2 ep2", "z2 dp4 ep2 mixed"),
 ]
+
+
+def family(model: str):
+    return importlib.import_module(f"canzona_testkit.resume.{FAMILIES[model]}")
+
+
+def _id(row) -> str:
+    model, opt, a, b = row
+    return f"{model}-{opt[7:]}-{a.replace(' ', '')}-to-{b.replace(' ', '')}"
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """One saved checkpoint per saved layout, shared by its scenarios."""
+    """One saved checkpoint per (model, optimizer, saved layout), shared by its scenarios."""
     made = {}
 
-    def get(stage: int, dp: int, opt_type: str, kind: str = "dense") -> str:
-        if kind.startswith("moe"):
-            kind = kind.rsplit("-", 1)[0]  # (the saved ep_size only)
-        key = (stage, dp, opt_type, kind)
+    def get(model: str, opt_type: str, spec: str) -> str:
+        key = (model, opt_type, spec)
         if key not in made:
-            ckpt = str(tmp_path_factory.mktemp(f"saved-{kind}-z{stage}-dp{dp}-{opt_type}"))
-            if kind.startswith("moe"):
-                run_distributed(_save_moe, dp, ckpt, stage, opt_type, int(kind.split("-")[1][2:]))
-            else:
-                run_distributed(_save, dp, ckpt, stage, opt_type, kind)
+            lay = Layout.parse(spec)
+            ckpt = str(tmp_path_factory.mktemp(f"saved-{model}-{opt_type}-{spec.replace(' ', '')}"))
+            run_distributed(family(model).save, lay.world, model, lay, opt_type, ckpt)
             made[key] = ckpt
         return made[key]
 
     return get
 
 
-def _stack_states(folder: str) -> set:
-    """(stack, rule-state key) pairs an index holds for the expert stacks."""
-    from canzona_ds.ckpt import Index
-
-    index = Index.read(folder)
-    stacks = index.meta["expert_stacks"]
-    return {(n, k) for n, k in index.by_key() if n in stacks and k not in ("param", "exp_avg", "exp_avg_sq")}
-
-
-@pytest.mark.parametrize("kind,s0,n,s1,m,opt_type", SCENARIOS,
-                         ids=[f"{k}-{t}-z{a}dp{n}-to-z{b}dp{m}" for k, a, n, b, m, t in SCENARIOS])
-def test_resume_across_layouts(saved, tmp_path, kind, s0, n, s1, m, opt_type):
-    _resume_and_check(saved(s0, n, opt_type, kind), tmp_path, kind, n, s1, m, opt_type)
-
-
-def _resume_and_check(ckpt, tmp_path, kind, n, s1, m, opt_type, index=None):
-    """Resume ``ckpt`` (saved at DP ``n``) at stage ``s1``, DP ``m`` through the index loop only;
-    check the state bit for bit against ``ckpt``'s index (or ``index``) and the continuation."""
+def _resume_and_check(ckpt, tmp_path, model, opt_type, a, b, index=None):
+    """Resume ``ckpt`` (saved at layout ``a``) at layout ``b`` through the index loop only; check
+    the state bit for bit against ``ckpt``'s index (or ``index``) and the continuation."""
+    fam, sa, sb = family(model), Layout.parse(a), Layout.parse(b)
     out = str(tmp_path / "out")
-    if kind.startswith("moe"):
-        res = run_distributed(_resume_moe, m, ckpt, s1, opt_type, out, _moe_eps(kind)[1])
-    else:
-        res = run_distributed(_resume, m, ckpt, s1, opt_type, out, kind)
-    compared = assert_same_state(os.path.join(ckpt, "saved"), os.path.join(out, "reloaded"), index)
-    if kind in ("dense", "mixed"):
-        assert compared >= 9 + 2 * 5  # every parameter's master, the AdamW moments of the 5 AdamW ones, rule state
-    elif kind == "stacks":  # both stacks' rule state, every expert's chunk, compared above as the stack's (E, ...) state
-        stacks = _stack_states(os.path.join(ckpt, "saved"))
-        assert {n for n, _ in stacks} == {STACK_GATE_UP, STACK_DOWN}, stacks
-    else:  # every expert (4 experts x weight and bias of 2 layers) by its whole-model name
-        from canzona_testkit.moe import whole_names
+    res = run_distributed(fam.resume, sb.world, model, sb, opt_type, ckpt, out)
+    fam.check(model, opt_type, sa, sb, ckpt, out, res, index)
 
-        assert compared >= len(whole_names())
-    for r in res:
-        assert (r["steps_at_load"], r["steps"]) == (BEFORE, BEFORE + AFTER)
-    if kind.startswith("moe"):
-        ref = _moe_reference(os.path.join(ckpt, "saved") if index is None else os.path.join(out, "reloaded"), m,
-                             _moe_eps(kind)[1], opt_type)  # (the state as reloaded: checked equal above)
-        for r in res:
-            for k, v in r["params"].items():
-                np.testing.assert_array_equal(v, ref[k], err_msg=k)
-        return
-    ref = _reference(n, m, opt_type, kind)
-    for k in ref:
-        np.testing.assert_array_equal(res[0]["params"][k], ref[k], err_msg=k)
+
+@pytest.mark.parametrize("model,opt_type,a,b", SCENARIOS, ids=[_id(r) for r in SCENARIOS])
+def test_resume_across_layouts(saved, tmp_path, model, opt_type, a, b):
+    _resume_and_check(saved(model, opt_type, a), tmp_path, model, opt_type, a, b)
 
 
 #: pre-index tags (the save's files without index and manifest, _pre_index) resumed at another
-#: layout through the index built from their records (model, saved stage, DP, running stage, DP, type)
-PRE_INDEX_RESUMES = [("dense", 1, 2, 1, 1, "CanzonaMuon"), ("dense", 2, 2, 3, 2, "CanzonaSOAP"),
-                     ("moe-ep2-ep1", 1, 2, 1, 2, "CanzonaSOAP"), ("moe-ep2-ep1", 0, 2, 0, 2, "CanzonaShampoo"),
-                     ("mixed", 2, 2, 1, 1, "CanzonaMuon")]
+#: layout through the index built from their records
+PRE_INDEX_RESUMES = [("dense", M, "z1 dp2", "z1 dp1"), ("dense", SO, "z2 dp2", "z3 dp2"),
+                     ("moe", SO, "z1 dp2 ep2", "z1 dp2 ep1"), ("moe", SH, "z0 dp2 ep2", "z0 dp2 ep1"),
+                     ("dense", M, "z2 dp2 mixed", "z1 dp1")]
 
 
-@pytest.mark.parametrize("kind,s0,n,s1,m,opt_type", PRE_INDEX_RESUMES,
-                         ids=[f"{k}-{t}-z{a}dp{n}-to-z{b}dp{m}" for k, a, n, b, m, t in PRE_INDEX_RESUMES])
-def test_pre_index_tag_resumes_through_the_index(saved, tmp_path, kind, s0, n, s1, m, opt_type):
+@pytest.mark.parametrize("model,opt_type,a,b", PRE_INDEX_RESUMES, ids=[_id(r) for r in PRE_INDEX_RESUMES])
+def test_pre_index_tag_resumes_through_the_index(saved, tmp_path, model, opt_type, a, b):
     from canzona_ds.integration.ckpt_legacy import legacy_index
 
-    ckpt = _pre_index(saved(s0, n, opt_type, kind), str(tmp_path / "old"))
+    ckpt = _pre_index(saved(model, opt_type, a), str(tmp_path / "old"))
     adapted = legacy_index(os.path.join(ckpt, "saved"))
     assert adapted is not None and adapted.chunks is not None
-    _resume_and_check(ckpt, tmp_path, kind, n, s1, m, opt_type, adapted)
+    _resume_and_check(ckpt, tmp_path, model, opt_type, a, b, adapted)
 
 
 def test_zero3_tag_written_before_the_index_is_adapted(saved, tmp_path):
     """A ZeRO-3 tag without an index (as canzona-ds wrote it before the index) resumes at another
     DP size through an index built from its layout records, bit for bit."""
-    import shutil
-
-    from canzona_ds import checkpoint as ck
     from canzona_ds.integration.ckpt_legacy import legacy_zero3_index
 
-    ckpt = str(tmp_path / "old")
-    shutil.copytree(saved(3, 2, "CanzonaSOAP"), ckpt)
-    for name in (ck.INDEX, ck.MANIFEST):
-        os.remove(os.path.join(ckpt, "saved", name))
+    ckpt = _pre_index(saved("dense", SO, "z3 dp2"), str(tmp_path / "old"))
     adapted = legacy_zero3_index(os.path.join(ckpt, "saved"))
     assert adapted is not None and adapted.meta["adapted_from"]
-    out = str(tmp_path / "out")
-    res = run_distributed(_resume, 1, ckpt, 3, "CanzonaSOAP", out)
-    assert assert_same_state(os.path.join(ckpt, "saved"), os.path.join(out, "reloaded"), adapted) >= 19
-    ref = _reference(2, 1, "CanzonaSOAP")
-    for k in ref:
-        np.testing.assert_array_equal(res[0]["params"][k], ref[k], err_msg=k)
+    _resume_and_check(ckpt, tmp_path, "dense", SO, "z3 dp2", "z3 dp1", adapted)
 
 
 def _pre_index(src: str, dst: str) -> str:
@@ -365,18 +147,18 @@ def _pre_index(src: str, dst: str) -> str:
     return dst
 
 
-#: saved layouts (stage, DP, optimizer, model) whose pre-index copies are adapted
-PRE_INDEX = [(1, 2, "CanzonaMuon", "dense"), (2, 2, "CanzonaShampoo", "dense"), (0, 2, "CanzonaMuon", "dense"),
-             (1, 2, "CanzonaMuon", "stacks"), (1, 2, "CanzonaSOAP", "moe-ep2-ep1"), (2, 2, "CanzonaMuon", "moe-ep2-ep1"),
-             (0, 2, "CanzonaShampoo", "moe-ep2-ep1"), (3, 2, "CanzonaSOAP", "dense"), (2, 2, "CanzonaMuon", "mixed")]
+#: saved layouts (model, optimizer, layout) whose pre-index copies are adapted
+PRE_INDEX = [("dense", M, "z1 dp2"), ("dense", SH, "z2 dp2"), ("dense", M, "z0 dp2"), ("stacks", M, "z1 dp2"),
+             ("moe", SO, "z1 dp2 ep2"), ("moe", M, "z2 dp2 ep2"), ("moe", SH, "z0 dp2 ep2"), ("dense", SO, "z3 dp2"),
+             ("dense", M, "z2 dp2 mixed")]
 
 
-@pytest.mark.parametrize("stage,dp,opt_type,kind", PRE_INDEX,
-                         ids=[f"{k}-z{s}dp{d}-{t}" for s, d, t, k in PRE_INDEX])
-def test_pre_index_tag_is_adapted_to_the_index_it_would_have_had(saved, tmp_path, stage, dp, opt_type, kind):
+@pytest.mark.parametrize("model,opt_type,spec", PRE_INDEX,
+                         ids=[f"{m}-{t[7:]}-{s.replace(' ', '')}" for m, t, s in PRE_INDEX])
+def test_pre_index_tag_is_adapted_to_the_index_it_would_have_had(saved, tmp_path, model, opt_type, spec):
     """The index built from a pre-index tag's records (ckpt_legacy.legacy_index) describes every
     (name, state) the save's own index does, with the same values, shapes and meta."""
-    src = saved(stage, dp, opt_type, kind)
+    src = saved(model, opt_type, spec)
     adapted = _assert_faithful(os.path.join(src, "saved"), os.path.join(_pre_index(src, str(tmp_path / "old")), "saved"))
     from safetensors.torch import load_file
 
@@ -389,7 +171,7 @@ def test_pre_index_tag_is_adapted_to_the_index_it_would_have_had(saved, tmp_path
     weights, reader = load_file(os.path.join(conv, "model.safetensors")), Reader(os.path.join(src, "saved"), real)
     assert sorted(weights) == sorted(real.names)
     assert all(torch.equal(w, reader.whole(n)) for n, w in weights.items())
-    if kind == "mixed":  # a hosted matrix: its master and element-wise state in pieces over the ranks
+    if Layout.parse(spec).mixed:  # a hosted matrix: its master and element-wise state in pieces over the ranks
         hosted = {c.name for c in adapted.chunks if "piece_state" in c.key}
         assert hosted and all(len({c.file for c in adapted.by_key()[n, "param"]}) == 2 for n in hosted), hosted
 
@@ -398,7 +180,7 @@ def test_pre_index_tag_with_unreadable_records_is_refused_by_name(saved, tmp_pat
     from canzona_ds.ckpt import CheckpointIndexError
     from canzona_ds.integration.ckpt_legacy import legacy_index
 
-    old = os.path.join(_pre_index(saved(1, 2, "CanzonaMuon"), str(tmp_path / "old")), "saved")
+    old = os.path.join(_pre_index(saved("dense", M, "z1 dp2"), str(tmp_path / "old")), "saved")
     path = os.path.join(old, "zero_pp_rank_0_mp_rank_00_optim_states.pt")
     sd = torch.load(path, weights_only=False)
     del sd["optimizer_state_dict"]["canzona_layout"]["roles"]  # a record no release wrote
@@ -424,6 +206,14 @@ def _assert_faithful(folder: str, old: str):
     return adapted
 
 
+def _engine(dp: int, stage: int, opt_type: str, cfg: dict | None = None):
+    return dense.engine_for("dense", Layout(stage, dp), opt_type, cfg)
+
+
+def _train(engine, rank: int, steps: int, seed: int) -> None:
+    dense.train(engine, rank, dense.data("dense", engine.dp_world_size, steps, seed))
+
+
 # ------------------------------------------------------------------------------ role changes
 def _resume_roles(rank, dp, ckpt, stage, include, reinit, out):
     """Load with another matrix selection; returns the refusal (buffers checked untouched) or saves."""
@@ -432,16 +222,16 @@ def _resume_roles(rank, dp, ckpt, stage, include, reinit, out):
     import canzona_ds  # noqa: F401
     from canzona_ds.ckpt import CheckpointIndexError
 
-    cfg = _cfg(dp, stage, "CanzonaMuon")
+    cfg = dense.config(Layout(stage, dp), "CanzonaMuon")
     cfg["optimizer"]["params"]["matrix_include"] = include
     cfg["canzona_checkpoint"] = {"reinit_changed_roles": reinit}
     model = make_model(0)
     engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
-    before = _params(engine, stage)
+    before = dense.params(engine, stage)
     try:
         engine.load_checkpoint(ckpt, tag="saved")
     except CheckpointIndexError as e:
-        after = _params(engine, stage)
+        after = dense.params(engine, stage)
         assert all(np.array_equal(before[k], after[k]) for k in before), "a refused load changed the weights"
         return str(e)
     engine.save_checkpoint(out, tag="reloaded")
@@ -452,7 +242,7 @@ def _resume_roles(rank, dp, ckpt, stage, include, reinit, out):
 def test_changed_matrix_selection_is_refused_or_reinitialised(saved, tmp_path, stage):
     from canzona_ds.ckpt import Index, Reader
 
-    ckpt = saved(1, 2, "CanzonaMuon")
+    ckpt = saved("dense", M, "z1 dp2")
     out = str(tmp_path / "out")
     refused = run_distributed(_resume_roles, 2, ckpt, stage, ["lm_head"], False, out)
     for msg in refused:  # every rank, by name, with the way out
@@ -477,9 +267,9 @@ def _save_failing(rank, dp, ckpt, fail_rank):
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
     engine = _engine(dp, 1, "CanzonaMuon")
-    _train(engine, rank, _data(dp, BEFORE, 1))
+    _train(engine, rank, BEFORE, 1)
     engine.save_checkpoint(ckpt, tag="good")
-    _train(engine, rank, _data(dp, 1, 3))
+    _train(engine, rank, 1, 3)
     stock = TorchCheckpointEngine.save
 
     def full_disk(self, state_dict, path):
@@ -538,9 +328,9 @@ sys.path.insert(0, sys.argv[3])
 import test_ckpt_resume as t
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 engine = t._engine(1, 1, "CanzonaMuon")
-t._train(engine, 0, t._data(1, t.BEFORE, 1))
+t._train(engine, 0, t.BEFORE, 1)
 engine.save_checkpoint(sys.argv[1], tag="good")
-t._train(engine, 0, t._data(1, 1, 3))
+t._train(engine, 0, 1, 3)
 stock = TorchCheckpointEngine.save
 def killed(self, state_dict, path):
     if "optim_states" in str(path):
@@ -595,7 +385,7 @@ def test_damaged_index_is_refused_by_name(saved, tmp_path):
 
     from canzona_ds import checkpoint as ck
 
-    src = saved(1, 2, "CanzonaMuon")
+    src = saved("dense", M, "z1 dp2")
     ckpt = str(tmp_path / "ckpt")
     shutil.copytree(src, ckpt)
     index = os.path.join(ckpt, "saved", ck.INDEX)
@@ -615,7 +405,7 @@ def _load_other_stage(rank, dp, ckpt):
     import canzona_ds  # noqa: F401
     from canzona_ds.ckpt import CheckpointIndexError
 
-    cfg = _cfg(dp, 3, "CanzonaMuon")
+    cfg = dense.config(Layout(3, dp), "CanzonaMuon")
     cfg["canzona_checkpoint"] = {"verify": "off"}
     model = make_model(0)
     engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
@@ -633,7 +423,7 @@ def test_canzona_ckpt_inspect_verify_convert(saved, tmp_path, capsys):
     from canzona_ds.ckpt import Index, Reader
     from canzona_ds.cli.ckpt import main
 
-    ckpt = saved(3, 2, "CanzonaSOAP")
+    ckpt = saved("dense", SO, "z3 dp2")
     assert main(["inspect", ckpt, "--tag", "saved"]) == 0
     text = capsys.readouterr().out
     assert "ZeRO stage 3, DP=2 TP=1 PP=1" in text and "rule 'soap' on 4 matrices" in text and "rank 1:" in text
@@ -678,7 +468,7 @@ def _pipe(rank, world, pp, ckpt, out, stage=1, legacy=False):
 
     module = build_pipe(pp, True, 0)
     if out is not None:
-        _index_route_only()
+        index_route_only()
     engine = deepspeed.initialize(model=module, model_parameters=list(module.parameters()),
                                   config=_pipe_cfg(1, stage))[0]
     x, y = dataset(2 * PIPE_GAS * MICRO, 1)
@@ -771,7 +561,7 @@ def _foreign(rank, dp, ckpt):
 
 
 def test_canzona_checkpoint_opened_by_another_optimizer_is_refused(saved):
-    ckpt = saved(1, 2, "CanzonaMuon")
+    ckpt = saved("dense", M, "z1 dp2")
     for msg in run_distributed(_foreign, 2, ckpt):
         assert msg is not None and "written by a Canzona optimizer" in msg and "canzona-ckpt convert" in msg, msg
 
@@ -780,31 +570,6 @@ def test_canzona_checkpoint_opened_by_another_optimizer_is_refused(saved):
 # TP scenarios at ZeRO 1 through the index (TP shard frames, a TP host's state in its concatenated
 # layout).  No gradient clipping here: under TP DeepSpeed reduces the norm over the model-parallel
 # group (not canzona's torch-exact clip), as in tests/test_zero_tp.py and tests/test_moe_tp_elastic.py.
-def _tp1_state(folder: str) -> dict:
-    """(whole-model name, state) -> the tensor in the TP=1 frame: shards rebuilt by the reader,
-    a TP host's state mapped through its rule's state_axes (IndexSource)."""
-    from canzona_ds.ckpt import Index
-    from canzona_ds.integration.ckpt_index import IndexSource
-
-    index = Index.read(folder)
-    src = IndexSource(folder, index)  # (the saving rule, from the index: src.saved_rule)
-    out = {}
-    for n, k in index.by_key():
-        if src.reader.frame_of(n, k) is not None:
-            out[n, k] = src.state_of(n)[k].clone()
-        else:
-            out[n, k] = src.reader.whole(n, k).clone()
-    return out
-
-
-def _assert_same_tp1_state(a_dir: str, b_dir: str) -> int:
-    a, b = _tp1_state(a_dir), _tp1_state(b_dir)
-    assert set(a) == set(b), sorted(set(a) ^ set(b))[:5]
-    for key in a:
-        assert torch.equal(a[key], b[key]), (key, float((a[key] - b[key]).abs().max()))
-    return len(a)
-
-
 def _tp_dense_engine(tp: int):
     import deepspeed
 
@@ -832,7 +597,7 @@ def _tp_dense(rank, world, tp, ckpt, out):
             engine.step()
         engine.save_checkpoint(ckpt, tag="saved")
         return None
-    _index_route_only()
+    index_route_only()
     engine.load_checkpoint(ckpt, tag="saved")
     engine.save_checkpoint(out, tag="reloaded")
     shadow = ms.TinyGPTBlock(**zt.CFG)
@@ -870,7 +635,7 @@ def test_tp2_to_tp1_at_zero1_goes_through_the_index(tmp_path):
     assert {c.tp.rank for c in index.by_key()["qkv.weight", "param"]} == {0, 1}  # shard frames
     assert all(c.tp is not None and c.tp.rank is None for c in index.by_key()["fc1.weight", "momentum_buffer"])
     res = run_distributed(_tp_dense, 2, 1, ckpt, out)
-    assert _assert_same_tp1_state(saved, os.path.join(out, "reloaded")) >= 5 + 2 * 4
+    assert assert_same_tp1_state(saved, os.path.join(out, "reloaded")) >= 5 + 2 * 4
     # canzona-ckpt convert writes the same TP=1 state (the hosts' momentum un-permuted)
     from safetensors.torch import load_file
 
@@ -878,7 +643,7 @@ def test_tp2_to_tp1_at_zero1_goes_through_the_index(tmp_path):
 
     conv = str(tmp_path / "conv")
     assert main(["convert", ckpt, conv, "--tag", "saved"]) == 0
-    tp1 = _tp1_state(saved)
+    tp1 = tp1_state(saved)
     weights = load_file(os.path.join(conv, "model.safetensors"))
     state = torch.load(os.path.join(conv, "optimizer.pt"), weights_only=False)["state"]
     for n in ("qkv.weight", "fc1.weight"):
@@ -886,7 +651,7 @@ def test_tp2_to_tp1_at_zero1_goes_through_the_index(tmp_path):
                                                                          tp1[n, "momentum_buffer"]), n
     assert all(r["steps"] == BEFORE + AFTER for r in res)
     # the reference: TP=1 weights and state as saved, the run's gradients averaged over its 2 DP ranks
-    whole = _tp1_state(saved)
+    whole = tp1_state(saved)
     roles = index.meta["roles"]
     params = {n: torch.nn.Parameter(whole[n, "param"].clone()) for n in ms_names(zt)}
     opt = ReferenceOptimizer(params.items(), zt._config("CanzonaMuon"))
@@ -926,16 +691,16 @@ def _moe_tp(rank, world, tp, ep, ckpt, layout, out):
     cfg = moe_ds_config(dp, optimizer="CanzonaMuon", stage=1, micro=MICRO)
     cfg["optimizer"]["params"]["layout"] = layout
     if out is None:
-        _, _, engine = run_moe_tp_engine(rank, tp, ep, cfg, BEFORE, _data(dp, BEFORE, 1), micro=MICRO)
+        _, _, engine = run_moe_tp_engine(rank, tp, ep, cfg, BEFORE, dense.data("dense", dp, BEFORE, 1), micro=MICRO)
         engine.save_checkpoint(ckpt, tag="saved")
         return engine.optimizer.canzona_layout.mixed
-    _index_route_only()
+    index_route_only()
 
     def load(engine):
         engine.load_checkpoint(ckpt, tag="saved")
         engine.save_checkpoint(out, tag="reloaded")
 
-    data = _data(dp, AFTER, 2)
+    data = dense.data("dense", dp, AFTER, 2)
     params, _, engine = run_moe_tp_engine(rank, tp, ep, cfg, AFTER, data, micro=MICRO, after_init=load)
     res = {"params": params, "steps": engine.global_steps, "mixed": engine.optimizer.canzona_layout.mixed}
     if rank == 0:
@@ -945,8 +710,8 @@ def _moe_tp(rank, world, tp, ep, ckpt, layout, out):
 
         folder = os.path.join(ckpt, "saved")
         index = Index.read(folder)
-        whole = _tp1_state(folder)
-        start = _start_state(index, whole)
+        whole = tp1_state(folder)
+        start = start_state(index, whole)
         res["ref"] = reference_run(dp, ep if tp == 1 else 1, AFTER, "CanzonaMuon", data=data, start=start,
                                    tp_mlp=True)
     return res
@@ -972,7 +737,7 @@ def test_moe_tp_mixed_to_owned_goes_through_the_index(tmp_path):
     assert not any(r["mixed"] for r in res)
     from canzona_testkit.moe import whole_names
 
-    assert _assert_same_tp1_state(saved, os.path.join(out, "reloaded")) >= len(whole_names())
+    assert assert_same_tp1_state(saved, os.path.join(out, "reloaded")) >= len(whole_names())
     assert all(r["steps"] == BEFORE + AFTER for r in res)
     ref = res[0]["ref"]
     for r in res:
@@ -1010,7 +775,7 @@ def _pp_tp(rank, world, pp, tp, ckpt, out):
         engine.train_batch(data)
         engine.save_checkpoint(ckpt, tag="saved")
         return None
-    _index_route_only()
+    index_route_only()
     engine.load_checkpoint(ckpt, tag="saved")
     engine.save_checkpoint(out, tag="reloaded")
     return float(engine.train_batch(data))
@@ -1026,4 +791,4 @@ def test_tp2_to_tp1_under_pipeline_parallelism_goes_through_the_index(tmp_path):
     run_distributed(_pp_tp, 4, 2, 2, ckpt, None)
     losses = run_distributed(_pp_tp, 4, 2, 1, ckpt, out)
     assert all(np.isfinite(x) for x in losses), losses
-    assert _assert_same_tp1_state(os.path.join(ckpt, "saved"), os.path.join(out, "reloaded")) >= 4 * 2 + 2
+    assert assert_same_tp1_state(os.path.join(ckpt, "saved"), os.path.join(out, "reloaded")) >= 4 * 2 + 2
