@@ -357,7 +357,7 @@ def test_checkpoint_round_trip():
     """ZeRO-2, world 2, ep_size 2: DeepSpeed writes the experts' weights to their own files and
     each rank's optimizer partition (dense and expert groups, the rule state of the matrices it
     owns) to its ZeRO file; a resumed run continues bit for bit.  (Resuming at another DP size or
-    ep_size, and the refusal of older checkpoints there: tests/test_moe_elastic.py.)"""
+    ep_size: tests/test_ckpt_resume.py's scenario table.)"""
     with tempfile.TemporaryDirectory() as ckpt:
         res = run_distributed(_checkpoint_worker, 2, ckpt, "CanzonaSOAP")
     for r in res:

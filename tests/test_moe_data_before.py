@@ -32,16 +32,11 @@ its own ``try``; one failing scenario fails one test):
     1; {2,3} for 2, 3), each dense matrix by one rank of the 4; the step makes no collective call;
 * a same-size checkpoint round trip (ZeRO 2 Shampoo): DeepSpeed's own load (the index loop not
   taken), 2 more steps bit for bit with the uninterrupted run, the rule state equal;
-* the layout changed at the same size (saved with it, resumed without it, ZeRO 2 SOAP; and the
-  reverse, ZeRO 1 Muon): DeepSpeed numbers ZeRO files by DP rank, so ranks 1 and 2 would read each
-  other's experts; the index loop is taken (``zero.expert_ranks_moved`` names the moved
-  ranks), and right after loading every fp32 master, rule state, AdamW piece and module weight
-  equals the saved one bit for bit (by whole-model name) on the planned owner of its new
-  expert-DP group; 2 more steps against ``reference_run(start=<saved state>)`` at the new layout
-  (experts bit for bit after 1 step, Muon within the reordered-sum bound after 2); DeepSpeed's own load
-  (``_load_legacy_checkpoint``) handed a file whose experts moved refuses by name;
-* the saved D + E checkpoint resumed at world 2 (ZeRO 2 SOAP; the index loop): the same checks, 2 more
-  steps bit for bit;
+* the default layout at the same size handed that checkpoint: DeepSpeed numbers ZeRO files by DP
+  rank, so ranks 1 and 2 would read each other's experts (``zero.expert_ranks_moved`` names
+  them), and DeepSpeed's own load (``_load_legacy_checkpoint``) handed such a file refuses by
+  name.  (The layout flipped either way and resized, through the index loop, are rows of
+  tests/test_ckpt_resume.py's scenario table);
 * Megatron-DeepSpeed's ZeRO-0 client optimizer (``build_tp_optimizer`` before
   ``deepspeed.initialize``, with the stand-in mpu): ``create_expert_groups`` builds the D + E
   groups, and the engine, its MoE layer and the optimizer's plan use the same group objects;
@@ -75,13 +70,6 @@ TRAIN = {
     "z2_CanzonaSOAP_clip": (2, "CanzonaSOAP", CLIP),
     "z1_CanzonaShampoo": (1, "CanzonaShampoo", 0.0),
 }
-#: the layout changed at the same size: name -> (ZeRO stage, type, saved with D + E, resumed with D + E)
-FLIP = {
-    "flip_z2_CanzonaSOAP_before_to_default": (2, "CanzonaSOAP", True, False),
-    "flip_z1_CanzonaMuon_default_to_before": (1, "CanzonaMuon", False, True),
-}
-#: world 4 D + E -> world 2: the checkpoint of FLIP's first scenario (saved with D + E)
-RESIZE = {"resize_w4_to_w2_z2_CanzonaSOAP": "flip_z2_CanzonaSOAP_before_to_default"}
 
 
 def _cfg(world: int, opt_type: str, stage: int, before: bool = True, clip: float = 0.0) -> dict:
@@ -241,77 +229,27 @@ def _roundtrip(rank: int, world: int, root: str) -> dict:
     state2 = engine2.optimizer.optimizer.matrix_state
     same_state = state.keys() == state2.keys() and all(torch.equal(state[n][k], state2[n][k])
                                                         for n in state for k in state[n])
-    return dict(straight=straight, resumed=resumed, same_state=same_state, elastic=verdict["elastic"],
-                experts=sorted(n for n in state if ".experts." in n), ds=_ds_groups())
-
-
-def _resume(rank: int, world: int, root: str, name: str, stage: int, opt_type: str, before: bool,
-            start) -> dict:
-    """A fresh engine (``before``: its layout) loads ``name``'s checkpoint and trains MORE steps;
-    rank 0 adds ``reference_run(start=...)`` at this size and layout."""
-    from test_moe_elastic import _as_torch, _snapshot
-
+    # the default layout at the same size: DeepSpeed numbers ZeRO files by DP rank, so ranks 1 and 2
+    # would read each other's experts; DeepSpeed's own load, handed them, refuses by name (the
+    # index loop, which engine.load_checkpoint takes here, is tests/test_ckpt_resume.py's rows)
     from canzona_ds.integration.ckpt_legacy import _load
-    from canzona_ds.integration.ckpt_index import index_route
     from canzona_ds.integration.zero import LAYOUT_KEY, expert_ranks_moved
-    from canzona_testkit.models import batches
-    from canzona_testkit.moe import reference_run, run_moe_engine
 
+    ds = _ds_groups()  # (D + E, before the default layout's engine below)
     _fresh_expert_groups()
-    ckpt = os.path.join(root, name)
-    loaded, first, verdict = {}, {}, {}
-
-    def load(engine):
-        verdict["elastic"] = index_route(engine, ckpt, "saved") is not None
-        if world == WORLD:  # same size: what this rank's own file (DeepSpeed's pick) holds, and its own load
-            files = [_load(os.path.join(ckpt, "saved", f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
-                     ["optimizer_state_dict"] for r in range(world)]
-            current = engine.optimizer.canzona_layout_meta()
-            verdict["moved"] = expert_ranks_moved(files[rank][LAYOUT_KEY], current)
-            other = next(sd for sd in files if expert_ranks_moved(sd[LAYOUT_KEY], current))
-            try:  # (raises before any collective, on every rank)
-                engine.optimizer._load_legacy_checkpoint(files[:rank] + [other] + files[rank + 1:])
-                verdict["stock"] = None
-            except ValueError as e:
-                verdict["stock"] = str(e)
-        engine.load_checkpoint(ckpt, tag="saved")
-        loaded.update(_snapshot(engine))
-
-    def after_step(step, params):
-        if step == 1:
-            first.update(params)
-
-    data = batches(MORE, 2 * world, seed=7)
-    params, _, _ = run_moe_engine(rank, world, EP, _cfg(world, opt_type, stage, before), MORE, after_init=load,
-                                  after_step=after_step, data=data)
-    res = dict(loaded=loaded, first=first, params=params, ds=_ds_groups(), **verdict)
-    if rank == 0:
-        start = _as_torch(start)
-        res["ref"] = reference_run(world, EP, MORE, opt_type, data=data, start=start, before=before)
-        res["ref_first"] = reference_run(world, EP, 1, opt_type, data=data, start=start, before=before)
-    return res
-
-
-def _flip(rank: int, world: int, root: str, name: str) -> dict:
-    """Save after SAVE_STEPS with one layout, resume at the same size with the other."""
-    import torch.distributed as dist
-
-    from test_moe_elastic import _merge, _snapshot
-
-    from canzona_testkit.models import batches
-    from canzona_testkit.moe import run_moe_engine
-
-    stage, opt_type, saved_before, new_before = FLIP[name]
-    _fresh_expert_groups()
-    _, _, engine = run_moe_engine(rank, world, EP, _cfg(world, opt_type, stage, saved_before), SAVE_STEPS,
-                                  data=batches(SAVE_STEPS, 2 * world, seed=1))
-    engine.save_checkpoint(os.path.join(root, name), tag="saved")
-    snaps: list = [None] * world
-    dist.all_gather_object(snaps, _snapshot(engine))
-    saved = _merge(snaps)
-    res = _resume(rank, world, root, name, stage, opt_type, new_before, saved)
-    res["snaps"] = snaps
-    return res
+    _, _, other = run_moe_engine(rank, world, EP, _cfg(world, "CanzonaShampoo", 2, before=False), 0)
+    files = [_load(os.path.join(ckpt, "two", f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))["optimizer_state_dict"]
+             for r in range(world)]
+    current = other.optimizer.canzona_layout_meta()
+    verdict["moved"] = expert_ranks_moved(files[rank][LAYOUT_KEY], current)
+    moved = next(sd for sd in files if expert_ranks_moved(sd[LAYOUT_KEY], current))
+    try:  # (raises before any collective, on every rank)
+        other.optimizer._load_legacy_checkpoint(files[:rank] + [moved] + files[rank + 1:])
+        verdict["stock"] = None
+    except ValueError as e:
+        verdict["stock"] = str(e)
+    return dict(straight=straight, resumed=resumed, same_state=same_state, experts=sorted(n for n in state if ".experts." in n),
+                ds=ds, **verdict)
 
 
 def _client(rank: int, world: int) -> dict:
@@ -388,23 +326,11 @@ def _world4_worker(rank: int, world: int, root: str) -> dict:
             out[name] = res
         except Exception:  # noqa: BLE001 - reported per scenario
             out[name] = traceback.format_exc()
-    for name, fn in [("roundtrip", lambda: _roundtrip(rank, world, root))] + \
-            [(n, (lambda n=n: _flip(rank, world, root, n))) for n in FLIP] + \
-            [("client_z0_CanzonaMuon", lambda: _client(rank, world)),
+    for name, fn in [("roundtrip", lambda: _roundtrip(rank, world, root)),
+                     ("client_z0_CanzonaMuon", lambda: _client(rank, world)),
              ("refuse_pipeline", lambda: _pipe_refusal(rank, world))]:  # (last: it leaves a pipeline grid)
         try:
             out[name] = fn()
-        except Exception:  # noqa: BLE001
-            out[name] = traceback.format_exc()
-    return out
-
-
-def _world2_worker(rank: int, world: int, root: str, starts: dict) -> dict:
-    out = {}
-    for name, source in RESIZE.items():
-        stage, opt_type, _, _ = FLIP[source]
-        try:
-            out[name] = _resume(rank, world, root, source, stage, opt_type, True, starts[name])
         except Exception:  # noqa: BLE001
             out[name] = traceback.format_exc()
     return out
@@ -416,29 +342,13 @@ def _root() -> str:
 
 
 @lru_cache(maxsize=None)
-def _run(world: int) -> dict:
-    if world == WORLD:
-        res = run_distributed(_world4_worker, WORLD, _root(), timeout=900)
-    else:
-        from test_moe_elastic import _merge
-
-        starts, failed = {}, {}
-        for name, source in RESIZE.items():
-            snaps = _run(WORLD)[source]
-            bad = next((r for r in snaps if isinstance(r, str)), None)
-            if bad is not None:
-                failed[name] = "saving failed:\n" + bad
-            else:
-                starts[name] = _merge(snaps[0]["snaps"])
-        res = run_distributed(_world2_worker, world, _root(), starts, timeout=900) if starts else []
-        out = {n: [r[n] for r in res] for n in starts}
-        out.update({n: [msg] for n, msg in failed.items()})
-        return out
+def _run() -> dict:
+    res = run_distributed(_world4_worker, WORLD, _root(), timeout=900)
     return {n: [r[n] for r in res] for n in res[0]}
 
 
-def _results(world: int, name: str) -> list:
-    res = _run(world)[name]
+def _results(name: str) -> list:
+    res = _run()[name]
     for r in res:
         if isinstance(r, str):
             pytest.fail(r)
@@ -464,7 +374,7 @@ def _check_ds_groups(ds: dict, rank: int, before: bool = True) -> None:
 @pytest.mark.parametrize("name", sorted(TRAIN))
 def test_data_before_expert_training(name):
     stage, opt_type, clip = TRAIN[name]
-    res = _results(WORLD, name)
+    res = _results(name)
     r0 = res[0]
     own = r0["own_ref"]
     assert not own["problems"], own["problems"]
@@ -512,87 +422,21 @@ def test_data_before_expert_training(name):
 
 
 def test_data_before_expert_checkpoint_round_trip():
-    res = _results(WORLD, "roundtrip")
+    res = _results("roundtrip")
     for rank, r in enumerate(res):
         _check_ds_groups(r["ds"], rank)
         assert r["elastic"] is False  # same size and layout: DeepSpeed's own load
+        assert bool(r["moved"]) == (rank in (1, 2)), (rank, r["moved"])  # (the default layout)
+        assert "laid out otherwise than this run's at the same sizes" in r["stock"] and \
+            "use_data_before_expert_parallelism" in r["stock"], r["stock"]
         assert r["same_state"]
         assert len(r["experts"]) == 2, r["experts"]  # 2 local experts x 2 matrices over 2 expert-DP ranks
         for n, v in r["resumed"].items():
             _eq(v, r["straight"][n], f"rank {rank} {n} resumed")
 
 
-def _check_resumed(name: str, res: list, saved_snaps: list, world: int, before: bool, exact: bool) -> None:
-    from test_moe_elastic import _merge
-
-    saved = _merge(saved_snaps)
-    holders: dict[str, list[int]] = {}
-    for rank, r in enumerate(res):
-        got = r["loaded"]
-        ep_rank = rank // (world // EP) if before else rank % EP
-        assert got["ep"] == (EP, ep_rank), got["ep"]
-        assert got["matrix_step"] == saved.matrix_step == SAVE_STEPS and got["adam_step"] == saved.adam_step
-        for n, w in got["master"].items():
-            holders.setdefault(n, []).append(rank)
-            _eq(w, saved.params[n], f"{name}: fp32 master of {n} on rank {rank}")
-            key = "ep_size_2" if ".experts." in n else "None"
-            edp_rank, edp_size = got["groups"][key]
-            assert got["owners"][n] == edp_rank, (n, rank, got["owners"][n], edp_rank)  # its planned owner
-            if ".experts." in n:  # an expert of this rank's new expert-parallel rank
-                assert _expert(n) // 2 == ep_rank and edp_size == world // EP, (n, rank)
-        assert set(got["rule_state"]) == set(got["master"]), (rank, sorted(got["rule_state"]))
-        for n, st in got["rule_state"].items():
-            for k, v in st.items():
-                _eq(v, saved.rule_state[n][k], f"{name}: state {k} of {n} on rank {rank}")
-        for n, a, b, m, ea, eas in got["adam"]:
-            for value, want in ((m, saved.params[n]), (ea, saved.adam[n]["exp_avg"]),
-                                (eas, saved.adam[n]["exp_avg_sq"])):
-                _eq(value, np.asarray(want).reshape(-1)[a:b], f"{name}: AdamW piece [{a}, {b}) of {n} on rank {rank}")
-        for n, w in got["module"].items():
-            _eq(w, saved.params[n], f"{name}: module weight {n} on rank {rank}")
-    assert sorted(holders) == sorted(saved.rule_state) and all(len(v) == 1 for v in holders.values()), holders
-    ref, ref_first = res[0]["ref"], res[0]["ref_first"]
-    if exact:
-        for r in res:
-            for n, w in r["params"].items():
-                _eq(w, ref[n], f"{name}: {n} after {MORE} steps")
-        return
-    for r in res:
-        for n, w in r["first"].items():
-            if ".experts." in n:
-                _eq(w, ref_first[n], f"{name}: {n} after 1 step")
-    dev = max(float(np.abs(r["params"][n] - ref[n]).max()) for r in res for n in r["params"])
-    print(f"{name}: max |param - reference| after {MORE} steps = {dev:.3g}")
-    if "Muon" in name:  # dense 4-rank sums: another association (muon_reordered_sum_tolerance)
-        assert dev <= muon_reordered_sum_tolerance(MORE), dev
-
-
-@pytest.mark.parametrize("name", sorted(FLIP))
-def test_data_before_expert_layout_changed_at_same_size(name):
-    _, _, saved_before, new_before = FLIP[name]
-    res = _results(WORLD, name)
-    for rank, r in enumerate(res):
-        _check_ds_groups(r["ds"], rank, new_before)
-        # ranks 1 and 2 change expert-parallel and expert-DP rank (their own files hold the other's experts)
-        assert bool(r["moved"]) == (rank in (1, 2)), (rank, r["moved"])
-        assert r["elastic"] is True
-        # DeepSpeed's own load, handed a file whose experts moved, refuses by name
-        assert "laid out otherwise than this run's at the same sizes" in r["stock"] and \
-            "use_data_before_expert_parallelism" in r["stock"], r["stock"]
-    _check_resumed(name, res, res[0]["snaps"], WORLD, new_before, exact=False)
-
-
-@pytest.mark.parametrize("name", sorted(RESIZE))
-def test_data_before_expert_resize(name):
-    res = _results(2, name)
-    saved = _results(WORLD, RESIZE[name])[0]["snaps"]
-    for r in res:
-        assert r["elastic"] is True
-    _check_resumed(name, res, saved, 2, True, exact=True)
-
-
 def test_data_before_expert_client_optimizer_groups():
-    res = _results(WORLD, "client_z0_CanzonaMuon")
+    res = _results("client_z0_CanzonaMuon")
     ref, ref_first = res[0]["ref"], res[0]["ref_first"]
     for rank, r in enumerate(res):
         _check_ds_groups(r["built"], rank)  # create_expert_groups built DeepSpeed's D + E groups
@@ -609,7 +453,7 @@ def test_data_before_expert_client_optimizer_groups():
 def test_data_before_expert_with_pipeline_refused_on_every_rank():
     """Untested with pipeline parallelism: refused by name on every rank, the stage without MoE
     layers included (it would otherwise wait for the other)."""
-    for rank, msg in enumerate(_run(WORLD)["refuse_pipeline"]):  # (a traceback here fails the startswith)
+    for rank, msg in enumerate(_run()["refuse_pipeline"]):  # (a traceback here fails the startswith)
         assert msg is not None and msg.startswith("ValueError: CanzonaMuon: DeepSpeed MoE with "
                                                   "use_data_before_expert_parallelism=true and pipeline parallelism "
                                                   "(pp_size=2) is not supported yet"), (rank, msg)

@@ -23,7 +23,7 @@ an odd count of them does not divide over its expert-DP group: a matrix is hoste
   (the TP-split dense ``down.weight`` hosted over the DP x TP grid) equals the owned layout's
   bit for bit, and the loss falls;
 * checkpoints (world 4): a same-size round trip continues bit for bit, and the index loop
-  (a resize's; resizes in tests/test_moe_mixed_elastic.py) restores the same state.
+  (a resize's; resizes are rows of tests/test_ckpt_resume.py) restores the same state.
 
 One ``run_distributed`` per world size; each scenario runs in its own ``try``.
 """
@@ -343,7 +343,7 @@ def test_world4_ep2_replays_exactly(name):
 
 def test_world4_checkpoint_round_trip_and_index_loop_load():
     """A same-size round trip continues bit for bit; the index loop (a resize's, tested at other
-    sizes in tests/test_moe_mixed_elastic.py) restores the same state, pieces included."""
+    sizes in tests/test_ckpt_resume.py) restores the same state, pieces included."""
     res = _results(4, "checkpoint")
     _check_plan_and_collectives(res, 4)
     for r in res:
@@ -367,7 +367,7 @@ def test_auto_picks_mixed_per_matrix_group_under_moe():
     """``layout: "auto"`` under MoE: each matrix group (dense over DP 16, the expert group over its
     expert-DP group of 8) by the dense rule on its own: wide matrices whose owned padding is large
     and whose mixed step costs less get the mixed layout (a mixed MoE checkpoint resumes at
-    another size: tests/test_moe_mixed_elastic.py); "owned" keeps owned."""
+    another size: tests/test_ckpt_resume.py); "owned" keeps owned."""
     import torch
 
     from canzona_ds.config import CanzonaConfig

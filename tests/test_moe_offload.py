@@ -24,14 +24,11 @@ follows the run without offload within an ulp or two per step: checked below; do
     within an ulp or two per step of the run without it (DeepSpeed supports MoE with offload
     itself; its two paths round the clip norm differently: ``test_offload_equals_plain``);
   * checkpoints (ZeRO 2, Shampoo): saved after 2 steps, a fresh engine loads and trains the
-    third: bit for bit with the uninterrupted run, rule state equal;
-  * resizes (the checkpoint index): that checkpoint at ep_size 1 (the experts' expert-DP group
-    1 -> 2 ranks), and one saved at world 4, ep_size 2 (ZeRO 1 Muon) resumed at world 2 (dense DP
-    4 -> 2, expert-DP 2 -> 1): the state as saved on the planned owners, then 2 steps bit for bit
-    with the reference continued from it (test_moe_elastic's snapshot and merge).
+    third: bit for bit with the uninterrupted run, rule state equal.  (Resizes with offload, ep_size
+    2 -> 1 and DP 4 -> 2, are rows of tests/test_ckpt_resume.py's scenario table.)
 
-Two ``run_distributed`` (world 4 saves, world 2 runs everything else); each scenario in its own
-``try``: one failing scenario fails one test.
+One ``run_distributed`` at world 2; each scenario in its own ``try``: one failing scenario fails
+one test.
 """
 from __future__ import annotations
 
@@ -60,8 +57,6 @@ DS_ADAMW = {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}
 TWINS.update({f"z{stage}_deepspeed_adamw_clip_twin": (stage, DS_ADAMW, STEPS, {"gradient_clipping": CLIP})
               for stage in (1, 2)})
 CKPT = "z2_shampoo_checkpoint"
-RESIZE = "z2_shampoo_resume_ep1"
-RESIZE_W4 = "z1_muon_w4_resume_w2"
 CKPT_TYPE = "CanzonaShampoo"
 
 
@@ -142,13 +137,11 @@ def _twin(rank, world, stage, opt_type, steps, extra):
 
 
 def _checkpoint(rank, world, root):
-    """Save after 2 steps, train 1 more; a fresh engine loads and trains the same step.  Also
-    what the saving ranks held (test_moe_elastic's snapshot), for the resize."""
+    """Save after 2 steps, train 1 more; a fresh engine loads and trains the same step."""
     import torch
 
     from canzona_testkit.models import batches
     from canzona_testkit.moe import run_moe_engine
-    from test_moe_elastic import _snapshot
 
     data = batches(3, 2 * world)
     cfg = _cfg(world, 2, CKPT_TYPE)
@@ -157,7 +150,6 @@ def _checkpoint(rank, world, root):
     def after_step(step, params):
         if step == 2:
             saved["engine"].save_checkpoint(root, tag="two")
-            saved["snapshot"] = _snapshot(saved["engine"])
 
     straight, _, engine = run_moe_engine(rank, world, EP, cfg, 3, after_init=lambda e: saved.update(engine=e),
                                          after_step=after_step, data=data)
@@ -169,47 +161,10 @@ def _checkpoint(rank, world, root):
                                                         for n in state for k in state[n])
     res = dict(straight=straight, resumed=resumed, same_state=same_state,
                cpu_offload=bool(engine2.optimizer.cpu_offload), experts=sorted(n for n in state if ".experts." in n))
-    return res, saved["snapshot"]
+    return res
 
 
-def _resume(rank, world, root, tag, saved, ep, stage, opt_type):
-    """Load ``root``/``tag`` at (world, ep), then 2 steps; ``saved``: the saving ranks' merged state."""
-    from canzona_testkit.models import batches
-    from canzona_testkit.moe import reference_run, run_moe_engine
-    from test_moe_elastic import _as_torch, _snapshot
-
-    loaded = {}
-
-    def load(engine):
-        engine.load_checkpoint(root, tag=tag)
-        loaded.update(_snapshot(engine))
-
-    data = batches(2, 2 * world, seed=7)
-    params, _, engine = run_moe_engine(rank, world, ep, _cfg(world, stage, opt_type), 2, after_init=load, data=data)
-    out = dict(loaded=loaded, params=params, saved=saved, cpu_offload=bool(engine.optimizer.cpu_offload))
-    if rank == 0:
-        out["ref"] = reference_run(world, ep, 2, opt_type, data=data, start=_as_torch(saved))
-    return out
-
-
-def _save_w4(rank, world, root):
-    """World 4, ep_size 2, ZeRO 1 Muon with offload: 2 steps, save; what each rank held."""
-    from canzona_testkit.models import batches
-    from canzona_testkit.moe import run_moe_engine
-    from test_moe_elastic import _snapshot
-
-    try:
-        cfg = _cfg(world, 1, "CanzonaMuon")
-        _, _, engine = run_moe_engine(rank, world, EP, cfg, 2, data=batches(2, 2 * world, seed=1))
-        engine.save_checkpoint(root, tag="w4")
-        return _snapshot(engine)
-    except Exception:  # noqa: BLE001
-        return traceback.format_exc()
-
-
-def _worker(rank, world, root, saved_w4):
-    import torch.distributed as dist
-
+def _worker(rank, world, root):
     from canzona_testkit.moe import reference_run
 
     out, refs = {}, {}
@@ -228,38 +183,16 @@ def _worker(rank, world, root, saved_w4):
             out[name] = _twin(rank, world, *args)
         except Exception:  # noqa: BLE001
             out[name] = traceback.format_exc()
-    snaps = None
     try:
-        out[CKPT], snaps = _checkpoint(rank, world, root)
+        out[CKPT] = _checkpoint(rank, world, root)
     except Exception:  # noqa: BLE001
         out[CKPT] = traceback.format_exc()
-    try:  # the same checkpoint at ep_size 1
-        if snaps is None:
-            raise RuntimeError("the checkpoint scenario failed")
-        from test_moe_elastic import _merge
-
-        gathered = [None] * world
-        dist.all_gather_object(gathered, snaps)
-        out[RESIZE] = _resume(rank, world, root, "two", _merge(gathered), 1, 2, CKPT_TYPE)
-    except Exception:  # noqa: BLE001
-        out[RESIZE] = traceback.format_exc()
-    try:  # world 4 -> 2 (the dense plan over DP 4 -> 2, the experts' expert-DP groups 2 -> 1)
-        if isinstance(saved_w4, str):
-            raise RuntimeError("saving at world 4 failed:\n" + saved_w4)
-        out[RESIZE_W4] = _resume(rank, world, root, "w4", saved_w4, EP, 1, "CanzonaMuon")
-    except Exception:  # noqa: BLE001
-        out[RESIZE_W4] = traceback.format_exc()
     return out
 
 
 @lru_cache(maxsize=None)
 def _run() -> list:
-    root = scratch_dir("canzona_moe_offload_")
-    from test_moe_elastic import _merge
-
-    snaps = run_distributed(_save_w4, 4, root, timeout=900)
-    bad = next((s for s in snaps if isinstance(s, str)), None)
-    return run_distributed(_worker, 2, root, bad if bad is not None else _merge(snaps), timeout=900)
+    return run_distributed(_worker, 2, scratch_dir("canzona_moe_offload_"), timeout=900)
 
 
 def _results(name: str) -> list:
@@ -351,44 +284,3 @@ def test_offload_checkpoint_round_trip():
     for r in res:
         _eq(r["resumed"], r["straight"], "resumed")
         assert r["same_state"] and r["cpu_offload"] and len(r["experts"]) == 4, r["experts"]
-
-
-def _check_resumed(name: str, ep: int) -> None:
-    """Right after loading: each matrix's fp32 master and rule state, every AdamW piece as saved,
-    on exactly one rank, the planned owner of its new (expert-)DP group; then 2 steps bit for
-    bit with the reference continued from the saved state at the new size."""
-    res = _results(name)
-    saved = res[0]["saved"]
-    holders = {}
-    for rank, r in enumerate(res):
-        got = r["loaded"]
-        assert r["cpu_offload"] and got["ep"] == (ep, rank % ep) and got["matrix_step"] == saved.matrix_step == 2
-        for n, w in got["master"].items():
-            holders.setdefault(n, []).append(rank)
-            np.testing.assert_array_equal(w, saved.params[n], err_msg=f"fp32 master of {n} on rank {rank}")
-            key = f"ep_size_{ep}" if ".experts." in n else "None"
-            assert got["owners"][n] == got["groups"][key][0], (n, got["groups"])
-            assert got["groups"][key][1] == (2 // ep if ".experts." in n else 2), (n, got["groups"])
-        assert set(got["rule_state"]) == set(got["master"])
-        for n, st in got["rule_state"].items():
-            for k, v in st.items():
-                np.testing.assert_array_equal(v, saved.rule_state[n][k], err_msg=f"{k} of {n} on rank {rank}")
-        for n, a, b, m, ea, eas in got["adam"]:
-            for value, want in ((m, saved.params[n]), (ea, saved.adam[n]["exp_avg"]),
-                                (eas, saved.adam[n]["exp_avg_sq"])):
-                np.testing.assert_array_equal(value, np.asarray(want).reshape(-1)[a:b], err_msg=f"{n} [{a}, {b})")
-        _eq(r["params"], res[0]["ref"], f"{name}: after 2 steps")
-    assert sorted(holders) == sorted(saved.rule_state) and len([n for n in holders if ".experts." in n]) == 8
-    assert all(len(v) == 1 for v in holders.values()), holders
-
-
-def test_offload_checkpoint_resumed_at_ep_size_1():
-    """Saved at world 2, ep_size 2 (expert-DP groups of one rank), resumed at ep_size 1 (both
-    ranks hold every expert, planned over an expert-DP group of 2)."""
-    _check_resumed(RESIZE, 1)
-
-
-def test_offload_checkpoint_resumed_at_world_2():
-    """Saved at world 4, ep_size 2 (ZeRO 1 Muon), resumed at world 2: the dense plan over DP
-    4 -> 2, the experts' expert-DP groups 2 -> 1."""
-    _check_resumed(RESIZE_W4, EP)

@@ -18,7 +18,6 @@ mixed"``, ``"z1 tp2 dp2 ep2"``, ``"z1 pp2 dp1"``.  A family module has three fun
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, fields
 from types import SimpleNamespace
 
@@ -65,6 +64,12 @@ class Layout:
         if "stage" not in kw:
             raise ValueError(f"layout {spec!r} names no ZeRO stage (z0-z3)")
         return cls(**kw)
+
+    def __str__(self) -> str:
+        out = [f"z{self.stage}", f"dp{self.dp}"] + [f"{k}{getattr(self, k)}" for k in ("tp", "pp", "ep")
+                                                   if getattr(self, k) != 1]
+        out += [] if self.epb is None else [f"epb{self.epb}"]
+        return " ".join(out + [k for k in ("offload", "mixed", "before") if getattr(self, k)])
 
     @property
     def world(self) -> int:
