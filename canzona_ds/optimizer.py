@@ -446,11 +446,6 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             "matrix_state": {n: dict(st) for n, st in self.matrix_state.items()},
             "piece_state": {n: dict(st) for n, st in self.piece_state.items()},
             "config": self.config.describe(),
-            # every param group's parameters by name, and by whole-model name (DeepSpeed MoE: local
-            # expert j of expert-parallel rank k is global expert k*E/ep + j): what a stage-0 MoE
-            # checkpoint written before the index is adapted by (integration/ckpt_legacy.py)
-            "param_names": [list(names) for names in self.group_names],
-            "global_names": [[self.global_name(n) for n in names] for names in self.group_names],
         }
         return sd
 

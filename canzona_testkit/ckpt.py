@@ -9,6 +9,7 @@ Every tensor is a copy (the files are memory-mapped).
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,3 +63,52 @@ def read(ckpt_dir: str, tag: str | None = None) -> Whole:
                  client_state=src.client_state,
                  source={"dp": m.get("dp"), "tp": m.get("tp"), "pp": m.get("pp"), "stage": m.get("stage"),
                          "dir": src.folder})
+
+
+@contextmanager
+def pre_index_records():
+    """Inside: saves also write the records canzona-ds wrote before the checkpoint index (a ZeRO
+    file's ``canzona_layout``, the optimizer state's ``param_names`` / ``global_names``), from the
+    same producers; a tag so written, its index and manifest removed, is a pre-index tag
+    (``integration/ckpt_legacy.py`` adapts it).  Call inside the saving worker."""
+    from canzona_ds.integration.zero import zero_optimizer_class
+    from canzona_ds.integration.zero3 import zero3_optimizer_class
+    from canzona_ds.optimizer import STATE_KEY, CanzonaOptimizer
+
+    def with_layout(cls):
+        stock = cls.state_dict
+
+        def state_dict(self):
+            sd = stock(self)
+            sd["canzona_layout"] = self.canzona_layout_meta()
+            return sd
+
+        return stock, state_dict
+
+    def with_names(self):
+        sd = stock_opt(self)
+        sd[STATE_KEY]["param_names"] = [list(names) for names in self.group_names]
+        sd[STATE_KEY]["global_names"] = [[self.global_name(n) for n in names] for names in self.group_names]
+        return sd
+
+    classes = [zero_optimizer_class(), zero3_optimizer_class()]
+    patched = [with_layout(cls) for cls in classes]
+    stock_opt = CanzonaOptimizer.state_dict
+    for cls, (_, new) in zip(classes, patched):
+        cls.state_dict = new
+    CanzonaOptimizer.state_dict = with_names
+    try:
+        yield
+    finally:
+        for cls, (old, _) in zip(classes, patched):
+            cls.state_dict = old
+        CanzonaOptimizer.state_dict = stock_opt
+
+
+def save_pre_index(rank: int, world: int, module: str, *args):
+    """A worker: ``module``'s ``save`` (a canzona_testkit.resume family) inside
+    :func:`pre_index_records`."""
+    import importlib
+
+    with pre_index_records():
+        return importlib.import_module(module).save(rank, world, *args)

@@ -82,12 +82,19 @@ def saved(tmp_path_factory):
     """One saved checkpoint per (model, optimizer, saved layout), shared by its scenarios."""
     made = {}
 
-    def get(model: str, opt_type: str, spec: str) -> str:
-        key = (model, opt_type, spec)
+    def get(model: str, opt_type: str, spec: str, old: bool = False) -> str:
+        """``old``: the save writes the pre-index records too (canzona_testkit.ckpt.pre_index_records:
+        for _pre_index)."""
+        key = (model, opt_type, spec, old)
         if key not in made:
+            from canzona_testkit.ckpt import save_pre_index
+
             lay = Layout.parse(spec)
-            ckpt = str(tmp_path_factory.mktemp(f"saved-{model}-{opt_type}-{spec.replace(' ', '')}"))
-            run_distributed(family(model).save, lay.world, model, lay, opt_type, ckpt)
+            ckpt = str(tmp_path_factory.mktemp(f"saved-{model}-{opt_type}-{spec.replace(' ', '')}{'-old' * old}"))
+            if old:
+                run_distributed(save_pre_index, lay.world, family(model).__name__, model, lay, opt_type, ckpt)
+            else:
+                run_distributed(family(model).save, lay.world, model, lay, opt_type, ckpt)
             made[key] = ckpt
         return made[key]
 
@@ -119,7 +126,7 @@ PRE_INDEX_RESUMES = [("dense", M, "z1 dp2", "z1 dp1"), ("dense", SO, "z2 dp2", "
 def test_pre_index_tag_resumes_through_the_index(saved, tmp_path, model, opt_type, a, b):
     from canzona_ds.integration.ckpt_legacy import legacy_index
 
-    ckpt = _pre_index(saved(model, opt_type, a), str(tmp_path / "old"))
+    ckpt = _pre_index(saved(model, opt_type, a, old=True), str(tmp_path / "old"))
     adapted = legacy_index(os.path.join(ckpt, "saved"))
     assert adapted is not None and adapted.chunks is not None
     _resume_and_check(ckpt, tmp_path, model, opt_type, a, b, adapted)
@@ -130,15 +137,15 @@ def test_zero3_tag_written_before_the_index_is_adapted(saved, tmp_path):
     DP size through an index built from its layout records, bit for bit."""
     from canzona_ds.integration.ckpt_legacy import legacy_zero3_index
 
-    ckpt = _pre_index(saved("dense", SO, "z3 dp2"), str(tmp_path / "old"))
+    ckpt = _pre_index(saved("dense", SO, "z3 dp2", old=True), str(tmp_path / "old"))
     adapted = legacy_zero3_index(os.path.join(ckpt, "saved"))
     assert adapted is not None and adapted.meta["adapted_from"]
     _resume_and_check(ckpt, tmp_path, "dense", SO, "z3 dp2", "z3 dp1", adapted)
 
 
 def _pre_index(src: str, dst: str) -> str:
-    """A copy of tag ``src/saved`` as canzona-ds wrote it before the index: the same files (the
-    save still writes the same ``canzona_layout`` and stage-0 records), no index, no manifest."""
+    """A copy of tag ``src/saved`` (saved with ``old=True``: the records canzona-ds wrote before
+    the index too) as canzona-ds wrote it before the index: the same files, no index, no manifest."""
     import shutil
 
     from canzona_ds import checkpoint as ck
@@ -160,7 +167,7 @@ PRE_INDEX = [("dense", M, "z1 dp2"), ("dense", SH, "z2 dp2"), ("dense", M, "z0 d
 def test_pre_index_tag_is_adapted_to_the_index_it_would_have_had(saved, tmp_path, model, opt_type, spec):
     """The index built from a pre-index tag's records (ckpt_legacy.legacy_index) describes every
     (name, state) the save's own index does, with the same values, shapes and meta."""
-    src = saved(model, opt_type, spec)
+    src = saved(model, opt_type, spec, old=True)
     adapted = _assert_faithful(os.path.join(src, "saved"), os.path.join(_pre_index(src, str(tmp_path / "old")), "saved"))
     from safetensors.torch import load_file
 
@@ -182,7 +189,7 @@ def test_pre_index_tag_with_unreadable_records_is_refused_by_name(saved, tmp_pat
     from canzona_ds.ckpt import CheckpointIndexError
     from canzona_ds.integration.ckpt_legacy import legacy_index
 
-    old = os.path.join(_pre_index(saved("dense", M, "z1 dp2"), str(tmp_path / "old")), "saved")
+    old = os.path.join(_pre_index(saved("dense", M, "z1 dp2", old=True), str(tmp_path / "old")), "saved")
     path = os.path.join(old, "zero_pp_rank_0_mp_rank_00_optim_states.pt")
     sd = torch.load(path, weights_only=False)
     del sd["optimizer_state_dict"]["canzona_layout"]["roles"]  # a record no release wrote
@@ -419,6 +426,30 @@ def _load_other_stage(rank, dp, ckpt):
 
 
 # ------------------------------------------------------------------------------ canzona-ckpt
+@pytest.mark.parametrize("spec", ["z1 dp2", "z3 dp2", "z0 dp2"])
+def test_a_save_writes_the_index_and_no_layout_records(saved, spec):
+    """The index is the one description of a tag: the ZeRO files carry no ``canzona_layout``
+    record and the optimizer state no parameter-name lists (what canzona-ds wrote before the
+    index, and what ckpt_legacy.py still adapts)."""
+    from canzona_ds import checkpoint as ck
+
+    folder = os.path.join(saved("dense", SO if spec.startswith("z3") else M, spec), "saved")
+    assert os.path.isfile(os.path.join(folder, ck.INDEX))
+    checked = 0
+    for f in sorted(os.listdir(folder)):
+        if not f.endswith(".pt"):
+            continue
+        sd = torch.load(os.path.join(folder, f), weights_only=False)
+        opt = sd.get("optimizer_state_dict") or sd.get("optimizer")
+        if not isinstance(opt, dict):
+            continue
+        assert "canzona_layout" not in opt, f
+        canzona = (opt.get("base_optimizer_state") or opt.get("optimizer_state_dict") or opt).get("canzona")
+        assert canzona is not None and not {"param_names", "global_names"} & set(canzona), (f, sorted(canzona))
+        checked += 1
+    assert checked >= 1
+
+
 def test_canzona_ckpt_inspect_verify_convert(saved, tmp_path, capsys):
     from safetensors.torch import load_file
 
@@ -622,6 +653,36 @@ def test_canzona_checkpoint_opened_by_another_optimizer_is_refused(saved):
     ckpt = saved("dense", M, "z1 dp2")
     for msg in run_distributed(_foreign, 2, ckpt):
         assert msg is not None and "written by a Canzona optimizer" in msg and "canzona-ckpt convert" in msg, msg
+
+
+def _foreign_save_canzona_load(rank, dp, ckpt, stage):
+    """DeepSpeed's own AdamW saves; a Canzona engine at the same layout loads it."""
+    import deepspeed
+
+    import canzona_ds  # noqa: F401
+
+    adamw = {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}
+    model = make_model(0)
+    cfg = dense.config(Layout(stage, dp), M)
+    cfg["optimizer"] = adamw
+    engine = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)[0]
+    _train(engine, rank, 1, 1)
+    engine.save_checkpoint(ckpt, tag="foreign")
+    engine = _engine(dp, stage, M)
+    try:
+        engine.load_checkpoint(ckpt, tag="foreign")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_another_optimizers_checkpoint_opened_by_canzona_is_refused(tmp_path, stage):
+    """A checkpoint DeepSpeed's own AdamW wrote (no index, no Canzona state) loaded with a Canzona
+    optimizer's state: refused by name on every rank, with the way out."""
+    for msg in run_distributed(_foreign_save_canzona_load, 2, str(tmp_path / "ckpt"), stage):
+        assert msg is not None and "not written by a Canzona optimizer" in msg and "load_module_only" in msg or \
+            "load_optimizer_states=False" in msg, msg
 
 
 # ------------------------------------------------------------------------------ tensor parallelism

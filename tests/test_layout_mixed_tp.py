@@ -9,7 +9,7 @@ keep the TP runtime: three runtimes, stepped in that order on every rank.
 * pure: GridSplit's pieces and assembly equal TPMatrix's layout; the TP host choice, seeded with
   the owned TP runtime's load on each (dp, tp) cell (planning/mixed.tp_cells: a constructed plan
   where ignoring it gives a worse cell, and Qwen3-8B at TP=8); a layout record whose grid hosts
-  sit at other TP ranks is another layout (integration/zero.same_layout); the plan refuses a
+  sit at other TP ranks is another layout (its fingerprint, integration/ckpt_index.record_fingerprint); the plan refuses a
   mixed layout of TP-split matrices only where no grid group exists;
 * real processes (gloo, the Megatron stand-in of tests/test_zero_tp.py, DP2 x TP2 = 4 ranks,
   ``layout: "mixed"``): Muon, Shampoo and SOAP at ZeRO-1 (Muon and SOAP at ZeRO-2 too) are
@@ -146,14 +146,14 @@ def test_tp_cells_on_qwen3_at_tp8_lower_the_worst_cell():
         assert after < 0.9 * before, (dp, before, after)
 
 
-def test_same_layout_compares_the_grid_hosts_tp_ranks():
-    from canzona_ds.integration.zero import grid_tp_hosts_of, same_layout
+def test_layout_fingerprint_covers_the_grid_hosts_tp_ranks():
+    from canzona_ds.integration.ckpt_index import record_fingerprint as fp
 
     rec = {"fingerprint": "f", "hosted": {"w": {"host": 0, "tp_host": 1}, "m": {"host": 1}}}
-    assert grid_tp_hosts_of(rec) == {"w": 1} and same_layout(rec, dict(rec))
+    assert fp(rec) == fp(dict(rec))
     moved = {"fingerprint": "f", "hosted": {"w": {"host": 0, "tp_host": 0}, "m": {"host": 1}}}
-    assert not same_layout(rec, moved) and not same_layout({**rec, "fingerprint": "g"}, rec)
-    assert same_layout({"fingerprint": "f"}, {"fingerprint": "f", "hosted": {}})  # an owned layout's record
+    assert fp(rec) != fp(moved) and fp({**rec, "fingerprint": "g"}) != fp(rec)
+    assert fp({"fingerprint": "f"}) == fp({"fingerprint": "f", "hosted": {}})  # an owned layout's record
 
 
 def test_plan_hosts_tp_matrices_only_with_a_grid_group():

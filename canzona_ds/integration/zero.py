@@ -39,28 +39,8 @@ from typing import Any
 
 import torch
 
-from ..optimizer import MATRIX, CanzonaOptimizer, FlatView
+from ..optimizer import MATRIX, STATE_KEY, CanzonaOptimizer, FlatView
 from .pinned import check_instance
-
-LAYOUT_KEY = "canzona_layout"
-
-
-def grid_tp_hosts_of(meta: dict) -> dict:
-    """Name -> TP rank of the host of every grid-hosted matrix in a layout record
-    (``canzona_layout_meta()["hosted"][name]["tp_host"]``; a record without any: {})."""
-    return {n: h["tp_host"] for n, h in (meta.get("hosted") or {}).items() if h.get("tp_host") is not None}
-
-
-def same_layout(saved: dict, current: dict) -> bool:
-    """Whether a checkpoint's layout record (``saved``) places every matrix and its rule state as
-    this run does (``current``): the plan's and layout's fingerprint, and the TP rank of each
-    grid-hosted matrix's host, which the fingerprint does not cover (it is chosen after the
-    plan, planning/mixed.tp_cells: a checkpoint written by a version that chose another TP rank
-    keeps that matrix's rule state in another TP rank's file, so it resumes through the
-    checkpoint index, which finds state by name)."""
-    return saved.get("fingerprint") == current.get("fingerprint") and \
-        grid_tp_hosts_of(saved) == grid_tp_hosts_of(current)
-
 
 def _make_zero_class():
     from deepspeed import comm as dist
@@ -246,9 +226,9 @@ def _make_zero_class():
             verify_same_across_group(f"dp_rank={dp_rank}", opt.tp_group, what="DP rank within the TP group (mpu)")
 
         def canzona_layout_meta(self) -> dict:
-            """What the layout depends on, recorded in checkpoints; with the tensor-parallel
-            layout of every TP-split parameter, enough to rebuild every matrix and its state
-            at another DP or TP size (integration/ckpt_legacy.py reads it from tags without an index)."""
+            """What the layout depends on (its fingerprint: ckpt_index.layout_fingerprint), with the
+            tensor-parallel layout of every TP-split parameter.  canzona-ds wrote this record into
+            every ZeRO file before the checkpoint index (integration/ckpt_legacy.py adapts such tags)."""
             from ..tp.layout import tp_blocks
             from ..tp.runtime import TPMatrix
 
@@ -376,41 +356,15 @@ def _make_zero_class():
             clip.clip(grad_groups_flat, total_norm, self.clip_grad, self.loss_scale)
 
         # -- checkpoints --------------------------------------------------------------
-        def state_dict(self):
-            sd = super().state_dict()
-            sd[LAYOUT_KEY] = self.canzona_layout_meta()
-            return sd
-
         def _load_legacy_checkpoint(self, state_dict_list, load_optimizer_states=True, load_from_fp32_weights=False):
-            dp = dist.get_world_size(group=self.dp_process_group)
-            rank = dist.get_rank(group=self.dp_process_group)
-            mine = state_dict_list[rank] if rank < len(state_dict_list) else None
-            mine = mine if mine is not None else next((s for s in state_dict_list if s is not None), None)
-            saved = mine.get(LAYOUT_KEY) if mine is not None else None
-            current = self.canzona_layout_meta()
-            if saved is None:
-                raise ValueError("This ZeRO checkpoint was not written by a Canzona optimizer (no 'canzona_layout'); "
-                                 "load it with the optimizer that wrote it, or load the module weights only "
-                                 "(load_optimizer_states=False, load_module_only=True).")
-            if len(state_dict_list) != dp or not same_layout(saved, current):
-                was, now = grid_tp_hosts_of(saved), grid_tp_hosts_of(current)
-                hosts = "" if was == now else f"; grid hosts' TP ranks saved {was}, now {now}"
-                raise ValueError(
-                    f"Canzona checkpoint layout differs from this run: saved with DP={saved['world_size']} "
-                    f"(planner={saved['planner']}, P={saved['shard_numel']}, {len(state_dict_list)} shards), "
-                    f"now DP={current['world_size']} (planner={current['planner']}, P={current['shard_numel']})"
-                    f"{hosts}. "
-                    "Load it with canzona_ds.checkpoint.load() or engine.load_checkpoint() after `import "
-                    "canzona_ds` (both resume at another DP/TP size: docs/checkpoints.md), or resume with the same "
-                    "DP size and optimizer params.")
-            moved = expert_ranks_moved(saved, current)
-            if moved:  # DeepSpeed's own load would read another rank's expert partition into this one
-                raise ValueError(
-                    "Canzona checkpoint's DeepSpeed MoE expert groups are laid out otherwise than this run's at the "
-                    f"same sizes ({'; '.join(moved)}): ds_config use_data_before_expert_parallelism (or the "
-                    "expert groups) changed since it was saved. Load it with engine.load_checkpoint() after `import "
-                    "canzona_ds` (the checkpoint index moves every expert to its new rank), or resume with the saved "
-                    "use_data_before_expert_parallelism.")
+            # DeepSpeed's stock load: engine.load_checkpoint takes it only where the checkpoint
+            # index's fingerprints equal this run's (integration/ckpt_index.index_route); what is
+            # left to refuse is a file no Canzona optimizer wrote
+            if load_optimizer_states and not all(STATE_KEY in (sd.get("base_optimizer_state") or {})
+                                                 for sd in state_dict_list if sd is not None):
+                raise ValueError("This ZeRO checkpoint was not written by a Canzona optimizer (its optimizer state has "
+                                 f"no {STATE_KEY!r} entry); load it with the optimizer that wrote it, or load the "
+                                 "module weights only (load_optimizer_states=False, load_module_only=True).")
             return super()._load_legacy_checkpoint(state_dict_list, load_optimizer_states, load_from_fp32_weights)
 
         def _load_universal_checkpoint(self, checkpoint_folder, load_optimizer_states, load_from_fp32_weights):
@@ -420,24 +374,6 @@ def _make_zero_class():
                              "files by parameter name (docs/checkpoints.md).")
 
     return CanzonaZeroOptimizer
-
-
-def expert_ranks_moved(saved: dict, current: dict) -> list[str]:
-    """The DeepSpeed MoE expert groups whose place of this rank differs between ``saved`` (the
-    layout record of this rank's own checkpoint file) and ``current`` (this run's): its
-    expert-parallel size or rank, or its expert-DP rank.  At the same DP/TP size that happens when
-    the expert groups are laid out otherwise (ds_config ``use_data_before_expert_parallelism``
-    changed: DeepSpeed numbers the ZeRO files by DP rank, so this rank's file would hold another
-    rank's experts).  Records without these keys (an older canzona-ds) cannot tell: none listed."""
-    moved = []
-    for key, info in sorted((saved.get("moe") or {}).items()):
-        now = (current.get("moe") or {}).get(key)
-        if now is None:
-            continue  # another set of expert groups: the fingerprint differs
-        if any(k in info and int(info[k]) != int(now[k]) for k in ("ep_size", "ep_rank", "edp_rank")):
-            moved.append(f"{key}: saved ep_rank {info.get('ep_rank')}/edp_rank {info.get('edp_rank')}, "
-                         f"now {now['ep_rank']}/{now['edp_rank']}")
-    return moved
 
 
 _ZERO_CLASS = None

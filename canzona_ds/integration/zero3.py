@@ -46,12 +46,10 @@ from typing import Any
 
 import torch
 
-from ..optimizer import MATRIX, CanzonaOptimizer
+from ..optimizer import MATRIX, STATE_KEY, CanzonaOptimizer
 from ..placement import FlatPiece
 from ..tp.runtime import FlatSplit
 from .pinned import check_instance
-
-LAYOUT_KEY = "canzona_layout"
 
 #: DeepSpeedZeroOptimizer_Stage3 instance attributes the subclass reads
 ZERO3_INSTANCE_ATTRS: tuple[str, ...] = (
@@ -140,7 +138,9 @@ def _make_zero3_class():
                 opt.tp_runtime.comm_device = self._canzona_comm_device
 
         def canzona_layout_meta(self) -> dict:
-            """What the rule state's placement depends on (recorded in checkpoints)."""
+            """What the rule state's placement depends on (its fingerprint:
+            ckpt_index.layout_fingerprint); written into every ZeRO-3 file before the checkpoint
+            index (integration/ckpt_legacy.py adapts such tags)."""
             opt = self._canzona
             runtime = opt.tp_runtime
             payload = {"dp": self.partition_count, "runtime": None if runtime is None else runtime.fingerprint(),
@@ -185,33 +185,19 @@ def _make_zero3_class():
                 g.mul_(coef.to(g.device, g.dtype) if torch.is_tensor(coef) else coef)
 
         # -- checkpoints --------------------------------------------------------------
-        def state_dict(self):
-            sd = super().state_dict()
-            sd[LAYOUT_KEY] = self.canzona_layout_meta()
-            return sd
-
         def load_state_dict(self, state_dict_list, load_optimizer_states=True, load_from_fp32_weights=False,
                             checkpoint_folder=None, load_serial=None, param_shapes=None):
+            # DeepSpeed's stock load: engine.load_checkpoint takes it only where the checkpoint
+            # index's fingerprints equal this run's (integration/ckpt_index.index_route)
             if checkpoint_folder:
                 raise ValueError("Canzona optimizers do not load DeepSpeed universal checkpoints (ds_to_universal "
-                                 "drops per-matrix optimizer state); resume a Canzona ZeRO-3 checkpoint with "
-                                 "engine.load_checkpoint() at the DP size it was saved at.")
-            rank = dist.get_rank(group=self.dp_process_group)
-            mine = state_dict_list[rank] if rank < len(state_dict_list) else None
-            saved = (mine or {}).get(LAYOUT_KEY)
-            current = self.canzona_layout_meta()
-            if load_optimizer_states:
-                if saved is None or saved.get("kind") != "zero3":
-                    raise ValueError("This checkpoint was not written by a Canzona optimizer at ZeRO stage 3 (no "
-                                     "'canzona_layout' of kind 'zero3'); load it with the optimizer and stage that "
-                                     "wrote it, or load the module weights only (load_optimizer_states=False).")
-                if len(state_dict_list) != current["world_size"] or saved["fingerprint"] != current["fingerprint"]:
-                    raise ValueError(
-                        f"Canzona ZeRO-3 checkpoint layout differs from this run: saved at DP={saved['world_size']} "
-                        f"with rule {saved['rule']!r} over {len(saved['matrix_names'])} matrices, now DP="
-                        f"{current['world_size']} with {current['rule']!r} over {len(current['matrix_names'])}. "
-                        "engine.load_checkpoint() after `import canzona_ds` resumes it (docs/zero3.md); this "
-                        "lower-level load needs the same DP size, rule and plan.")
+                                 "drops per-matrix optimizer state); engine.load_checkpoint() of a Canzona checkpoint "
+                                 "resumes at another DP size or ZeRO stage directly (docs/checkpoints.md).")
+            if load_optimizer_states and not all(STATE_KEY in (sd.get("optimizer_state_dict") or {})
+                                                 for sd in state_dict_list if sd is not None):
+                raise ValueError("This checkpoint was not written by a Canzona optimizer at ZeRO stage 3 (its "
+                                 f"optimizer state has no {STATE_KEY!r} entry); load it with the optimizer and stage "
+                                 "that wrote it, or load the module weights only (load_optimizer_states=False).")
             return super().load_state_dict(state_dict_list, load_optimizer_states, load_from_fp32_weights,
                                            checkpoint_folder, load_serial, param_shapes)
 
