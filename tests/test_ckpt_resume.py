@@ -123,17 +123,26 @@ def test_resume_across_layouts(saved, tmp_path, model, opt_type, a, b):
     _resume_and_check(saved(model, opt_type, a), tmp_path, model, opt_type, a, b)
 
 
-def test_moe_tp_zero0_checkpoint_at_another_tp_size_is_refused(saved):
-    """A ZeRO stage 0 MoE x TP checkpoint keeps DeepSpeed's own files (the module per TP rank,
-    expp_rank optimizer files): its index describes no chunks, so it loads at its own TP size
-    only; at another TP size every rank refuses it by name, naming both layouts."""
+#: MoE x TP loads refused by name on every rank: (optimizer, saved layout, running layout, texts)
+MOE_TP_REFUSED = [
+    # ZeRO 0 keeps DeepSpeed's own files (the module per TP rank, expp_rank optimizer files): its
+    # index describes no chunks, so only its own TP size loads
+    (M, "z0 tp2 dp1 ep2", "z0 tp1 dp2 ep2", ("saved at ZeRO stage 0, DP=1, TP=2", "tensor parallelism at ZeRO stage 0",
+                                             "this run has ZeRO stage 0, DP=2, TP=1")),
+    # a MoE x TP run in the mixed layout loads its own size and layout only (the moetp mixed
+    # row's checkpoint resumes owned)
+    (M, "z1 tp2 dp2 ep2 mixed", "z1 tp2 dp1 ep2 mixed", ("MoE with tensor parallelism (TP=2) in the mixed ZeRO layout",
+                                                        "set layout 'owned'")),
+]
+
+
+@pytest.mark.parametrize("opt_type,a,b,texts", MOE_TP_REFUSED, ids=[_id(("moetp",) + r[:3]) for r in MOE_TP_REFUSED])
+def test_moe_tp_load_is_refused_by_name(saved, opt_type, a, b, texts):
     from canzona_testkit.resume import moetp
 
-    ckpt, lay = saved("moetp", M, "z0 tp2 dp1 ep2"), Layout.parse("z0 tp1 dp2 ep2")
-    for msg in run_distributed(moetp.refused, lay.world, "moetp", lay, M, ckpt):
-        assert msg is not None and all(text in msg for text in (
-            "saved at ZeRO stage 0, DP=1, TP=2", "tensor parallelism at ZeRO stage 0",
-            "this run has ZeRO stage 0, DP=2, TP=1")), msg
+    lay = Layout.parse(b)
+    for msg in run_distributed(moetp.refused, lay.world, "moetp", lay, opt_type, saved("moetp", opt_type, a)):
+        assert msg is not None and all(text in msg for text in texts), msg
 
 
 def test_moe_pipeline_checkpoint_read_whole_by_name(saved):
