@@ -34,7 +34,7 @@ OUT = ROOT / "benchmarks" / "results" / "cpu_kernels.json"
 AVX2 = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 TESTS = [
     "tests/test_zero3.py::test_dp2_bit_exact[CanzonaMuon]",
-    "tests/test_moe_tp_elastic.py::test_moe_tp_resume_at_new_size[tp2dp2ep2_to_ep1_z1_muon]",
+    "tests/test_ckpt_resume.py::test_resume_across_layouts[moetp-Muon-z2tp2dp2ep1-to-z2tp2dp1ep2]",
     "tests/test_train_hf.py::test_hf_trainer_qwen3_moe_exact_against_per_expert_reference[CanzonaMuon]",
     "tests/test_experts.py::test_dp2_equals_per_expert_reference[CanzonaMuon-1]",
     "tests/test_train_job.py::test_resume_continues_the_same_trajectory",

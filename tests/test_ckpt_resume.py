@@ -29,10 +29,11 @@ import torch
 from canzona_testkit.dist import run_distributed
 from canzona_testkit.models import HP, ds_config, make_model, params_of
 from canzona_testkit.resume import AFTER, BEFORE, CLIP, MICRO, Layout, assert_same_state, index_route_only  # noqa: F401
-from canzona_testkit.resume import assert_same_tp1_state, dense, start_state, tp1_state
+from canzona_testkit.resume import assert_same_tp1_state, dense, tp1_state
 
 #: model -> the family module that saves, resumes and checks it (canzona_testkit/resume/)
 FAMILIES = {"dense": "dense", "stacks": "dense", "moe": "moe", "moe-e2": "moe"}
+FAMILIES.update({"moetp": "moetp", "moepipe": "moepipe", "moepipe-s0": "moepipe"})
 
 M, SH, SO = "CanzonaMuon", "CanzonaShampoo", "CanzonaSOAP"
 #: (model, optimizer, saved layout, running layout) -- layouts as canzona_testkit.resume.Layout specs
@@ -65,6 +66,20 @@ SCENARIOS = [
     # mixed at another size, owned to mixed
     ("moe-e2", M, "z2 dp4 ep2 mixed", "z2 dp2 ep2"), ("moe-e2", M, "z2 dp4 ep2 mixed", "z2 dp2 ep2 mixed"),
     ("moe-e2", SO, "z1 dp4 ep2 mixed", "z1 dp2 ep2 mixed"), ("moe-e2", M, "z2 dp2 ep2", "z2 dp4 ep2 mixed"),
+    # moetp, moepipe: DeepSpeed MoE x TP (no clipping: DeepSpeed reduces the norm over the
+    # model-parallel group under TP) and MoE x PP (canzona_testkit/resume/moetp.py, moepipe.py)
+    # TP 2 -> 1 at DP 2 (ZeRO 1, 2, offloaded both sides), from ep_size 1 too; the mixed layout to owned
+    ("moetp", SH, "z1 tp2 dp2 ep2", "z1 tp1 dp2 ep2"), ("moetp", SO, "z2 tp2 dp2 ep2", "z2 tp1 dp2 ep2"),
+    ("moetp", SH, "z2 tp2 dp2 ep2 offload", "z2 tp1 dp2 ep2 offload"), ("moetp", M, "z2 tp2 dp2 ep1", "z2 tp1 dp2 ep2"),
+    ("moetp", M, "z1 tp2 dp2 ep2 mixed", "z1 tp1 dp2 ep2"),
+    # TP 2 kept: half the nodes (the expert-parallel group is the TP group), another ep_size; TP 1 -> 2
+    ("moetp", SH, "z1 tp2 dp2 ep2", "z1 tp2 dp1 ep2"), ("moetp", M, "z2 tp2 dp2 ep1", "z2 tp2 dp1 ep2"),
+    ("moetp", SH, "z1 tp2 dp2 ep2", "z1 tp2 dp2 ep1"), ("moetp", SO, "z1 tp1 dp2 ep2", "z1 tp2 dp2 ep2"),
+    # PP 2 x DP 2 (ep_size 2) at another DP size and ep_size, at ZeRO 0 (expp_rank files), Shampoo;
+    # MoE in stage 0 only (stage 1: the head, AdamW, no matrix)
+    ("moepipe", M, "z1 pp2 dp2 ep2", "z1 pp2 dp1 ep1"), ("moepipe", M, "z1 pp2 dp2 ep2", "z1 pp2 dp2 ep1"),
+    ("moepipe", M, "z0 pp2 dp2 ep2", "z0 pp2 dp1 ep1"), ("moepipe", SH, "z1 pp2 dp2 ep2", "z1 pp2 dp1 ep1"),
+    ("moepipe-s0", M, "z0 pp2 dp2 ep2", "z0 pp2 dp1 ep1"),
 ]
 
 
@@ -113,6 +128,73 @@ def _resume_and_check(ckpt, tmp_path, model, opt_type, a, b, index=None):
 @pytest.mark.parametrize("model,opt_type,a,b", SCENARIOS, ids=[_id(r) for r in SCENARIOS])
 def test_resume_across_layouts(saved, tmp_path, model, opt_type, a, b):
     _resume_and_check(saved(model, opt_type, a), tmp_path, model, opt_type, a, b)
+
+
+#: MoE x TP loads refused by name on every rank: (optimizer, saved layout, running layout, texts)
+MOE_TP_REFUSED = [
+    # ZeRO 0 keeps DeepSpeed's own files (the module per TP rank, expp_rank optimizer files): its
+    # index describes no chunks, so only its own TP size loads
+    (M, "z0 tp2 dp1 ep2", "z0 tp1 dp2 ep2", ("saved at ZeRO stage 0, DP=1, TP=2", "tensor parallelism at ZeRO stage 0",
+                                             "this run has ZeRO stage 0, DP=2, TP=1")),
+    # a MoE x TP run in the mixed layout loads its own size and layout only (the moetp mixed
+    # row's checkpoint resumes owned)
+    (M, "z1 tp2 dp2 ep2 mixed", "z1 tp2 dp1 ep2 mixed", ("MoE with tensor parallelism (TP=2) in the mixed ZeRO layout",
+                                                        "set layout 'owned'")),
+]
+
+
+@pytest.mark.parametrize("opt_type,a,b,texts", MOE_TP_REFUSED, ids=[_id(("moetp",) + r[:3]) for r in MOE_TP_REFUSED])
+def test_moe_tp_load_is_refused_by_name(saved, opt_type, a, b, texts):
+    from canzona_testkit.resume import moetp
+
+    lay = Layout.parse(b)
+    for msg in run_distributed(moetp.refused, lay.world, "moetp", lay, opt_type, saved("moetp", opt_type, a)):
+        assert msg is not None and all(text in msg for text in texts), msg
+
+
+def test_moe_pipeline_checkpoint_read_whole_by_name(saved):
+    """The offline form (``canzona_testkit.ckpt.read``, what ``canzona-ckpt convert`` writes): a
+    MoE x PP checkpoint read through its index, every stage's parameters and every expert by
+    whole-model name, equal to what the saving ranks held, bit for bit."""
+    from canzona_testkit.ckpt import read
+    from canzona_testkit.resume import moepipe
+
+    ckpt = saved("moepipe", M, "z1 pp2 dp2 ep2")
+    held = moepipe.saving_run(ckpt, 4)
+    params = {n: w for r in held for n, w in r["held"]["module"].items()}
+    rule_state = {n: st for r in held for n, st in r["held"]["rule_state"].items()}
+    got = read(ckpt, "saved")
+    assert sorted(got.params) == sorted(params) and sorted(got.rule_state) == sorted(rule_state)
+    assert len([n for n in rule_state if ".deepspeed_experts." in n]) == 2 * 4 * 2  # both stages' experts
+    for n, w in params.items():
+        np.testing.assert_array_equal(got.params[n].numpy(), w, err_msg=n)
+    for n, st in rule_state.items():
+        assert st and set(st) <= set(got.rule_state[n]), n
+        for k, v in st.items():
+            np.testing.assert_array_equal(got.rule_state[n][k].numpy(), v, err_msg=f"{k} of {n}")
+
+
+def _moe_pipe_into_plain_moe(rank, world, ckpt):
+    """The MoE x PP checkpoint into the tiny MoE model without pipeline parallelism (PP 1 x DP 2,
+    ep_size 2): another model (its parameters are not the pipeline's ``<layer>.<name>``)."""
+    from canzona_ds.ckpt import CheckpointIndexError
+    from canzona_testkit.moe import moe_ds_config, run_moe_engine
+
+    try:
+        run_moe_engine(rank, world, 2, moe_ds_config(world, optimizer="CanzonaMuon", stage=1), 1,
+                       after_init=lambda engine: engine.load_checkpoint(ckpt, tag="saved"))
+    except CheckpointIndexError as e:
+        return str(e)
+    return None
+
+
+def test_moe_pipeline_checkpoint_into_another_model_is_refused(saved):
+    """The pipeline's checkpoint loaded by a model without pipeline parallelism (other parameter
+    names) goes through the checkpoint index (MoE at ZeRO 1/2 describes its chunks), which refuses
+    it by name on every rank, naming the parameters, before anything loads."""
+    ckpt = saved("moepipe", M, "z1 pp2 dp2 ep2")
+    for rank, msg in enumerate(run_distributed(_moe_pipe_into_plain_moe, 2, ckpt)):
+        assert msg is not None and "parameters differ from the model's" in msg and "1.moe." in msg, (rank, msg)
 
 
 #: pre-index tags (the save's files without index and manifest, _pre_index) resumed at another
@@ -688,7 +770,7 @@ def test_another_optimizers_checkpoint_opened_by_canzona_is_refused(tmp_path, st
 # ------------------------------------------------------------------------------ tensor parallelism
 # TP scenarios at ZeRO 1 through the index (TP shard frames, a TP host's state in its concatenated
 # layout).  No gradient clipping here: under TP DeepSpeed reduces the norm over the model-parallel
-# group (not canzona's torch-exact clip), as in tests/test_zero_tp.py and tests/test_moe_tp_elastic.py.
+# group (not canzona's torch-exact clip), as in tests/test_zero_tp.py and the moetp rows above.
 def _tp_dense_engine(tp: int):
     import deepspeed
 
@@ -795,73 +877,6 @@ def ms_names(zt) -> list[str]:
     from canzona_testkit import megatron_standin as ms
 
     return list(ms.init_full_state_dict(zt.CFG))
-
-
-def _moe_tp(rank, world, tp, ep, ckpt, layout, out):
-    """DeepSpeed MoE x TP (testkit.moe.TinyMoETP), ZeRO 1, Muon, ``layout``: ``out`` None: train
-    and save.  Else load through the index only, save at once, train on; rank 0 also runs the
-    TP=1 reference continued from the saved index's state (inside the worker, as
-    tests/test_moe_tp_elastic.py does)."""
-    from canzona_testkit import megatron_standin as ms
-    from canzona_testkit.moe import moe_ds_config, run_moe_tp_engine
-
-    ms.initialize_model_parallel(tp)
-    dp = world // tp
-    cfg = moe_ds_config(dp, optimizer="CanzonaMuon", stage=1, micro=MICRO)
-    cfg["optimizer"]["params"]["layout"] = layout
-    if out is None:
-        _, _, engine = run_moe_tp_engine(rank, tp, ep, cfg, BEFORE, dense.data("dense", dp, BEFORE, 1), micro=MICRO)
-        engine.save_checkpoint(ckpt, tag="saved")
-        return engine.optimizer.canzona_layout.mixed
-    index_route_only()
-
-    def load(engine):
-        engine.load_checkpoint(ckpt, tag="saved")
-        engine.save_checkpoint(out, tag="reloaded")
-
-    data = dense.data("dense", dp, AFTER, 2)
-    params, _, engine = run_moe_tp_engine(rank, tp, ep, cfg, AFTER, data, micro=MICRO, after_init=load)
-    res = {"params": params, "steps": engine.global_steps, "mixed": engine.optimizer.canzona_layout.mixed}
-    if rank == 0:
-
-        from canzona_ds.ckpt import Index
-        from canzona_testkit.moe import reference_run
-
-        folder = os.path.join(ckpt, "saved")
-        index = Index.read(folder)
-        whole = tp1_state(folder)
-        start = start_state(index, whole)
-        res["ref"] = reference_run(dp, ep if tp == 1 else 1, AFTER, "CanzonaMuon", data=data, start=start,
-                                   tp_mlp=True)
-    return res
-
-
-def test_moe_tp_mixed_to_owned_goes_through_the_index(tmp_path):
-    """DeepSpeed MoE x TP, the mixed layout (the TP-split MLP grid-hosted: its weight and Muon
-    momentum in pieces of both TP shards, experts whole by whole-model name) saved at TP 2 x DP 2
-    (ep_size 2), resumed owned at TP 1 x DP 2 (ep_size 2) through the index loop only (this
-    combination was refused by name before): every state bit for bit in the TP=1 frame, and the
-    continued run equals testkit.moe's TP=1 reference from the saved state bit for bit (TP 1 x
-    DP 2: every sum of two terms, as tests/test_moe_tp_elastic.py's TP 2 -> 1 rows)."""
-    from canzona_ds.ckpt import Index
-
-    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
-    assert all(run_distributed(_moe_tp, 4, 2, 2, ckpt, "mixed", None))  # the mixed layout ran
-    saved = os.path.join(ckpt, "saved")
-    index = Index.read(saved)
-    assert index.meta["tp"] == 2 and index.meta["ep"] == 2 and index.chunks is not None
-    pieces = [c for c in index.chunks if c.state == "momentum_buffer" and c.tp is not None and c.tp.rank is not None]
-    assert pieces, "the grid pieces of the TP-split MLP's momentum are shard-frame chunks"
-    res = run_distributed(_moe_tp, 2, 1, 2, ckpt, "owned", out)
-    assert not any(r["mixed"] for r in res)
-    from canzona_testkit.moe import whole_names
-
-    assert assert_same_tp1_state(saved, os.path.join(out, "reloaded")) >= len(whole_names())
-    assert all(r["steps"] == BEFORE + AFTER for r in res)
-    ref = res[0]["ref"]
-    for r in res:
-        for k, v in r["params"].items():
-            np.testing.assert_array_equal(v, ref[k], err_msg=k)
 
 
 def _pp_tp(rank, world, pp, tp, ckpt, out):
