@@ -175,7 +175,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             rest = [(n, p) for n, p in aux if partitions.get(n) == key]
             if mats and placement == "owned":
                 self.plans[key] = _plan([spec_of[n] for n, _ in mats], groups.partition_size(key), config, self.rule,
-                                       grid=groups.grid_group is not None, moe_tp=len(keys) > 1 and groups.tp_size > 1)
+                                       grid=groups.grid_group is not None)
                 mats = [mats[i] for i in self.plans[key].buffer_order()]
             moe = {} if key is None else {"moe": True, "name": key, "canzona_partition": key}
             if mats:
@@ -493,12 +493,9 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         return torch.device("cpu")
 
 
-def _plan(specs: list[ParamSpec], dp: int, config: CanzonaConfig, rule, grid: bool = False,
-          moe_tp: bool = False) -> OwnershipPlan:
+def _plan(specs: list[ParamSpec], dp: int, config: CanzonaConfig, rule, grid: bool = False) -> OwnershipPlan:
     """The ownership plan of one partition's matrices; ``grid``: a DP x TP grid group exists, so
-    the mixed layout may host TP-split matrices (tp/runtime.GridSplit).  ``moe_tp``: DeepSpeed MoE
-    with tensor parallelism, whose mixed-layout runs do not load another layout (integration/ckpt_fill.py):
-    ``"auto"`` keeps the owned layout there (``"mixed"`` still forces it)."""
+    the mixed layout may host TP-split matrices (tp/runtime.GridSplit)."""
     placement = config.placement
     tp_split = [s.name for s in specs if s.is_tp_split]
     if placement.layout == "mixed" and tp_split and not grid:
@@ -510,9 +507,8 @@ def _plan(specs: list[ParamSpec], dp: int, config: CanzonaConfig, rule, grid: bo
                                  planner=placement.planner, alpha=placement.alpha, cost=placement.cost_model,
                                  model=rule, bucket_numel=placement.bucket_numel,
                                  # (under MoE each matrix group by the same rule, over its own DP group)
-                                 allow_mixed=(grid or not tp_split) and not moe_tp,
-                                 blocked="DeepSpeed MoE with tensor parallelism, whose mixed checkpoints do not resize"
-                                 if moe_tp else "tensor-parallel ones without a DP x TP grid group")
+                                 allow_mixed=grid or not tp_split,
+                                 blocked="tensor-parallel ones without a DP x TP grid group")
     plan.extra["layout_choice"] = why  # reported in checkpoints (canzona_layout.layout_choice)
     if "cannot host" in why:
         warnings.warn(f"CanzonaOptimizer: {why} (DP={dp}); the replicated ZeRO buffer carries that padding.",

@@ -72,8 +72,10 @@ SCENARIOS = [
     ("moetp", SH, "z1 tp2 dp2 ep2", "z1 tp1 dp2 ep2"), ("moetp", SO, "z2 tp2 dp2 ep2", "z2 tp1 dp2 ep2"),
     ("moetp", SH, "z2 tp2 dp2 ep2 offload", "z2 tp1 dp2 ep2 offload"), ("moetp", M, "z2 tp2 dp2 ep1", "z2 tp1 dp2 ep2"),
     ("moetp", M, "z1 tp2 dp2 ep2 mixed", "z1 tp1 dp2 ep2"),
-    # TP 2 kept: half the nodes (the expert-parallel group is the TP group), another ep_size; TP 1 -> 2
-    ("moetp", SH, "z1 tp2 dp2 ep2", "z1 tp2 dp1 ep2"), ("moetp", M, "z2 tp2 dp2 ep1", "z2 tp2 dp1 ep2"),
+    # TP 2 kept: half the nodes (the expert-parallel group is the TP group), owned -> mixed and mixed
+    # at another size (the TP-split MLP grid-hosted), another ep_size; TP 1 -> 2
+    ("moetp", SH, "z1 tp2 dp2 ep2", "z1 tp2 dp1 ep2"), ("moetp", SH, "z1 tp2 dp2 ep2", "z1 tp2 dp2 ep2 mixed"),
+    ("moetp", M, "z1 tp2 dp2 ep2 mixed", "z1 tp2 dp1 ep2 mixed"), ("moetp", M, "z2 tp2 dp2 ep1", "z2 tp2 dp1 ep2"),
     ("moetp", SH, "z1 tp2 dp2 ep2", "z1 tp2 dp2 ep1"), ("moetp", SO, "z1 tp1 dp2 ep2", "z1 tp2 dp2 ep2"),
     # PP 2 x DP 2 (ep_size 2) at another DP size and ep_size, at ZeRO 0 (expp_rank files), Shampoo;
     # MoE in stage 0 only (stage 1: the head, AdamW, no matrix)
@@ -131,15 +133,12 @@ def test_resume_across_layouts(saved, tmp_path, model, opt_type, a, b):
 
 
 #: MoE x TP loads refused by name on every rank: (optimizer, saved layout, running layout, texts)
+#: (parametrised: the next refusal a layout needs is a row)
 MOE_TP_REFUSED = [
     # ZeRO 0 keeps DeepSpeed's own files (the module per TP rank, expp_rank optimizer files): its
     # index describes no chunks, so only its own TP size loads
     (M, "z0 tp2 dp1 ep2", "z0 tp1 dp2 ep2", ("saved at ZeRO stage 0, DP=1, TP=2", "tensor parallelism at ZeRO stage 0",
                                              "this run has ZeRO stage 0, DP=2, TP=1")),
-    # a MoE x TP run in the mixed layout loads its own size and layout only (the moetp mixed
-    # row's checkpoint resumes owned)
-    (M, "z1 tp2 dp2 ep2 mixed", "z1 tp2 dp1 ep2 mixed", ("MoE with tensor parallelism (TP=2) in the mixed ZeRO layout",
-                                                        "set layout 'owned'")),
 ]
 
 

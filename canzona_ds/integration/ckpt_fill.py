@@ -170,12 +170,6 @@ def fill_zero12(engine, src) -> dict:
             raise CheckpointIndexError(f"The checkpoint's parameters differ from the model's: missing {missing[:5]}, "
                                        f"unexpected {extra[:5]}.")
         tp_size = opt.tp_size
-        if moe is not None and tp_size > 1 and any(lay.mixed for lay in zopt.canzona_layouts.values()):
-            raise CheckpointIndexError(
-                f"This run is DeepSpeed MoE with tensor parallelism (TP={tp_size}) in the mixed ZeRO layout, which cannot "
-                "load a checkpoint saved at another size or layout (not implemented for MoE x TP x the mixed layout). "
-                "Resume at the size and layout the checkpoint was saved at, or set layout 'owned' for MoE x TP runs that "
-                "must resize (an owned run loads any saved layout).")
         tp_rank = dist.get_rank(group=opt.tp_group) if tp_size > 1 else 0
         layouts = {}  # name -> (dim, shard sizes, blocks) of this run's TP-split parameters
         for name, p in names.items():
