@@ -23,7 +23,7 @@ another DP size or ep_size finds it; a transformers expert stack W (E experts) k
 state per expert, W[e], stored as chunk [e*n, (e+1)*n) of the stack's state (E, *shape) under
 the name W (``meta["expert_stacks"]``; :class:`IndexSource` hands W[e] back to the optimizer).
 
-Tensor parallelism (ZeRO 1/2): a TP-split parameter's master, moments and grid pieces (the
+Tensor parallelism (ZeRO 0, 1, 2): a TP-split parameter's master, moments and grid pieces (the
 mixed layout) are chunks in the frame of the shard this TP rank holds (``{"tp": {dim, sizes,
 blocks, rank}}``, the global shape; canzona_ds/ckpt/frames.py), a TP host's rule state one chunk
 in the concatenated TP layout (the frame without ``rank``, the state's shape);
@@ -34,8 +34,8 @@ A ``PipelineModule`` at ZeRO stage 0 has its module weights in DeepSpeed's per-l
 (``layer_<idx>-model_states.pt``, by the layer's own parameter names; :func:`_pipe_layer_files`)
 and each stage's optimizer in its ``mp_rank_<stage>_model_states.pt``: each stage describes its
 own parameters there, by the pipeline's names (the same at every PP size).
-A layout that has no emitter yet (tensor parallelism at ZeRO 0) writes the index with
-``chunks: null`` and the reason.
+A tag whose weights DeepSpeed saved in no file (its stage-0 MoE writer rule under TP) writes
+the index with ``chunks: null`` and the reason.
 A tag written before the index gets one built from the records its files carry
 (integration/ckpt_legacy.py, ``legacy_index``); where those records cannot describe it (TP,
 older MoE records) that index has no chunks and a ``refusal``: the same layout resumes by
@@ -76,14 +76,6 @@ MATRIX = "matrix"
 
 
 # ---------------------------------------------------------------------------------------- emit
-def _layout_without_emitter(engine, opt) -> str | None:
-    """Why this run's layout emits no chunks (None: it does)."""
-    if opt.tp_size > 1 and engine.zero_optimization_stage() == 0:  # (ZeRO-3 refuses TP at initialize)
-        return "tensor parallelism at ZeRO stage 0 (TP shard frames are emitted at ZeRO 1/2)"
-    # (a bf16/fp16 model at stage 0 never runs: builder.check_settings refuses it by name)
-    return None
-
-
 def _experts_of(opt) -> dict[str, tuple[str, int, int]]:
     """An expert stack's rule-state keys (``W[e]``) -> (the stack ``W``, ``e``, E)."""
     return {i.name: (info.name, e, info.num_experts) for info in opt.infos.values() if info.num_experts is not None
@@ -252,20 +244,22 @@ def _emit_stage0(engine, opt, rank: int) -> list[Chunk]:
     order = [id(p) for g in opt.param_groups for p in g["params"]]
     names = {id(p): n for n, p in engine.module.named_parameters()}
     layers = _pipe_layer_files(engine)  # (a PipelineModule, at any PP size: the module is in per-layer files)
+    tp = _tp_frames(engine, opt)  # (a TP-split parameter: this TP rank's shard, in its frame)
     out: list[Chunk] = []
     for g in opt.param_groups:
         for p in g["params"]:
             name = names[id(p)]
+            shape, frame = (tp[name][1], tp[name][0].to_json()) if name in tp else (tuple(p.shape), None)
             if layers is None:
-                out.append(Chunk(name, MASTER, tuple(p.shape), 0, p.numel(), file, ("module", name), 0, None, rank))
+                out.append(Chunk(name, MASTER, shape, 0, p.numel(), file, ("module", name), 0, frame, rank))
             elif id(p) in layers:
-                out.append(Chunk(name, MASTER, tuple(p.shape), 0, p.numel(), *layers[id(p)], 0, None, rank))
+                out.append(Chunk(name, MASTER, shape, 0, p.numel(), *layers[id(p)], 0, frame, rank))
             st = opt.state.get(p) or {}
             for k in ("exp_avg", "exp_avg_sq"):
                 if g["canzona_role"] != MATRIX and k in st:
-                    out.append(Chunk(name, k, tuple(p.shape), 0, p.numel(), file,
-                                     ("optimizer", "state", order.index(id(p)), k), 0, None, rank))
-    return out + _rule_state_chunks(opt, file, ("optimizer", "canzona"), rank, {})
+                    out.append(Chunk(name, k, shape, 0, p.numel(), file,
+                                     ("optimizer", "state", order.index(id(p)), k), 0, frame, rank))
+    return out + _rule_state_chunks(opt, file, ("optimizer", "canzona"), rank, {}, tp)
 
 
 def _emit_stage0_moe(engine, opt, rank: int) -> list[Chunk]:
@@ -306,22 +300,28 @@ def _emit_stage0_moe(engine, opt, rank: int) -> list[Chunk]:
         layer += 1
     order = [id(p) for g in opt.param_groups for p in g["params"]]
     names = {id(p): n for n, p in engine.module.named_parameters()}
+    tp = _tp_frames(engine, opt)  # (MoE x TP: a TP-split dense parameter's shard, in its frame)
+
+    def shape_frame(n, p):
+        return (tp[n][1], tp[n][0].to_json()) if n in tp else (tuple(p.shape), None)
+
     out: list[Chunk] = []
     # (a PipelineModule too: DeepSpeed's MoE save writes the module with DeepSpeedEngine's
     # module_state_dict, not the pipeline's per-layer files)
     for n, p in engine.module.named_parameters():
         file, key = where.get(n, (model_file, ("module", n)))
-        out.append(Chunk(glob(n), MASTER, tuple(p.shape), 0, p.numel(), file, key, 0, None, rank))
+        out.append(Chunk(glob(n), MASTER, shape_frame(n, p)[0], 0, p.numel(), file, key, 0, shape_frame(n, p)[1], rank))
     for g in opt.param_groups:
         if g["canzona_role"] == MATRIX:
             continue
         for p in g["params"]:
             st = opt.state.get(p) or {}
+            shape, frame = shape_frame(names[id(p)], p)
             for s in ("exp_avg", "exp_avg_sq"):
                 if s in st:
-                    out.append(Chunk(glob(names[id(p)]), s, tuple(p.shape), 0, p.numel(), optim_file,
-                                     ("optimizer", "state", order.index(id(p)), s), 0, None, rank))
-    return out + _rule_state_chunks(opt, optim_file, ("optimizer", "canzona"), rank, {})
+                    out.append(Chunk(glob(names[id(p)]), s, shape, 0, p.numel(), optim_file,
+                                     ("optimizer", "state", order.index(id(p)), s), 0, frame, rank))
+    return out + _rule_state_chunks(opt, optim_file, ("optimizer", "canzona"), rank, {}, tp)
 
 
 def _dp_rank(zopt) -> int:
@@ -358,10 +358,6 @@ def emit(engine) -> tuple[list[Chunk] | None, dict]:
         # expert stacks: their rule state is per expert, W[e] = chunk e of the stack's (E, ...) state
         "expert_stacks": {info.name: info.num_experts for info in opt.infos.values() if info.num_experts is not None},
     }
-    why = _layout_without_emitter(engine, opt)
-    if why is not None:
-        meta["no_chunks"] = why
-        return None, meta
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if stage == 0 and opt.moe is not None and getattr(opt.moe, "active", False):
         chunks = _emit_stage0_moe(engine, opt, rank)
@@ -673,9 +669,21 @@ def _check_roles(engine, opt, index: Index, folder: str, reinit: bool) -> list[s
     return changed
 
 
+def _tp_layouts(engine, opt) -> tuple[dict[str, tuple], int]:
+    """This run's TP-split parameters (local name) -> (dim, shard sizes, blocks), and the TP rank."""
+    frames = _tp_frames(engine, opt)
+    rank = next((f.rank for f, _ in frames.values()), 0)
+    return {n: (f.dim, f.sizes, f.blocks) for n, (f, _) in frames.items()}, rank
+
+
 def fill_stage0(engine, opt, src: IndexSource, changed: set) -> None:
     names = dict(engine.module.named_parameters())
     glob = opt.global_name  # (a DeepSpeed MoE expert: its whole-model name in the checkpoint)
+    layouts, tp_rank = _tp_layouts(engine, opt)
+
+    def mine(local: str, key: str, p) -> Tensor:  # (a TP-split parameter: this TP rank's shard)
+        return src.flat_range(glob(local), key, 0, p.numel(), layouts.get(local), tp_rank).view(p.shape)
+
     with torch.no_grad():
         for g in opt.param_groups:
             for p in g["params"]:
@@ -683,17 +691,16 @@ def fill_stage0(engine, opt, src: IndexSource, changed: set) -> None:
         for g, gnames in zip(opt.param_groups, opt.group_names):
             for local, p in zip(gnames, g["params"]):
                 name = glob(local)
-                p.data.copy_(src.reader.whole(name, MASTER).view(p.shape))
+                p.data.copy_(mine(local, MASTER, p))
                 if g["canzona_role"] == MATRIX or name in changed:
                     continue
                 if src.reader.has(name, "exp_avg"):
                     opt.state[p] = {"step": torch.tensor(float(src.adam_step), dtype=torch.float32),
-                                    **{k: src.reader.whole(name, k).view(p.shape).to(p.device, copy=True)
-                                       for k in ("exp_avg", "exp_avg_sq")}}
+                                    **{k: mine(local, k, p).to(p.device, copy=True) for k in ("exp_avg", "exp_avg_sq")}}
         frozen = [n for n, p in names.items() if not p.requires_grad]
         for n in frozen:
-            names[n].data.copy_(src.reader.whole(glob(n), MASTER).view(names[n].shape))
-    _fill_rule_state(opt, src, changed)
+            names[n].data.copy_(mine(n, MASTER, names[n]))
+    _fill_rule_state(opt, src, changed, layouts)
 
 
 def fill_zero3(engine, opt, src: IndexSource, changed: set) -> None:
@@ -726,9 +733,14 @@ def fill_zero3(engine, opt, src: IndexSource, changed: set) -> None:
     _fill_rule_state(opt, src, changed)
 
 
-def _fill_rule_state(opt, src: IndexSource, changed: set) -> None:
+def _fill_rule_state(opt, src: IndexSource, changed: set, layouts: dict | None = None) -> None:
+    """Every matrix this rank keeps state for, by name (``layouts``: this run's TP-split matrices,
+    whose host keeps the state in its concatenated TP layout)."""
+    layouts = layouts or {}
     local_of = {opt.global_name(n): n for n in opt.handled_state_names()}  # (DeepSpeed MoE: local names here)
-    states = {local_of[n]: {k: v.clone() for k, v in src.state_of(n).items()}  # owned, not views of the files
+    states = {local_of[n]: {k: v.clone() for k, v in  # owned, not views of the files
+                            (src.state_in(opt.rule, n, layouts[local_of[n]]) if local_of[n] in layouts
+                             else src.state_of(n)).items()}
               for n in src.state_names() if n in local_of and n not in changed}
     opt.matrix_state.clear()
     opt.load_matrix_state(states)
@@ -749,14 +761,6 @@ def _apply_engine_state(engine, src: IndexSource, load_lr_scheduler_states: bool
         if hasattr(zopt, key):
             setattr(zopt, key, value)
     return dict(src.client_state)
-
-
-def supported_here(engine) -> str | None:
-    """Why the index loop cannot fill this run's layout (None: it can)."""
-    from .runtime_info import canzona_optimizer
-
-    opt = canzona_optimizer(engine)
-    return None if opt is None else _layout_without_emitter(engine, opt)
 
 
 def index_route(engine, load_dir: str, tag: str | None) -> Index | None:
@@ -840,7 +844,6 @@ def load(engine, load_dir: str, tag: str | None, index: Index, load_module_stric
     folder = os.path.join(load_dir, str(tag))
     opt = canzona_optimizer(engine)
     stage = engine.zero_optimization_stage()
-    saved = f"ZeRO stage {index.meta.get('stage')} (DP={index.meta.get('dp')})"
     reinit = bool(checkpoint_config(engine).reinit_changed_roles)
     changed = set(_check_roles(engine, opt, index, folder, reinit))
     todo = "; ".join(t for t in (
@@ -857,11 +860,6 @@ def load(engine, load_dir: str, tag: str | None, index: Index, load_module_stric
             f"ep_size={m.get('ep', 1)} with {m.get('no_chunks')}, so its index describes no chunks and only its own "
             f"layout loads (at stage 0 also another DP size); this run has ZeRO stage {stage}, DP={opt.groups.dp_size}, "
             f"TP={opt.tp_size}, PP={opt.groups.pp_size}, ep_size={_ep(opt)} ({todo}).")
-    why = supported_here(engine)
-    if why is not None:
-        raise CheckpointIndexError(f"{folder} (saved at {saved}): {todo} goes through the checkpoint index, which "
-                                   f"does not fill {why} yet; resume it at ZeRO stage {index.meta.get('stage')} "
-                                   "with the matrix selection it was saved with.")
     src = IndexSource(folder, index)
     if src.rule != opt.rule.name:
         raise CheckpointIndexError(f"{folder} holds {src.rule!r} state; this engine runs {opt.rule.name!r}.")
@@ -890,12 +888,13 @@ def load(engine, load_dir: str, tag: str | None, index: Index, load_module_stric
             if tuple(src.full_shape(g)) != shape:
                 raise CheckpointIndexError(f"{folder}: {g!r} is {tuple(src.full_shape(g))} in the checkpoint, {shape} here.")
         src.changed, src.running_rule = changed, opt.rule
+        tp_layouts = _tp_layouts(engine, opt)[0]
         local_of = {opt.global_name(n): n for n in opt.state_infos}  # (a DeepSpeed MoE expert's local name)
         for name in src.state_names():  # every rule state fits this run's settings (shapes only)
             if name in local_of:
                 _check_state(opt.rule, opt.state_infos[local_of[name]], src.state_shapes(name))
                 if stage in (0, 3):  # (at ZeRO 1/2 write checks it against this run's TP layout)
-                    src.check_state_layout(opt.rule, name, None)
+                    src.check_state_layout(opt.rule, name, tp_layouts.get(local_of[name]))
     for n in sorted(changed):
         logger.warning("canzona_ds: %s: %r changed role (%s -> %s); its optimizer state is re-initialised "
                        "(reinit_changed_roles)", folder, n, src.roles[n],

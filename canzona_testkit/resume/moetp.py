@@ -92,28 +92,6 @@ def resume(rank, world, model, lay, opt_type, ckpt, out):
                 dp_rank=ms.get_data_parallel_rank())
 
 
-def refused(rank, world, model, lay, opt_type, ckpt):
-    """Load tag ``saved`` at ``lay``: the refusal's text (None: it loaded), the module weights
-    checked untouched by the refused load."""
-    import torch
-
-    from canzona_ds.ckpt import CheckpointIndexError
-
-    held = {}
-
-    def load(engine):
-        held.update(engine=engine, before={n: p.detach().clone() for n, p in engine.module.named_parameters()})
-        engine.load_checkpoint(ckpt, tag="saved")
-
-    try:
-        _run(rank, lay, opt_type, 0, [], after_init=load)
-    except CheckpointIndexError as e:
-        after = dict(held["engine"].module.named_parameters())
-        assert all(torch.equal(after[n], w) for n, w in held["before"].items()), "a refused load changed the weights"
-        return str(e)
-    return None
-
-
 def _spec(lay: Layout) -> str:
     return f"z{lay.stage} tp{lay.tp} dp{lay.dp} ep{lay.ep}" + " offload" * lay.offload + " mixed" * lay.mixed
 
