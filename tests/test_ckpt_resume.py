@@ -124,6 +124,7 @@ def test_resume_across_layouts(saved, tmp_path, model, opt_type, a, b):
 PRE_INDEX_RESUMES = [("dense", M, "z1 dp2", "z1 dp1"), ("dense", SO, "z2 dp2", "z3 dp2"),
                      ("moe", SO, "z1 dp2 ep2", "z1 dp2 ep1"), ("moe", SH, "z0 dp2 ep2", "z0 dp2 ep1"),
                      ("dense", M, "z2 dp2 mixed", "z1 dp1")]
+PRE_INDEX_RESUMES += [("pipe", SO, "z1 pp2 dp1", "z1 pp1 dp1"), ("pipe", SO, "z0 pp2 dp1", "z0 pp1 dp1")]
 
 
 @pytest.mark.parametrize("model,opt_type,a,b", PRE_INDEX_RESUMES, ids=[_id(r) for r in PRE_INDEX_RESUMES])
@@ -164,6 +165,7 @@ def _pre_index(src: str, dst: str) -> str:
 PRE_INDEX = [("dense", M, "z1 dp2"), ("dense", SH, "z2 dp2"), ("dense", M, "z0 dp2"), ("stacks", M, "z1 dp2"),
              ("moe", SO, "z1 dp2 ep2"), ("moe", M, "z2 dp2 ep2"), ("moe", SH, "z0 dp2 ep2"), ("dense", SO, "z3 dp2"),
              ("dense", M, "z2 dp2 mixed")]
+PRE_INDEX += [("pipe", SO, "z1 pp2 dp1"), ("pipe", SO, "z0 pp2 dp1")]
 
 
 @pytest.mark.parametrize("model,opt_type,spec", PRE_INDEX,
