@@ -1,6 +1,7 @@
 """Checkpoints of the Canzona optimizers under ZeRO stage 1/2: bit-exact resume at the same DP
 (weights, fp32 masters, AdamW state and every matrix's rule state), zero_to_fp32 understands
-the planned-padding layout.  Resuming at another DP or TP size: tests/test_elastic.py."""
+the planned-padding layout.  Resuming at another DP or TP size: tests/test_ckpt_resume.py (TP:
+family ``tp``), tests/test_elastic.py."""
 from __future__ import annotations
 
 import numpy as np
