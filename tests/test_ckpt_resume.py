@@ -2,9 +2,11 @@
 running layout), then the index's guarantees (role changes, save faults, a damaged index,
 canzona-ckpt, a tag from before the index, another optimizer).
 
-Each scenario saves (real gloo processes, gradient clipping that clips on every step), loads
-at the running layout through the plain ``engine.load_checkpoint`` (the index loop only:
-DeepSpeed's stock load would fail the test), and checks (``canzona_testkit/resume``):
+Each scenario saves (real gloo processes, gradient clipping that clips on every step where the
+path clips torch-exactly: not under TP), loads at the running layout through the plain
+``engine.load_checkpoint`` (the index loop only: DeepSpeed's stock load would fail the test; a
+``tp`` row at its saved layout must take the stock load instead), and checks
+(``canzona_testkit/resume``):
 
   * lossless: right after the load the engine saves again; every (whole-model name, state key)
     the first index holds (fp32 master, AdamW moments, every rule-state entry) reads back bit
