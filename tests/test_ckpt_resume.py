@@ -538,16 +538,17 @@ def test_pre_index_tp_tag_resumes_at_its_size_and_refuses_another_by_name(saved,
         assert "This run has ZeRO stage 1, DP=2, TP=1" in msg, msg
 
 
-@pytest.mark.parametrize("opt_type", [SH, SO])
-def test_mixed_tp_checkpoint_with_other_grid_tp_hosts_resumes_exactly(tmp_path, opt_type):
-    """A mixed DP 2 x TP 2 checkpoint whose grid hosts sit at other TP ranks (chosen without the
-    owned TP runtime's load, as before the seed) resumes at the same layout spec through the
-    index loop (another layout fingerprint; DeepSpeed's own load would leave the new hosts
-    without their rule state): lossless, and the continued run is the reference bit for bit
-    (canzona_testkit/resume/tp.py's checks)."""
+def test_mixed_tp_checkpoint_with_other_grid_tp_hosts_resumes_exactly(tmp_path):
+    """A mixed DP 2 x TP 2 Shampoo checkpoint whose grid hosts sit at other TP ranks (chosen
+    without the owned TP runtime's load, as before the seed) resumes at the same layout spec
+    through the index loop (another layout fingerprint; DeepSpeed's own load would leave the new
+    hosts without their rule state), the hosts' state taken as saved, unpermuted (Shampoo's
+    blocked factors of the fused layouts have no TP=1 frame; SOAP's grid host state is the
+    ``tp`` row at the saved layout's): lossless, and the continued run is the reference bit for
+    bit (canzona_testkit/resume/tp.py's checks)."""
     from canzona_testkit.resume import tp
 
-    lay = Layout.parse("z1 tp2 dp2 mixed")
+    lay, opt_type = Layout.parse("z1 tp2 dp2 mixed"), SH
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
     old = run_distributed(tp.save_unseeded, lay.world, "tp", lay, opt_type, ckpt)
     res = run_distributed(tp.resume, lay.world, "tp", lay, opt_type, ckpt, out)
