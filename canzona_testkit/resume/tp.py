@@ -169,7 +169,7 @@ def frame_state(folder: str, tp: int) -> dict:
     for n, k in index.by_key():
         frame = reader.frame_of(n, k)
         if frame is not None:
-            assert len(frame.sizes) == tp, (n, k, frame)  # written at this TP size
+            assert len(frame.sizes) == tp, (n, k, frame, f"a TP host's state written at another TP size than {tp}")
             out[n, k] = reader.whole(n, k, frame).clone()
             continue
         t = reader.whole(n, k).clone()
@@ -197,14 +197,13 @@ def reference(opt_type: str, running: Layout, folder: str, results: list) -> tup
     state in ``folder`` and stepped on ``results``' gradients averaged over DP as ZeRO does."""
     from canzona_ds.ckpt import Index
     from canzona_ds.reference import ReferenceOptimizer, zero_average
+    from canzona_testkit import megatron_standin as ms
     from canzona_testkit.moe import _start_from
 
     zt, tp, dp = _zt(), running.tp, running.dp
     torch.set_num_threads(1)
-    index, whole = Index.read(folder), frame_state(folder, tp)
-    start = start_state(index, whole)
-    from canzona_testkit import megatron_standin as ms
-
+    index = Index.read(folder)
+    start = start_state(index, frame_state(folder, tp))
     assert set(index.names) == set(ms.init_full_state_dict(zt.CFG)), index.names
     params = {n: torch.nn.Parameter(start.params[n].clone()) for n in ms.init_full_state_dict(zt.CFG)}  # model order
     opt = ReferenceOptimizer(params.items(), zt._config(opt_type))
@@ -220,7 +219,8 @@ def reference(opt_type: str, running: Layout, folder: str, results: list) -> tup
 
 
 def check_state(model, opt_type, saved, running, ckpt, out, results):
-    """Lossless in the TP=1 frame, the step counts, and the continuation (module doc)."""
+    """Lossless, the step counts, and the continuation (the module doc); the route is the
+    caller's."""
     from canzona_testkit import megatron_standin as ms
 
     zt = _zt()
