@@ -521,7 +521,7 @@ def test_tp_change_refuses_state_that_cannot_follow(saved):
     from canzona_testkit.resume import tp
 
     ckpt = saved("tp", SH, "z1 tp2 dp1")
-    for msg in run_distributed(tp.try_load, 2, "tp", Layout.parse("z1 tp1 dp2"), SH, ckpt):
+    for (msg,) in run_distributed(tp.try_loads, 2, "tp", [Layout.parse("z1 tp1 dp2")], SH, ckpt):
         assert msg is not None and "tensor-parallel size" in msg and ("'qkv.weight'" in msg or "'fc1.weight'" in msg), msg
 
 
@@ -532,8 +532,9 @@ def test_pre_index_tp_tag_resumes_at_its_size_and_refuses_another_by_name(saved,
     from canzona_testkit.resume import tp
 
     ckpt = _pre_index(saved("tp", M, "z1 tp2 dp1"), str(tmp_path / "old"))
-    assert run_distributed(tp.try_load, 2, "tp", Layout.parse("z1 tp2 dp1"), M, ckpt) == [None] * 2
-    for msg in run_distributed(tp.try_load, 2, "tp", Layout.parse("z1 tp1 dp2"), M, ckpt):
+    for same, msg in run_distributed(tp.try_loads, 2, "tp", [Layout.parse(s) for s in ("z1 tp2 dp1", "z1 tp1 dp2")],
+                                     M, ckpt):
+        assert same is None, same
         assert msg is not None and "tensor parallelism (TP=2), written before the checkpoint index" in msg, msg
         assert "This run has ZeRO stage 1, DP=2, TP=1" in msg, msg
 
@@ -550,10 +551,10 @@ def test_mixed_tp_checkpoint_with_other_grid_tp_hosts_resumes_exactly(tmp_path):
 
     lay, opt_type = Layout.parse("z1 tp2 dp2 mixed"), SH
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
-    old = run_distributed(tp.save_unseeded, lay.world, "tp", lay, opt_type, ckpt)
-    res = run_distributed(tp.resume, lay.world, "tp", lay, opt_type, ckpt, out)
+    res = run_distributed(tp.save_unseeded_and_resume, lay.world, "tp", lay, opt_type, ckpt, out)
     assert all(r["route"] == ["index"] for r in res), [r["route"] for r in res]
-    assert old[0]["tp_hosts"] and old[0]["tp_hosts"] != res[0]["tp_hosts"], (old[0]["tp_hosts"], res[0]["tp_hosts"])
+    old, new = res[0]["saved_tp_hosts"], res[0]["tp_hosts"]
+    assert old and old != new, (old, new)
     tp.check_state("tp", opt_type, lay, lay, ckpt, out, res)
 
 

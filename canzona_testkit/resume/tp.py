@@ -103,6 +103,13 @@ def save_unseeded(rank, world, model, lay, opt_type, ckpt):
         pm.tp_cells = seeded
 
 
+def save_unseeded_and_resume(rank, world, model, lay, opt_type, ckpt, out):
+    """:func:`save_unseeded`, then :func:`resume` in the same processes (this version restarted on
+    that checkpoint); returns the resume's result with the saved grid hosts (``saved_tp_hosts``)."""
+    saved = save_unseeded(rank, world, model, lay, opt_type, ckpt)
+    return dict(resume(rank, world, model, lay, opt_type, ckpt, out), saved_tp_hosts=saved["tp_hosts"])
+
+
 def _record_route() -> list:
     """Record which route each ``engine.load_checkpoint`` takes: "index" (the index loop) or
     "stock" (DeepSpeed's own load)."""
@@ -142,14 +149,18 @@ def resume(rank, world, model, lay, opt_type, ckpt, out):
                 tp_hosts=_tp_hosts(engine))
 
 
-def try_load(rank, world, model, lay, opt_type, ckpt):
-    """Load tag ``saved`` at ``lay``: None, or the refusal's message."""
-    engine = engine_for(lay, opt_type)
-    try:
-        engine.load_checkpoint(ckpt, tag="saved")
-    except ValueError as err:
-        return str(err)
-    return None
+def try_loads(rank, world, model, lays, opt_type, ckpt):
+    """Load tag ``saved`` at each layout of ``lays`` in turn (the same processes): for each, None
+    or the refusal's message."""
+    out = []
+    for lay in lays:
+        engine = engine_for(lay, opt_type)
+        try:
+            engine.load_checkpoint(ckpt, tag="saved")
+            out.append(None)
+        except ValueError as err:
+            out.append(str(err))
+    return out
 
 
 def frame_state(folder: str, tp: int) -> dict:
