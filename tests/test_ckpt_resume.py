@@ -2,9 +2,11 @@
 running layout), then the index's guarantees (role changes, save faults, a damaged index,
 canzona-ckpt, a tag from before the index, another optimizer).
 
-Each scenario saves (real gloo processes, gradient clipping that clips on every step), loads
-at the running layout through the plain ``engine.load_checkpoint`` (the index loop only:
-DeepSpeed's stock load would fail the test), and checks (``canzona_testkit/resume``):
+Each scenario saves (real gloo processes, gradient clipping that clips on every step where the
+path clips torch-exactly: not under TP), loads at the running layout through the plain
+``engine.load_checkpoint`` (the index loop only: DeepSpeed's stock load would fail the test; a
+``tp`` row at its saved layout must take the stock load instead), and checks
+(``canzona_testkit/resume``):
 
   * lossless: right after the load the engine saves again; every (whole-model name, state key)
     the first index holds (fp32 master, AdamW moments, every rule-state entry) reads back bit
@@ -27,13 +29,13 @@ import pytest
 import torch
 
 from canzona_testkit.dist import run_distributed
-from canzona_testkit.models import HP, ds_config, make_model, params_of
-from canzona_testkit.resume import AFTER, BEFORE, CLIP, MICRO, Layout, assert_same_state, index_route_only  # noqa: F401
-from canzona_testkit.resume import assert_same_tp1_state, dense, tp1_state
+from canzona_testkit.models import ds_config, make_model, params_of
+from canzona_testkit.resume import BEFORE, Layout, assert_same_state, dense, tp1_state
 
 #: model -> the family module that saves, resumes and checks it (canzona_testkit/resume/)
 FAMILIES = {"dense": "dense", "stacks": "dense", "moe": "moe", "moe-e2": "moe"}
 FAMILIES.update({"moetp": "moetp", "moepipe": "moepipe", "moepipe-s0": "moepipe"})
+FAMILIES.update({"tp": "tp", "pipe": "pipe", "pptp": "pipe"})
 
 M, SH, SO = "CanzonaMuon", "CanzonaShampoo", "CanzonaSOAP"
 #: (model, optimizer, saved layout, running layout) -- layouts as canzona_testkit.resume.Layout specs
@@ -86,6 +88,18 @@ SCENARIOS = [
     ("moepipe", M, "z1 pp2 dp2 ep2", "z1 pp2 dp1 ep1"), ("moepipe", M, "z1 pp2 dp2 ep2", "z1 pp2 dp2 ep1"),
     ("moepipe", M, "z0 pp2 dp2 ep2", "z0 pp2 dp1 ep1"), ("moepipe", SH, "z1 pp2 dp2 ep2", "z1 pp2 dp1 ep1"),
     ("moepipe-s0", M, "z0 pp2 dp2 ep2", "z0 pp2 dp1 ep1"),
+    # tensor and pipeline parallelism without MoE (canzona_testkit/resume/tp.py, pipe.py; no clipping under
+    # TP): TP 2 -> 1 (TP shard frames; Muon's momentum and SOAP's factors and eigenbases in a TP host's
+    # concatenated layout); the mixed layout at DP 2 x TP 2 (grid-hosted matrices) at the same layout
+    # (DeepSpeed's stock load: Muon's pieces, SOAP's grid host), owned <-> mixed, to mixed at TP 1;
+    # TP 2 -> 1 under PP 2; PP 2 <-> 1 at ZeRO 0 and 1 (the tied embedding), ZeRO 0 -> 1 with it
+    ("tp", M, "z1 tp2 dp1", "z1 tp1 dp2"), ("tp", SO, "z1 tp2 dp1", "z1 tp1 dp2"),
+    ("tp", M, "z1 tp2 dp2 mixed", "z1 tp2 dp2 mixed"), ("tp", SO, "z1 tp2 dp2 mixed", "z1 tp2 dp2 mixed"),
+    ("tp", M, "z1 tp2 dp2", "z1 tp2 dp2 mixed"), ("tp", M, "z1 tp2 dp2 mixed", "z1 tp2 dp2"),
+    ("tp", M, "z1 tp2 dp2 mixed", "z1 tp1 dp2 mixed"), ("pptp", M, "z1 pp2 tp2 dp1", "z1 pp2 tp1 dp2"),
+    ("pipe", SO, "z1 pp2 dp1", "z1 pp1 dp1"), ("pipe", SO, "z1 pp1 dp1", "z1 pp2 dp1"),
+    ("pipe", SO, "z0 pp2 dp1", "z0 pp1 dp1"), ("pipe", SO, "z0 pp1 dp1", "z0 pp2 dp1"),
+    ("pipe", SO, "z0 pp2 dp1", "z1 pp1 dp1"),
 ]
 
 
@@ -186,6 +200,7 @@ def test_moe_pipeline_checkpoint_into_another_model_is_refused(saved):
 PRE_INDEX_RESUMES = [("dense", M, "z1 dp2", "z1 dp1"), ("dense", SO, "z2 dp2", "z3 dp2"),
                      ("moe", SO, "z1 dp2 ep2", "z1 dp2 ep1"), ("moe", SH, "z0 dp2 ep2", "z0 dp2 ep1"),
                      ("dense", M, "z2 dp2 mixed", "z1 dp1")]
+PRE_INDEX_RESUMES += [("pipe", SO, "z1 pp2 dp1", "z1 pp1 dp1"), ("pipe", SO, "z0 pp2 dp1", "z0 pp1 dp1")]
 
 
 @pytest.mark.parametrize("model,opt_type,a,b", PRE_INDEX_RESUMES, ids=[_id(r) for r in PRE_INDEX_RESUMES])
@@ -226,6 +241,7 @@ def _pre_index(src: str, dst: str) -> str:
 PRE_INDEX = [("dense", M, "z1 dp2"), ("dense", SH, "z2 dp2"), ("dense", M, "z0 dp2"), ("stacks", M, "z1 dp2"),
              ("moe", SO, "z1 dp2 ep2"), ("moe", M, "z2 dp2 ep2"), ("moe", SH, "z0 dp2 ep2"), ("dense", SO, "z3 dp2"),
              ("dense", M, "z2 dp2 mixed")]
+PRE_INDEX += [("pipe", SO, "z1 pp2 dp1"), ("pipe", SO, "z0 pp2 dp1")]
 
 
 @pytest.mark.parametrize("model,opt_type,spec", PRE_INDEX,
@@ -600,106 +616,6 @@ def test_each_rank_reads_only_its_share(saved, tmp_path):
             np.testing.assert_array_equal(v, weights[k].numpy(), err_msg=k)
 
 
-# ------------------------------------------------------------------------------ pipeline size
-PIPE_GAS = 2
-
-
-def _pipe_cfg(dp: int, stage: int = 1) -> dict:
-    return {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": PIPE_GAS,
-            "train_batch_size": MICRO * PIPE_GAS * dp,
-            "optimizer": {"type": "CanzonaSOAP", "params": dict(HP["CanzonaSOAP"])},
-            "zero_optimization": {"stage": stage}, "gradient_clipping": CLIP, "steps_per_print": 10 ** 9}
-
-
-def _pipe(rank, world, pp, ckpt, out, stage=1, legacy=False):
-    """PP=pp x DP=1 (world = pp) at ZeRO ``stage``, the tied tiny decoder: ``out`` None: one step,
-    save to ``ckpt``.  Else load ``ckpt`` (written at another PP size or stage), save to ``out``
-    at once, one more step (through the index loop only)."""
-    import deepspeed
-
-    import canzona_ds  # noqa: F401
-    from canzona_testkit.models import params_of
-    from canzona_testkit.pipeline import build_pipe, canonical_name, dataset, rank_micro_batches
-
-    module = build_pipe(pp, True, 0)
-    if out is not None:
-        index_route_only()
-    engine = deepspeed.initialize(model=module, model_parameters=list(module.parameters()),
-                                  config=_pipe_cfg(1, stage))[0]
-    x, y = dataset(2 * PIPE_GAS * MICRO, 1)
-    batches = rank_micro_batches(x, y, 1, 0, MICRO)
-    if out is None:
-        engine.train_batch(iter(batches))
-        engine.save_checkpoint(ckpt, tag="saved")
-        return None
-    engine.load_checkpoint(ckpt, tag="saved")
-    engine.save_checkpoint(out, tag="reloaded")
-    engine.train_batch(iter(batches[PIPE_GAS:]))
-    return {"params": {canonical_name(n): v for n, v in params_of(module).items()}, "steps": engine.global_steps}
-
-
-def _pipe_reference(modes: list[str]) -> dict:
-    """The tied tiny decoder in one process (DP 1), one step per entry of ``modes`` (how that
-    step sums the tied weight's two uses), clipped by torch's clip_grad_norm_."""
-    from canzona_ds.config import CanzonaConfig
-    from canzona_ds.reference import ReferenceOptimizer
-    from canzona_testkit.pipeline import ReferenceDecoder, dataset, rank_micro_batches
-
-    torch.set_num_threads(1)
-    model = ReferenceDecoder(True, 0, modes[0])
-    named = list(model.named_parameters())
-    opt = ReferenceOptimizer(named, CanzonaConfig.from_ds("CanzonaSOAP", dict(HP["CanzonaSOAP"])))
-    x, y = dataset(len(modes) * PIPE_GAS * MICRO, 1)
-    batches = rank_micro_batches(x, y, 1, 0, MICRO)
-    for s, mode in enumerate(modes):
-        model.tied_grad = mode
-        model.zero_grad(set_to_none=True)
-        for xb, yb in batches[s * PIPE_GAS:(s + 1) * PIPE_GAS]:
-            (model(xb, yb) / PIPE_GAS).backward()
-        model.merge_tied_grad()
-        for _, p in named:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        norm = torch.nn.utils.clip_grad_norm_([p for _, p in named], CLIP)
-        assert norm > 2 * CLIP, f"the clipping must clip (norm {float(norm):.3g})"
-        opt.step()
-    return params_of(model)
-
-
-#: (saved PP, saved ZeRO stage, running PP, running stage): at ZeRO 0 the module weights are in
-#: DeepSpeed's per-layer files (``layer_XX-model_states.pt``), the optimizer in each stage's
-#: ``mp_rank_XX_model_states.pt``
-#: "old": the tag as written before the index (_pre_index), adapted from its records (ckpt_legacy.py)
-PIPE_SCENARIOS = [(2, 1, 1, 1, ""), (1, 1, 2, 1, ""), (2, 0, 1, 0, ""), (1, 0, 2, 0, ""), (2, 0, 1, 1, ""),
-                  (2, 1, 1, 1, "old"), (2, 0, 1, 0, "old")]
-
-
-@pytest.mark.parametrize("before,s0,after,s1,old", PIPE_SCENARIOS,
-                         ids=[f"pp{a}z{s}-to-pp{b}z{t}{o and '-' + o}" for a, s, b, t, o in PIPE_SCENARIOS])
-def test_resume_at_another_pipeline_size(tmp_path, before, s0, after, s1, old):
-    from canzona_ds.integration.ckpt_legacy import legacy_index
-    from canzona_testkit.pipeline import merge_stages
-
-    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
-    run_distributed(_pipe, before, before, ckpt, None, s0)
-    adapted = None
-    if old:
-        src, ckpt = ckpt, _pre_index(ckpt, str(tmp_path / "old"))
-        _assert_faithful(os.path.join(src, "saved"), os.path.join(ckpt, "saved"))
-        adapted = legacy_index(os.path.join(ckpt, "saved"))
-    res = run_distributed(_pipe, after, after, ckpt, out, s1)
-    compared = assert_same_state(os.path.join(ckpt, "saved"), os.path.join(out, "reloaded"), adapted)
-    assert compared >= 30  # every parameter's master, the AdamW moments, the rule state
-    assert all(r["steps"] == 2 for r in res)
-    # the tied embedding's two uses are summed as the pipeline does at each step's PP size: one
-    # stage lets autograd add them micro-batch by micro-batch ("shared"), two stages add the
-    # per-use sums in the tie all-reduce ("per_use"); the reference switches with the run
-    ref = _pipe_reference(["shared" if pp == 1 else "per_use" for pp in (before, after)])
-    got = merge_stages(res)
-    for k in ref:
-        np.testing.assert_array_equal(got[k], ref[k], err_msg=k)
-
-
 def _foreign(rank, dp, ckpt):
     cfg = ds_config(dp, optimizer={"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}})
     import deepspeed
@@ -755,158 +671,74 @@ def test_another_optimizers_checkpoint_opened_by_canzona_is_refused(tmp_path, st
 # TP scenarios at ZeRO 1 through the index (TP shard frames, a TP host's state in its concatenated
 # layout).  No gradient clipping here: under TP DeepSpeed reduces the norm over the model-parallel
 # group (not canzona's torch-exact clip), as in tests/test_zero_tp.py and the moetp rows above.
-def _tp_dense_engine(tp: int):
-    import deepspeed
-
-    import canzona_ds  # noqa: F401
-    import test_zero_tp as zt
-    from canzona_testkit import megatron_standin as ms
-
-    torch.set_num_threads(1)
-    ms.initialize_model_parallel(tp)
-    model = ms.TinyGPTBlock(**zt.CFG)
-    model.load_state_dict(ms.shard_state_dict(ms.init_full_state_dict(zt.CFG), zt.CFG, tp,
-                                              ms.get_tensor_model_parallel_rank()))
-    cfg = zt.ds_config("CanzonaMuon", 1)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg, mpu=ms.mpu)
-    return engine, ms, zt
-
-
-def _tp_dense(rank, world, tp, ckpt, out):
-    """``out`` None: TP ``tp`` x DP world/tp, 2 steps, save.  Else load (index route only) at TP
-    ``tp``, save at once, 2 more steps tapping this rank's local gradients."""
-    engine, ms, zt = _tp_dense_engine(tp)
-    if out is None:
-        for s in range(BEFORE):
-            engine.backward(zt.loss_of(engine, zt.batch(s, ms.get_data_parallel_rank())))
-            engine.step()
-        engine.save_checkpoint(ckpt, tag="saved")
-        return None
-    index_route_only()
-    engine.load_checkpoint(ckpt, tag="saved")
-    engine.save_checkpoint(out, tag="reloaded")
-    shadow = ms.TinyGPTBlock(**zt.CFG)
-    grads = []
-    for s in range(BEFORE, BEFORE + AFTER):
-        ids = zt.batch(s, ms.get_data_parallel_rank())
-        shadow.load_state_dict(engine.module.state_dict())
-        shadow.zero_grad(set_to_none=True)
-        zt.loss_of(shadow, ids).backward()
-        grads.append({n: p.grad.clone().numpy() for n, p in shadow.named_parameters()})
-        engine.backward(zt.loss_of(engine, ids))
-        engine.step()
-    return {"grads": grads, "params": params_of(engine.module), "steps": engine.global_steps}
-
-
-def test_tp2_to_tp1_at_zero1_goes_through_the_index(tmp_path):
-    """TP 2 x DP 1 -> TP 1 x DP 2 (ZeRO 1, Muon): the fused qkv ([q; k; v] per TP rank) and fc1
-    ([gate; up], partition_stride 2) saved as TP shard frames and their momentum in the hosts'
-    concatenated TP layout reach TP=1 through the index loop only; every state, in the TP=1 frame,
-    is the saved one bit for bit; then the resumed run equals the single-process
-    ReferenceOptimizer started from the saved state and fed the run's own gradients (averaged
-    over DP as ZeRO does), bit for bit."""
-    from types import SimpleNamespace
+def test_tp_checkpoint_holds_shard_frames_and_converts_at_tp1(saved, tmp_path):
+    """The TP 2 x DP 1 Muon checkpoint (the first ``tp`` row's): the fused qkv ([q; k; v] per TP rank)
+    is saved as TP shard frames, fc1's momentum ([gate; up], partition_stride 2) in its TP host's
+    concatenated layout; canzona-ckpt convert writes the same TP=1 state (the host's momentum
+    un-permuted)."""
+    from safetensors.torch import load_file
 
     from canzona_ds.ckpt import Index
-    from canzona_ds.reference import ReferenceOptimizer, zero_average
-    from canzona_testkit.moe import _start_from
-    import test_zero_tp as zt
+    from canzona_ds.cli.ckpt import main
 
-    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
-    run_distributed(_tp_dense, 2, 2, ckpt, None)
-    saved = os.path.join(ckpt, "saved")
-    index = Index.read(saved)
+    ckpt = saved("tp", M, "z1 tp2 dp1")
+    folder = os.path.join(ckpt, "saved")
+    index = Index.read(folder)
     assert index.meta["tp"] == 2 and index.chunks is not None
     assert {c.tp.rank for c in index.by_key()["qkv.weight", "param"]} == {0, 1}  # shard frames
     assert all(c.tp is not None and c.tp.rank is None for c in index.by_key()["fc1.weight", "momentum_buffer"])
-    res = run_distributed(_tp_dense, 2, 1, ckpt, out)
-    assert assert_same_tp1_state(saved, os.path.join(out, "reloaded")) >= 5 + 2 * 4
-    # canzona-ckpt convert writes the same TP=1 state (the hosts' momentum un-permuted)
-    from safetensors.torch import load_file
-
-    from canzona_ds.cli.ckpt import main
-
     conv = str(tmp_path / "conv")
     assert main(["convert", ckpt, conv, "--tag", "saved"]) == 0
-    tp1 = tp1_state(saved)
+    tp1 = tp1_state(folder)
     weights = load_file(os.path.join(conv, "model.safetensors"))
     state = torch.load(os.path.join(conv, "optimizer.pt"), weights_only=False)["state"]
+    assert sorted(weights) == sorted(index.names)
     for n in ("qkv.weight", "fc1.weight"):
         assert torch.equal(weights[n], tp1[n, "param"]) and torch.equal(state[n]["momentum_buffer"],
                                                                          tp1[n, "momentum_buffer"]), n
-    assert all(r["steps"] == BEFORE + AFTER for r in res)
-    # the reference: TP=1 weights and state as saved, the run's gradients averaged over its 2 DP ranks
-    whole = tp1_state(saved)
-    roles = index.meta["roles"]
-    params = {n: torch.nn.Parameter(whole[n, "param"].clone()) for n in ms_names(zt)}
-    opt = ReferenceOptimizer(params.items(), zt._config("CanzonaMuon"))
-    start = SimpleNamespace(
-        params={n: whole[n, "param"] for n in params},
-        adam={n: {k: whole[n, k] for k in ("exp_avg", "exp_avg_sq")} for n in params if roles[n] == "adamw"},
-        rule_state={n: {k: v for (n2, k), v in whole.items() if n2 == n and k != "param"}
-                    for n in params if roles[n] == "matrix"},
-        adam_step=index.meta["adam_step"], matrix_step=index.meta["matrix_step"])
-    _start_from(opt, params, start)
-    for s in range(AFTER):
-        avg = zero_average([{n: torch.from_numpy(g) for n, g in r["grads"][s].items()} for r in res])
-        for n, p in params.items():
-            p.grad = avg[n]
-        opt.step()
-    for r in res:
-        for n, p in params.items():
-            np.testing.assert_array_equal(r["params"][n], p.detach().numpy(), err_msg=n)
 
 
-def ms_names(zt) -> list[str]:
-    from canzona_testkit import megatron_standin as ms
+def test_tp_change_refuses_state_that_cannot_follow(saved):
+    """Blocked Shampoo factors of a fused layout (blocks of 16 rows cut the fused qkv and fc1
+    differently at TP 2 and TP 1) cannot be permuted into another TP size: refused by name, on
+    every rank, without a hang."""
+    from canzona_testkit.resume import tp
 
-    return list(ms.init_full_state_dict(zt.CFG))
-
-
-def _pp_tp(rank, world, pp, tp, ckpt, out):
-    """PP ``pp`` x TP ``tp`` x DP world/(pp*tp) (tests/test_pipeline.py's 3D layout: ColumnParallel
-    fc1 and RowParallel fc2 blocks on two stages), ZeRO 1, Muon: ``out`` None: one step, save.
-    Else load through the index only, save at once, one more step (its loss returned)."""
-    import deepspeed
-    import torch
-    from deepspeed.pipe import LayerSpec, PipelineModule
-    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, PipelineParallelGrid
-
-    import canzona_ds  # noqa: F401
-    from canzona_testkit import megatron_standin as ms
-    import test_pipeline as tpl
-    from canzona_testkit.pipeline import Embedding, Head, dataset, loss_fn, rank_micro_batches
-
-    torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    dp = world // (pp * tp)
-    topo = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
-    grid = PipelineParallelGrid(topology=topo)
-    ms._TP_GROUP, ms._TP_SIZE, ms._DP_GROUP = grid.get_slice_parallel_group(), tp, grid.get_data_parallel_group()
-    layers = [LayerSpec(Embedding, 0), LayerSpec(tpl.TPBlock, 1), LayerSpec(tpl.TPBlock, 2), LayerSpec(Head, 3)]
-    module = PipelineModule(layers=layers, topology=topo, loss_fn=loss_fn, partition_method="uniform")
-    engine = deepspeed.initialize(model=module, model_parameters=list(module.parameters()),
-                                  config=tpl.pipe_config("CanzonaMuon", dp))[0]
-    x, y = dataset(2 * tpl.GAS * tpl.MICRO * dp, 1)
-    data = iter(rank_micro_batches(x, y, dp, grid.get_data_parallel_rank(), tpl.MICRO))
-    if out is None:
-        engine.train_batch(data)
-        engine.save_checkpoint(ckpt, tag="saved")
-        return None
-    index_route_only()
-    engine.load_checkpoint(ckpt, tag="saved")
-    engine.save_checkpoint(out, tag="reloaded")
-    return float(engine.train_batch(data))
+    ckpt = saved("tp", SH, "z1 tp2 dp1")
+    for (msg,) in run_distributed(tp.try_loads, 2, "tp", [Layout.parse("z1 tp1 dp2")], SH, ckpt):
+        assert msg is not None and "tensor-parallel size" in msg and ("'qkv.weight'" in msg or "'fc1.weight'" in msg), msg
 
 
-def test_tp2_to_tp1_under_pipeline_parallelism_goes_through_the_index(tmp_path):
-    """PP 2 x TP 2 -> PP 2 x TP 1 x DP 2 at ZeRO 1 (refused by name before the index: under PP the
-    per-layout readers changed the DP size only): each stage fills its own parameters from the
-    TP shard frames and hosts' state; every state, in the TP=1 frame, is the saved one bit for bit,
-    and training continues (a finite loss on every rank).  (No continuation reference here: the
-    3D pipeline's exactness is tests/test_pipeline.py's.)"""
+def test_pre_index_tp_tag_resumes_at_its_size_and_refuses_another_by_name(saved, tmp_path):
+    """A TP=2 tag as written before the checkpoint index (no index, no manifest): the index built
+    from its records (integration/ckpt_legacy.py) does not describe TP layouts, so the same
+    sizes take DeepSpeed's stock load and another TP size is refused by name on every rank."""
+    from canzona_testkit.resume import tp
+
+    ckpt = _pre_index(saved("tp", M, "z1 tp2 dp1"), str(tmp_path / "old"))
+    for same, msg in run_distributed(tp.try_loads, 2, "tp", [Layout.parse(s) for s in ("z1 tp2 dp1", "z1 tp1 dp2")],
+                                     M, ckpt):
+        assert same is None, same
+        assert msg is not None and "tensor parallelism (TP=2), written before the checkpoint index" in msg, msg
+        assert "This run has ZeRO stage 1, DP=2, TP=1" in msg, msg
+
+
+def test_mixed_tp_checkpoint_with_other_grid_tp_hosts_resumes_exactly(tmp_path):
+    """A mixed DP 2 x TP 2 Shampoo checkpoint whose grid hosts sit at other TP ranks (chosen
+    without the owned TP runtime's load, as before the seed) resumes at the same layout spec
+    through the index loop (another layout fingerprint; DeepSpeed's own load would leave the new
+    hosts without their rule state), the hosts' state taken as saved, unpermuted (Shampoo's
+    blocked factors of the fused layouts have no TP=1 frame; SOAP's grid host state is the
+    ``tp`` row at the saved layout's): lossless, and the continued run is the reference bit for
+    bit (canzona_testkit/resume/tp.py's checks)."""
+    from canzona_testkit.resume import tp
+
+    lay, opt_type = Layout.parse("z1 tp2 dp2 mixed"), SH
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
-    run_distributed(_pp_tp, 4, 2, 2, ckpt, None)
-    losses = run_distributed(_pp_tp, 4, 2, 1, ckpt, out)
-    assert all(np.isfinite(x) for x in losses), losses
-    assert assert_same_tp1_state(os.path.join(ckpt, "saved"), os.path.join(out, "reloaded")) >= 4 * 2 + 2
+    res = run_distributed(tp.save_unseeded_and_resume, lay.world, "tp", lay, opt_type, ckpt, out)
+    assert all(r["route"] == ["index"] for r in res), [r["route"] for r in res]
+    old, new = res[0]["saved_tp_hosts"], res[0]["tp_hosts"]
+    assert old and old != new, (old, new)
+    tp.check_state("tp", opt_type, lay, lay, ckpt, out, res)
+
+

@@ -17,13 +17,13 @@ keep the TP runtime: three runtimes, stepped in that order on every rank.
   single-process ReferenceOptimizer on the run's own gradients (the reference test_zero_tp.py
   uses); a TP-split matrix is grid-hosted (every rule) and a replicated one DP-hosted (Muon's
   plan: then all three runtimes run in one step); the optimizer step's
-  collectives, counted by canzona_testkit/comm.CommCounter per group, are the plans' all-to-alls; a
-  checkpoint resumes bit for bit (the grid host's rule state, Muon's momentum pieces); a change
-  of layout at the same size (owned <-> mixed, the index loop) resumes exactly; the grid hosts'
-  TP ranks are the planner's, and a Shampoo or SOAP checkpoint written with the unseeded choice
-  (other TP ranks) resumes bit for bit through the index loop; and the
-  checkpoint resumes at DP4 x TP1 losslessly (weights and rule state, read back whole);
+  collectives, counted by canzona_testkit/comm.CommCounter per group, are the plans' all-to-alls;
+  the grid hosts' TP ranks are the planner's;
 * PP=2 x TP=2 x DP=2 (a PipelineModule, a grid group per stage): mixed equals owned bit for bit.
+
+Resuming a mixed DP2 x TP2 checkpoint (at the same layout, owned <-> mixed, with other grid
+hosts, at TP 1) is rows and tests of the scenario table (tests/test_ckpt_resume.py, family
+``tp``).
 
 One cached 4-rank run (and one 8-rank pipeline run); each scenario in its own ``try`` (one
 failure, one test).
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import traceback
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -44,13 +43,11 @@ from canzona_testkit import megatron_standin as ms
 from canzona_testkit.dist import run_distributed
 
 TP, DP, WORLD = zt.TP, zt.DP, zt.WORLD
-STEPS, CKPT_AFTER = zt.STEPS, zt.CKPT_AFTER
+STEPS = zt.STEPS
 SPLIT = zt.SPLIT
-#: (optimizer, ZeRO stage, layout, with a checkpoint round trip)
-RUNS = [(t, 1, lay, True) for t in zt.TYPES for lay in ("owned", "mixed")] + \
-    [("CanzonaMuon", 2, "mixed", False), ("CanzonaSOAP", 2, "mixed", False)]
-#: resume a Muon stage-1 checkpoint written with one layout into the other (same DP x TP: elastic path)
-SWITCH = [("owned", "mixed"), ("mixed", "owned")]
+#: (optimizer, ZeRO stage, layout)
+RUNS = [(t, 1, lay) for t in zt.TYPES for lay in ("owned", "mixed")] + \
+    [("CanzonaMuon", 2, "mixed"), ("CanzonaSOAP", 2, "mixed")]
 
 
 # ------------------------------------------------------------------------------ pure
@@ -251,19 +248,15 @@ def _expected(inner) -> dict:
     return out
 
 
-def _one(optimizer: str, stage: int, layout: str, ckpt: bool, root: str) -> dict[str, Any]:
+def _one(optimizer: str, stage: int, layout: str) -> dict[str, Any]:
     from canzona_ds.tp.runtime import GridSplit
 
     a = zt.build_engine(_config(optimizer, stage, layout))
     inner = a.optimizer.optimizer
     comm, tap = _StepComm(inner), zt.GradTap()
-    grads, calls = _train(a, range(CKPT_AFTER), tap, comm)
-    folder = str(Path(root) / f"{optimizer}-{stage}-{layout}")
-    if ckpt:
-        a.save_checkpoint(folder, tag="mid")
-    more = _train(a, range(CKPT_AFTER, STEPS), tap, comm)
+    grads, calls = _train(a, range(STEPS), tap, comm)
     hosted = inner.placement.hosted
-    out = {"sd": zt.numpy_sd(a.module), "grads": grads + more[0], "calls": calls + more[1],
+    out = {"sd": zt.numpy_sd(a.module), "grads": grads, "calls": calls,
            "expected": _expected(inner), "mixed": a.optimizer.canzona_layout.mixed,
            "kinds": {n: type(m).__name__ for n, m in (hosted.split.items() if hosted is not None else ())},
            "hosted_here": sorted(hosted.hosted_names()) if hosted is not None else [],
@@ -272,11 +265,6 @@ def _one(optimizer: str, stage: int, layout: str, ckpt: bool, root: str) -> dict
            "tp_host": {n: h.get("tp_host") for n, h in a.optimizer.canzona_layout_meta()["hosted"].items()}}
     out["grid_names"] = sorted(n for n, k in out["kinds"].items() if k == GridSplit.__name__)
     out["planned_tp_host"] = _planned_tp_hosts(inner) if out["mixed"] else {}
-    if ckpt:
-        b = zt.build_engine(_config(optimizer, stage, layout))
-        b.load_checkpoint(folder, tag="mid")
-        _train(b, range(CKPT_AFTER, STEPS))
-        out.update(sd_resumed=zt.numpy_sd(b.module), state_resumed=zt.matrix_state(b), pieces_resumed=_pieces(b))
     return out
 
 
@@ -288,67 +276,6 @@ def _planned_tp_hosts(inner) -> dict[str, int]:
     plan, tpc = inner.plan, inner.config.tp
     got = tp_cells(plan, inner.tp_size, inner.rule, scheduler=tpc.scheduler, c_max=tpc.c_max, cost=tpc.cost)
     return {plan.specs[i].name: t for i, t in got["grid_tp"].items()}
-
-
-#: rules whose grid host keeps rule state of its own (Muon's momentum stays with the pieces)
-OLD_HOSTS = ("CanzonaShampoo", "CanzonaSOAP")
-
-
-def _old_hosts(optimizer: str, root: str) -> dict[str, Any]:
-    """A stage-1 mixed checkpoint written with the grid hosts' TP ranks chosen without the owned
-    TP runtime's load (what versions before the seed chose: tp_cells(seed_owned=False)),
-    resumed by this version at the same DP2 x TP2, whose choice differs: another layout
-    fingerprint sends it through the index loop, which finds the hosts' rule state by name."""
-    import canzona_ds.integration.ckpt_index as ckpt_index
-    import canzona_ds.planning.mixed as pm
-
-    folder = str(Path(root) / f"old-hosts-{optimizer}")
-    seeded = pm.tp_cells
-    pm.tp_cells = functools.partial(seeded, seed_owned=False)
-    try:
-        a = zt.build_engine(_config(optimizer, 1, "mixed"))
-        old = a.optimizer.canzona_layout_meta()["hosted"]
-        _train(a, range(CKPT_AFTER))
-        a.save_checkpoint(folder, tag="mid")
-    finally:
-        pm.tp_cells = seeded
-    b = zt.build_engine(_config(optimizer, 1, "mixed"))
-    calls, stock = [], ckpt_index.load
-    ckpt_index.load = lambda *a, **k: calls.append(1) or stock(*a, **k)
-    try:
-        b.load_checkpoint(folder, tag="mid")
-    finally:
-        ckpt_index.load = stock
-    _train(b, range(CKPT_AFTER, STEPS))
-    return {"sd": zt.numpy_sd(b.module), "index_loop": len(calls),
-            "old": {n: h.get("tp_host") for n, h in old.items()},
-            "new": {n: h.get("tp_host") for n, h in b.optimizer.canzona_layout_meta()["hosted"].items()}}
-
-
-def _switch(before: str, after: str, root: str) -> dict[str, Any]:
-    """Resume the Muon stage-1 checkpoint written with layout ``before`` into layout ``after``."""
-    engine = zt.build_engine(_config("CanzonaMuon", 1, after))
-    engine.load_checkpoint(str(Path(root) / f"CanzonaMuon-1-{before}"), tag="mid")
-    _train(engine, range(CKPT_AFTER, STEPS))
-    return {"sd": zt.numpy_sd(engine.module), "mixed": engine.optimizer.canzona_layout.mixed}
-
-
-def _resize(root: str) -> dict[str, Any]:
-    """TP 2 -> 1 (DP 2 -> 4, the same 4 processes): the mixed x TP Muon checkpoint resumed with
-    the mixed layout at TP=1, then saved again.  Last in the worker: it re-initialises the mpu."""
-    import deepspeed
-
-    ms.initialize_model_parallel(1)
-    model = ms.TinyGPTBlock(**zt.CFG)
-    model.load_state_dict(ms.init_full_state_dict(zt.CFG))
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=_config("CanzonaMuon", 1, "mixed"), mpu=ms.mpu)
-    folder = str(Path(root) / "CanzonaMuon-1-mixed")
-    engine.load_checkpoint(folder, tag="mid")
-    engine.save_checkpoint(folder, tag="tp1")
-    opt = engine.optimizer.optimizer
-    return {"tp": opt.tp_size, "dp": opt.groups.dp_size, "hosted": engine.optimizer.canzona_layout.hosted_indices(),
-            "folder": folder}
 
 
 def _grid_per_stage() -> dict[str, Any]:
@@ -376,24 +303,16 @@ def _isolated(fn) -> dict[str, Any]:
         return {"error": traceback.format_exc()}
 
 
-def _worker(rank: int, world: int, root: str) -> dict:
+def _worker(rank: int, world: int) -> dict:
     ms.initialize_model_parallel(TP)
-    out = {run: _isolated(lambda run=run: _one(*run, root)) for run in RUNS}
-    out.update({sw: _isolated(lambda sw=sw: _switch(*sw, root)) for sw in SWITCH})
-    out.update({("old-hosts", o): _isolated(lambda o=o: _old_hosts(o, root)) for o in OLD_HOSTS})
+    out = {run: _isolated(lambda run=run: _one(*run)) for run in RUNS}
     out["grid_pp"] = _isolated(_grid_per_stage)
-    out["resize"] = _isolated(lambda: _resize(root))
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def _runs(root: str) -> list[dict]:
-    return run_distributed(_worker, WORLD, root, timeout=420)
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> list[dict]:
-    return _runs(str(tmp_path_factory.mktemp("mixed_tp")))
+def runs() -> list[dict]:
+    return run_distributed(_worker, WORLD, timeout=420)
 
 
 def _res(runs, key) -> list[Any]:
@@ -443,7 +362,7 @@ def test_mixed_tp_is_the_reference_on_the_same_gradients(run, runs):
 
 @pytest.mark.parametrize("optimizer", zt.TYPES)
 def test_mixed_tp_equals_the_owned_layout_bit_for_bit(optimizer, runs):
-    owned, mixed = _res(runs, (optimizer, 1, "owned", True)), _res(runs, (optimizer, 1, "mixed", True))
+    owned, mixed = _res(runs, (optimizer, 1, "owned")), _res(runs, (optimizer, 1, "mixed"))
     assert not owned[0]["mixed"] and mixed[0]["mixed"]
     for rank, (o, m) in enumerate(zip(owned, mixed)):
         for n in o["sd"]:
@@ -466,69 +385,6 @@ def test_mixed_tp_step_collectives_are_the_plans(run, runs):
             assert step == r["expected"], (step, r["expected"])
         total = sum(r["expected"].values())
         assert r["dp_pieces"] == {"all_to_all_single": total} and r["stats"] == {"all_to_all_single": total}
-
-
-@pytest.mark.parametrize("optimizer", zt.TYPES)
-def test_mixed_tp_checkpoint_resume_bit_exact(optimizer, runs):
-    res = _res(runs, (optimizer, 1, "mixed", True))
-    for rank, r in enumerate(res):
-        for n in r["sd"]:
-            np.testing.assert_array_equal(r["sd_resumed"][n], r["sd"][n], err_msg=f"rank {rank} {n}")
-        for key in ("state", "pieces"):
-            got, want = r[f"{key}_resumed"], r[key]
-            assert got.keys() == want.keys(), (rank, key)
-            for n, st in want.items():
-                assert st.keys() == got[n].keys(), (rank, key, n)
-                for k in st:
-                    np.testing.assert_array_equal(got[n][k], st[k], err_msg=f"rank {rank} {key} {n}.{k}")
-
-
-@pytest.mark.parametrize("before,after", SWITCH, ids=[f"{b}-to-{a}" for b, a in SWITCH])
-def test_mixed_tp_layout_change_on_resume_is_exact(before, after, runs):
-    """Saved with one layout, resumed with the other at the same DP2 x TP2 (the index loop:
-    a grid-hosted matrix's weight and momentum are read across the pieces of both TP shards, or
-    cut into them): the continued run equals the uninterrupted one bit for bit."""
-    res = _res(runs, SWITCH[SWITCH.index((before, after))])
-    want = _res(runs, ("CanzonaMuon", 1, before, True))
-    for rank, (r, w) in enumerate(zip(res, want)):
-        assert r["mixed"] == (after == "mixed")
-        for n in w["sd"]:
-            np.testing.assert_array_equal(r["sd"][n], w["sd"][n], err_msg=f"rank {rank} {n}")
-
-
-@pytest.mark.parametrize("optimizer", OLD_HOSTS)
-def test_mixed_tp_checkpoint_with_other_grid_tp_hosts_resumes_exactly(optimizer, runs):
-    """A checkpoint whose grid hosts sit at other TP ranks (chosen without the owned TP runtime's
-    load, as before the seed) resumes at the same size through the index loop, and the continued
-    run equals the uninterrupted one bit for bit (DeepSpeed's own load would leave the new hosts
-    without their rule state)."""
-    res = _res(runs, ("old-hosts", optimizer))
-    want = _res(runs, (optimizer, 1, "mixed", True))
-    r0 = res[0]
-    assert r0["old"] != r0["new"] and r0["new"] == want[0]["tp_host"], (r0["old"], r0["new"])
-    for rank, (r, w) in enumerate(zip(res, want)):
-        assert r["index_loop"] == 1, rank
-        for n in w["sd"]:
-            np.testing.assert_array_equal(r["sd"][n], w["sd"][n], err_msg=f"rank {rank} {n}")
-
-
-def test_mixed_tp_checkpoint_resumes_at_tp1_losslessly(runs):
-    """The DP2 x TP2 mixed checkpoint (grid-hosted matrices: weight and Muon momentum in pieces of
-    both TP shards) resumed at DP4 x TP1 with the mixed layout and saved again: every parameter
-    and every matrix's rule state, read back whole (TP=1 layout), is unchanged bit for bit."""
-    from canzona_testkit.ckpt import read
-
-    res = _res(runs, "resize")
-    assert all(r["tp"] == 1 and r["dp"] == WORLD for r in res) and res[0]["hosted"]
-    a, b = read(res[0]["folder"], "mid"), read(res[0]["folder"], "tp1")
-    assert (a.source["dp"], a.source["tp"], b.source["dp"], b.source["tp"]) == (DP, TP, WORLD, 1)
-    for name in a.params:
-        assert torch.equal(a.params[name], b.params[name]), name
-    assert a.rule_state.keys() == b.rule_state.keys() and set(SPLIT) <= set(a.rule_state)
-    for name, st in a.rule_state.items():
-        assert st.keys() == b.rule_state[name].keys(), name
-        for k, v in st.items():
-            assert torch.equal(v, b.rule_state[name][k]), (name, k)
 
 
 def test_grid_group_per_pipeline_stage(runs):
