@@ -39,7 +39,7 @@ TESTS = [
     "tests/test_experts.py::test_dp2_equals_per_expert_reference[CanzonaMuon-1]",
     "tests/test_train_job.py::test_resume_continues_the_same_trajectory",
     "tests/test_layout_mixed.py::test_mixed_dp2_is_bit_exact[CanzonaMuon-stage1]",
-    "tests/test_moe_elastic.py::test_moe_resume_at_new_size[w2ep2_to_w4_z0_shampoo]",
+    "tests/test_ckpt_resume.py::test_resume_across_layouts[moe-Shampoo-z0dp2ep2-to-z0dp4ep2]",
     "tests/test_gpu_run.py::test_dry_run_every_section_ok",
 ]
 

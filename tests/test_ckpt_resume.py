@@ -715,7 +715,7 @@ def test_pre_index_tp_tag_resumes_at_its_size_and_refuses_another_by_name(saved,
     sizes take DeepSpeed's stock load and another TP size is refused by name on every rank."""
     from canzona_testkit.resume import tp
 
-    ckpt = _pre_index(saved("tp", M, "z1 tp2 dp1"), str(tmp_path / "old"))
+    ckpt = _pre_index(saved("tp", M, "z1 tp2 dp1", old=True), str(tmp_path / "old"))
     for same, msg in run_distributed(tp.try_loads, 2, "tp", [Layout.parse(s) for s in ("z1 tp2 dp1", "z1 tp1 dp2")],
                                      M, ckpt):
         assert same is None, same

@@ -770,7 +770,7 @@ def index_route(engine, load_dir: str, tag: str | None) -> Index | None:
     index describes its chunks and the loop fills this run's layout, or where a role or the
     ZeRO stage changed (the loop then refuses by name what it cannot do), or where the tag was
     written before the index (an index built from its records: filled, or refused by name).
-    A layout whose chunks are not described (TP at ZeRO 0) resumes at another DP size through
+    A tag whose chunks are not described (weights DeepSpeed wrote in no file) resumes at another DP size through
     DeepSpeed's stock load (stage 0 replicates everything; None), and is refused by name in
     :func:`load` for any other change.  The verdicts are all-gathered, so every rank takes the
     same branch."""
