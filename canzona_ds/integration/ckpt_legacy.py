@@ -331,7 +331,8 @@ def legacy_stage0_index(folder: str, moe: bool) -> Index | None:
     if tp > 1:
         return _refused(folder, meta, f"{folder}: ZeRO stage 0 with tensor parallelism (TP={tp}), written before "
                                       "the checkpoint index: its TP layouts are not described here, so it resumes "
-                                      "at its saved sizes only (DeepSpeed's stock load)")
+                                      "at its saved sizes only (DeepSpeed's stock load); resume it there and save "
+                                      "once (that save writes the index), then resume the new tag at the new size")
     if moe and "global_names" not in canzona:
         return _refused(folder, meta, f"{folder}: its ZeRO stage 0 optimizer files (expert-parallel size {ep}) do "
                                       "not name their parameters (written by an older canzona-ds), so it resumes "
