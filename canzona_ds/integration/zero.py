@@ -22,9 +22,10 @@ slicing.  Our overrides, each small:
 
 * ``flatten_dense_tensors_aligned`` - write the layout's padding and offsets for the
   matrix group, once, at construction;
-* ``state_dict`` / ``_load_legacy_checkpoint`` - record the layout and verify it on load
-  (a different DP size or plan is refused here: engine.load_checkpoint takes another layout
-  through the checkpoint index, canzona_ds/integration/ckpt_index.py);
+* ``_load_legacy_checkpoint`` - DeepSpeed's own load, reached only where the checkpoint index's
+  fingerprints equal this run's (engine.load_checkpoint takes any other layout through the
+  checkpoint index, canzona_ds/integration/ckpt_index.py); a file without Canzona optimizer
+  state is refused by name;
 * ``_load_universal_checkpoint`` - refused with a message;
 * ``scaled_global_norm`` / ``unscale_and_clip_grads`` - gradient clipping with
   ``torch.nn.utils.clip_grad_norm_``'s arithmetic (integration/clip.py), so a clipped run equals

@@ -29,13 +29,14 @@ offload and the loss scaler are DeepSpeed's.  Further overrides, each small:
   ``coef = clamp(max_norm / (total + 1e-6), max=1)``, one multiply.  DeepSpeed's own norm sums
   squared partition norms over the ranks: the same math, other roundings, which a matrix rule
   amplifies (optim/clip.py says why);
-* ``state_dict`` / ``load_state_dict`` - record the DP size, the hosting plan and the
-  sub-groups' parameters, and refuse a checkpoint written with another plan at the same size.
+* ``load_state_dict`` - DeepSpeed's own load, reached only where the checkpoint index's
+  fingerprints equal this run's; a file without Canzona optimizer state is refused by name.
 
 A checkpoint written at another DP size, plan or ZeRO stage resumes through the checkpoint
 index (integration/ckpt_index.py): this rank's new piece of every fp32 parameter and AdamW
 moment read from the saved chunks it overlaps, every matrix's rule state handed to its new host
-by name (a tag written before the index gets one built from the layout records above).
+by name (a tag written before the index gets one built from the layout records canzona-ds
+wrote then, ``canzona_layout_meta``'s).
 """
 from __future__ import annotations
 
