@@ -310,7 +310,8 @@ def _emit_stage0_moe(engine, opt, rank: int) -> list[Chunk]:
     # module_state_dict, not the pipeline's per-layer files)
     for n, p in engine.module.named_parameters():
         file, key = where.get(n, (model_file, ("module", n)))
-        out.append(Chunk(glob(n), MASTER, shape_frame(n, p)[0], 0, p.numel(), file, key, 0, shape_frame(n, p)[1], rank))
+        shape, frame = shape_frame(n, p)
+        out.append(Chunk(glob(n), MASTER, shape, 0, p.numel(), file, key, 0, frame, rank))
     for g in opt.param_groups:
         if g["canzona_role"] == MATRIX:
             continue

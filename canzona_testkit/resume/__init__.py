@@ -76,20 +76,28 @@ class Layout:
         return self.dp * self.tp * self.pp
 
 
+def record_routes(index_only: bool = False) -> list[str]:
+    """Record the route each ``engine.load_checkpoint`` takes in this process: "index" (the index
+    loop) or "stock" (DeepSpeed's own load); ``index_only``: fail where it picks the stock load."""
+    from canzona_ds.integration import ckpt_index
+
+    route, taken = ckpt_index.index_route, []
+
+    def recorded(*args, **kwargs):
+        index = route(*args, **kwargs)
+        if index is None and index_only:
+            raise AssertionError("DeepSpeed's stock load was chosen; the index loop was expected")
+        taken.append("stock" if index is None else "index")
+        return index
+
+    ckpt_index.index_route = recorded
+    return taken
+
+
 def index_route_only() -> None:
     """Make the one comparison fail if it picks DeepSpeed's stock load: a resume here goes
     through the index loop."""
-    from canzona_ds.integration import ckpt_index
-
-    route = ckpt_index.index_route
-
-    def checked(*args, **kwargs):
-        index = route(*args, **kwargs)
-        if index is None:
-            raise AssertionError("DeepSpeed's stock load was chosen; the index loop was expected")
-        return index
-
-    ckpt_index.index_route = checked
+    record_routes(index_only=True)
 
 
 def assert_same_state(a_dir: str, b_dir: str, a=None) -> int:

@@ -98,10 +98,6 @@ def _grads(recorder, opt) -> list:
     return [{glob.get(n, n): (_np(g), _np(w)) for n, (g, _, w) in step.items()} for step in recorder.steps]
 
 
-def _spec(lay: Layout) -> str:
-    return f"z{lay.stage} pp{lay.pp} dp{lay.dp} ep{lay.ep}"
-
-
 def continuation_file(ckpt: str, rank: int) -> str:
     return os.path.join(ckpt, "continuation", f"rank{rank}.pt")
 
@@ -212,7 +208,7 @@ def check(model, opt_type, saved, running, ckpt, out, results, index=None):
     moved = max(float(np.abs(ref[n] - held[n]).max()) for n in ref)
     dev = max(float(np.abs(got[n] - ref[n]).max()) for n in ref)
     same = sum(np.array_equal(got[n], ref[n]) for n in matrices)
-    print(f"{model} {_spec(saved)} -> {_spec(running)}: first-step gradients within {grad_dev:.3g} of the saving run's, matrices "
+    print(f"{model} {saved} -> {running}: first-step gradients within {grad_dev:.3g} of the saving run's, matrices "
           f"after it within {first_dev:.3g}; after {AFTER} steps max |param - its continuation| = {dev:.3g} "
           f"({same} of {len(matrices)} matrices bit for bit; the steps moved parameters by up to {moved:.3g})")
     assert grad_dev <= GRAD_TOL and dev <= TOL[opt_type] < moved / 10, (grad_dev, dev, moved)

@@ -92,10 +92,6 @@ def resume(rank, world, model, lay, opt_type, ckpt, out):
                 dp_rank=ms.get_data_parallel_rank())
 
 
-def _spec(lay: Layout) -> str:
-    return f"z{lay.stage} tp{lay.tp} dp{lay.dp} ep{lay.ep}" + " offload" * lay.offload + " mixed" * lay.mixed
-
-
 def _split_dim(name: str):
     from canzona_testkit.moe import TP_SPLIT
 
@@ -168,7 +164,7 @@ def check(model, opt_type, saved, running, ckpt, out, results, index=None):
     first, ref_first = _joined(results, "first", running.tp), reference(running, opt_type, start, steps=1)
     dev1 = max(float(np.abs(first[n] - ref_first[n]).max()) for n in first)
     dev = max(float(np.abs(params[n] - ref[n]).max()) for n in params)
-    print(f"moetp {_spec(saved)} -> {_spec(running)}: max |param - TP=1 reference| after 1 step {dev1:.3g}, after {AFTER} {dev:.3g}")
+    print(f"moetp {saved} -> {running}: max |param - TP=1 reference| after 1 step {dev1:.3g}, after {AFTER} {dev:.3g}")
     assert dev1 <= FIRST_TOL.get(opt_type, muon_reordered_sum_tolerance(1)), dev1
     if opt_type != "CanzonaSOAP":
         assert dev <= AFTER_TOL.get(opt_type, muon_reordered_sum_tolerance(AFTER)), dev

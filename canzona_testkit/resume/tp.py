@@ -35,7 +35,7 @@ import os
 import numpy as np
 import torch
 
-from . import AFTER, BEFORE, Layout, assert_same_tp1_state, assert_steps, start_state, tp1_state
+from . import AFTER, BEFORE, Layout, assert_same_tp1_state, assert_steps, record_routes, start_state, tp1_state
 
 
 def _zt():
@@ -110,27 +110,11 @@ def save_unseeded_and_resume(rank, world, model, lay, opt_type, ckpt, out):
     return dict(resume(rank, world, model, lay, opt_type, ckpt, out), saved_tp_hosts=saved["tp_hosts"])
 
 
-def _record_route() -> list:
-    """Record which route each ``engine.load_checkpoint`` takes: "index" (the index loop) or
-    "stock" (DeepSpeed's own load)."""
-    from canzona_ds.integration import ckpt_index
-
-    route, taken = ckpt_index.index_route, []
-
-    def recorded(*args, **kwargs):
-        index = route(*args, **kwargs)
-        taken.append("stock" if index is None else "index")
-        return index
-
-    ckpt_index.index_route = recorded
-    return taken
-
-
 def resume(rank, world, model, lay, opt_type, ckpt, out):
     from canzona_testkit import megatron_standin as ms
     from canzona_testkit.models import params_of
 
-    zt, taken = _zt(), _record_route()
+    zt, taken = _zt(), record_routes()
     engine = engine_for(lay, opt_type)
     engine.load_checkpoint(ckpt, tag="saved")
     engine.save_checkpoint(out, tag="reloaded")  # what this rank holds right after the load
