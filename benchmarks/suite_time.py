@@ -1,6 +1,6 @@
 """The suite's size and time, as CI runs it: ``benchmarks/results/suite_time.json``.
 
-    python benchmarks/suite_time.py                         # runs .ci/avx2 and the suite, records both
+    python benchmarks/suite_time.py                         # runs the suite, then .ci/kernels, records both
     python benchmarks/suite_time.py --avx2-suite            # also the whole suite under the AVX2 kernels
     python benchmarks/suite_time.py --from-log LOG --label L [--kernels native|avx2]
                                                             # records the pytest summaries of a saved run
@@ -8,8 +8,9 @@
 A run is one pytest session; its record is pytest's own summary line (passed / skipped / failed,
 seconds) with the CPU model, the core count and the kernels it ran with ("native", or "avx2":
 ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2``, docs/zero.md).
-``--from-log`` reads a saved ``CI=true bash .ci/run`` log (its first summary is ``.ci/avx2``'s,
-its second the suite's) or a single pytest session's log.  Results of the same label are replaced.
+``--from-log`` reads a saved ``CI=true bash .ci/run`` log (its first summary is the suite's, its
+last ``.ci/kernels``': the bit-for-bit tests under the AVX2 kernels and more threads than cores) or
+a single pytest session's log.  Results of the same label are replaced.
 Time on a machine that runs other work is not the suite's: record idle runs.
 """
 from __future__ import annotations
@@ -27,6 +28,8 @@ from bench_cpu_kernels import AVX2, cpu_model  # (benchmarks/, the script's fold
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results" / "suite_time.json"
+SUITE = "the suite (python3 -m pytest -q tests)"
+KERNELS = "its bit-for-bit tests (.ci/kernels)"
 SUMMARY = re.compile(r"^=*\s*(?P<counts>(?:\d+ \w+(?:, )?)+) in (?P<seconds>[\d.]+)s\b", re.M)
 
 
@@ -71,21 +74,23 @@ def main() -> None:
         if not args.label:
             ap.error("--from-log needs --label")
         found = summaries(args.from_log.read_text())
-        if len(found) >= 2:  # a .ci/run log: .ci/avx2, then the suite
-            new += [record(f"{args.label}: .ci/avx2", "the cpu_kernels tests (.ci/avx2)", "avx2", found[0]),
-                    record(args.label, "the suite (python3 -m pytest -q tests)", "native", found[-1])]
+        if len(found) >= 2:  # a .ci/run log: the suite, then .ci/kernels
+            new += [record(args.label, SUITE, "native", found[0]),
+                    record(f"{args.label}: .ci/kernels", KERNELS, "avx2, cores + 1 threads", found[-1])]
         elif found:
-            new.append(record(args.label, "the suite (python3 -m pytest -q tests)", args.kernels, found[0]))
+            new.append(record(args.label, SUITE, args.kernels, found[0]))
         else:
             raise SystemExit(f"{args.from_log}: no pytest summary line")
     else:
+        exact = ROOT / ".exact-tests.txt"
+        exact.unlink(missing_ok=True)
         native = {k: v for k, v in os.environ.items() if k not in AVX2}
-        new.append(record("CI: .ci/avx2", "the cpu_kernels tests (.ci/avx2)", "avx2",
-                          run(["bash", ".ci/avx2"], native)))
-        new.append(record("CI: the suite", "the suite (python3 -m pytest -q tests)", "native",
-                          run([sys.executable, "-m", "pytest", "-q", "tests"], native)))
+        new.append(record("CI: the suite", SUITE, "native",
+                          run([sys.executable, "-m", "pytest", "-q", "tests"], {**native, "CANZONA_EXACT_LOG": str(exact)})))
+        new.append(record("CI: .ci/kernels", KERNELS, "avx2, cores + 1 threads",
+                          run(["bash", ".ci/kernels", str(exact)], native)))
         if args.avx2_suite:
-            new.append(record("the suite, AVX2 kernels", "the suite (python3 -m pytest -q tests)", "avx2",
+            new.append(record("the suite, AVX2 kernels", SUITE, "avx2",
                               run([sys.executable, "-m", "pytest", "-q", "tests"], {**native, **AVX2})))
     old = json.loads(args.out.read_text())["runs"] if args.out.is_file() else []
     labels = {r["label"] for r in new}

@@ -10,6 +10,7 @@ instead of the whole suite.
 """
 from __future__ import annotations
 
+from canzona_testkit.kernels import test_threads
 import os
 import queue as queue_mod
 import socket
@@ -32,7 +33,7 @@ def _worker(rank, world_size, port, device, fn, args, queue):
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world_size))
-    torch.set_num_threads(1)
+    torch.set_num_threads(test_threads())
     # Eager only, as the main job runs (RunConfig.disable_torch_compile): DeepSpeed's own "Muon"
     # (the tests' baseline) compiles its update with inductor, and on AVX-512 Xeons with
     # avx512_bf16/fp16 that compiled CPU kernel corrupts the heap ("corrupted size vs. prev_size",

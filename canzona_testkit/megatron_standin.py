@@ -20,6 +20,7 @@ reproduces what matters to the optimizer, with Megatron's names and semantics:
 """
 from __future__ import annotations
 
+from canzona_testkit.kernels import test_threads
 import math
 from typing import Sequence
 
@@ -313,7 +314,7 @@ def reference_run(cfg: dict, tp: int, config, layout: str, steps: int, ids_of, l
     if layout not in ("fused", "tp"):
         raise ValueError(f"layout must be 'fused' or 'tp', got {layout!r}")
     saved = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(test_threads())
     try:
         model = TinyGPTBlock(**cfg)
         model.load_state_dict(init_full_state_dict(cfg))

@@ -13,6 +13,7 @@ equal-chunk split cuts matrices at DP=2 and DP=4.
 """
 from __future__ import annotations
 
+from canzona_testkit.kernels import test_threads
 import copy
 import math
 
@@ -160,7 +161,7 @@ def run_reference(dp: int, steps: int, optimizer: str = "CanzonaMuon", params: d
     from canzona_ds.config import CanzonaConfig
     from canzona_ds.reference import ReferenceOptimizer
 
-    torch.set_num_threads(1)  # same reduction order as the 1-thread ranks
+    torch.set_num_threads(test_threads())  # same reduction order as the 1-thread ranks
     cfg = CanzonaConfig.from_ds(optimizer, dict(HP[optimizer] if params is None else params))
     model = (make_model(seed) if model is None else model).to(device)
     opt = ReferenceOptimizer(model.named_parameters(), cfg)

@@ -26,6 +26,7 @@ Bit-identical to the ranks wherever the sums have two terms (dp <= 2, or an expe
 """
 from __future__ import annotations
 
+from canzona_testkit.kernels import test_threads
 import zlib
 
 import torch
@@ -160,7 +161,7 @@ def reference_run(world: int, ep_size: int, steps: int, optimizer: str = "Canzon
     from canzona_ds.config import CanzonaConfig
     from canzona_ds.reference import ReferenceOptimizer
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(test_threads())
     cfg = CanzonaConfig.from_ds(optimizer, dict(HP[optimizer] if params is None else params))
     names = whole_names(num_experts, two=ep2 is not None) + (list(TP_SPLIT) if tp_mlp else [])
     shapes = _shapes(num_experts)
@@ -448,7 +449,7 @@ def tp_reference_run(initial: dict, data: list, steps: int, optimizer: str = "Ca
     from canzona_ds.config import CanzonaConfig
     from canzona_ds.reference import ReferenceOptimizer
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(test_threads())
     cfg = CanzonaConfig.from_ds(optimizer, dict(HP[optimizer] if params is None else params))
     master = {n: nn.Parameter(torch.as_tensor(v).clone()) for n, v in initial.items()}
     opt = ReferenceOptimizer(list(master.items()), cfg)

@@ -46,6 +46,7 @@ then ``ReduceTiedGrads``, ``ReduceGrads``, ``OptimizerStep``)::
 """
 from __future__ import annotations
 
+from canzona_testkit.kernels import test_threads
 import contextlib
 from typing import Callable, Iterable
 
@@ -296,7 +297,7 @@ def run_pipe_reference(steps: int, dp: int, gas: int, optimizer_fn: Callable[[li
     ``lambda named: ReferenceOptimizer(named, canzona_config)``).
     Returns ``params`` (canonical name -> float32 numpy) and ``losses`` (per step, averaged as
     ``train_batch`` reports it)."""
-    torch.set_num_threads(1)  # the ranks' reduction order
+    torch.set_num_threads(test_threads())  # the ranks' reduction order
     model = ReferenceDecoder(tied, seed, tied_grad)
     named = list(model.named_parameters())
     opt = optimizer_fn(named)

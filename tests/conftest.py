@@ -35,6 +35,8 @@ from pathlib import Path
 
 import pytest
 
+from canzona_testkit import kernels
+
 SHM = Path("/dev/shm")
 DS_PREFIX = "deepspeed_allreduce_buffer_"
 #: seconds an unmapped file must be unchanged before it counts as abandoned
@@ -205,6 +207,7 @@ def session_leaks(baseline: set[tuple[str, int]], shm: Path = SHM, settle_s: flo
 # ------------------------------------------------------------------ hooks
 def pytest_configure(config):
     global _session_baseline
+    kernels.record_exact_assertions()
     if getattr(config, "workerinput", None) is None:  # not an xdist worker
         os.environ.setdefault(SESSION_ENV, f"{os.getpid()}-{time.time_ns()}")
     _session_baseline = snapshot() if SHM.is_dir() else None
@@ -227,7 +230,17 @@ def _release_deepspeed_shm_buffers():
         sweep({n: st for n, st in shm_files().items() if n.startswith(f"{DS_PREFIX}{os.getuid()}_")}, wait=False)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    kernels.current[0] = item.nodeid
+    try:
+        return (yield)
+    finally:
+        kernels.current[0] = None
+
+
 def pytest_sessionfinish(session, exitstatus):
+    kernels.write_log()
     if _session_baseline is None or getattr(session.config, "workerinput", None) is not None:
         return
     # DeepSpeed buffers this process maps too (it is exiting; DeepSpeed never unlinks them)

@@ -6,6 +6,7 @@ The Megatron-DeepSpeed stage-0 hook once built its optimizer itself and never ap
 update each head as its own matrix, exactly as the single-process per-head reference does."""
 from __future__ import annotations
 
+from canzona_testkit.kernels import test_threads
 import types
 
 import numpy as np
@@ -64,7 +65,7 @@ def _reference(per_head: bool) -> dict[str, np.ndarray]:
     from canzona_ds.config import CanzonaConfig
     from canzona_ds.reference import ReferenceOptimizer
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(test_threads())
     params = {n: torch.nn.Parameter(t) for n, t in _full(0).items()}
     heads = {"q_proj.weight": HEADS, "k_proj.weight": KV_HEADS, "v_proj.weight": KV_HEADS}
     for n, p in params.items():

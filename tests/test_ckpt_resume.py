@@ -21,6 +21,7 @@ Saved checkpoints are shared between the scenarios that start from the same layo
 """
 from __future__ import annotations
 
+from canzona_testkit.kernels import test_threads
 import importlib
 import os
 
@@ -413,7 +414,8 @@ KILL_SCRIPT = r"""
 import os, signal, sys
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 import torch, torch.distributed as dist
-torch.set_num_threads(1)
+from canzona_testkit.kernels import test_threads
+torch.set_num_threads(test_threads())
 dist.init_process_group("gloo", rank=0, world_size=1)
 sys.path.insert(0, sys.argv[3])
 import test_ckpt_resume as t

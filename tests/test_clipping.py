@@ -40,7 +40,6 @@ def _clipped_worker(rank, dp, opt_type, zero):
                 straddlers=None if clip is None else [len(s) for s in clip.straddlers])
 
 
-@pytest.mark.cpu_kernels
 @pytest.mark.dist
 @pytest.mark.parametrize("dp", [1, 2])
 @pytest.mark.parametrize("setting", list(SETTINGS))

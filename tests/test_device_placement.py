@@ -11,6 +11,7 @@ runtime, whose receive buffers were ``torch.empty(n, dtype=...)``, fails this te
 """
 from __future__ import annotations
 
+from canzona_testkit.kernels import test_threads
 import numpy as np
 import pytest
 import torch
@@ -24,7 +25,7 @@ SHAPES = {"col": ((12, 6), 0), "row": ((6, 10), 1)}
 
 
 def _train(opt_type: str, meta_default: bool) -> dict:
-    torch.set_num_threads(1)
+    torch.set_num_threads(test_threads())
     model = make_model(0)
     opt = CanzonaOptimizer(model.named_parameters(), CanzonaConfig.from_ds(opt_type, HP[opt_type]))
     for x, y in batches(4, 4):

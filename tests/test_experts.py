@@ -17,6 +17,7 @@ scenario fails one test.
 """
 from __future__ import annotations
 
+from canzona_testkit.kernels import test_threads
 import copy
 import json
 from functools import lru_cache
@@ -181,7 +182,7 @@ def test_stack_costs_e_experts(rule):
 
 # ------------------------------------------------------------------------- local
 def _local_steps(opt_type: str, steps: int = STEPS):
-    torch.set_num_threads(1)
+    torch.set_num_threads(test_threads())
     model = make_moe_model(0)
     ref_model = copy.deepcopy(model)
     opt = CanzonaOptimizer(model.named_parameters(), CanzonaConfig.from_ds(opt_type, HP[opt_type]), num_experts=4)
@@ -217,7 +218,7 @@ def test_muon_update_is_flat_per_expert_regression():
     stack was orthogonalised as ONE [E, out*in] matrix).  Now each expert's update is an
     orthogonalised matrix of its own: its singular values are flat (quintic Newton-Schulz keeps
     them within ~[0.7, 1.2])."""
-    torch.set_num_threads(1)
+    torch.set_num_threads(test_threads())
     model = make_moe_model(0)
     x, y = moe_batches(1, 8)[0]
     model(x, y).backward()
@@ -247,7 +248,7 @@ def _dp_worker(rank, dp, stage):
 
     from canzona_testkit.models import reference_grads
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(test_threads())
     data = moe_batches(STEPS, MICRO * dp)
     out = {}
     for opt_type in TYPES:
@@ -375,7 +376,7 @@ def test_muon_batched_stack_equals_per_expert_direction(ns_method, nesterov):
     direction() on each expert, momentum included."""
     from canzona_ds.optim.muon import MuonRule
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(test_threads())
     rule = MuonRule(ns_method=ns_method, nesterov=nesterov, ns_batch=True)
     g = torch.Generator().manual_seed(0)
     W = torch.randn(6, 40, 24, generator=g)

@@ -17,6 +17,7 @@ the stack hosted at DP=2 (every expert's state on its host or owner, continued b
 """
 from __future__ import annotations
 
+from canzona_testkit.kernels import test_threads
 from functools import lru_cache
 
 import numpy as np
@@ -127,7 +128,7 @@ def _reference_from(record: list[dict], opt_type: str, layout: str) -> dict:
 
 
 def _worker(rank, dp, layout):
-    torch.set_num_threads(1)
+    torch.set_num_threads(test_threads())
     data = moe_batches(STEPS, MICRO * dp)
     out = {}
     for opt_type in TYPES:
@@ -205,7 +206,7 @@ def test_hosted_stacks_equal_per_expert_reference(layout, opt_type):
 def _save_resume(rank, dp, ckpt, opt_type):
     """Train 2 steps, save, train 2 more (the uninterrupted run); a fresh engine loads the
     checkpoint and trains the same 2: its rule state and parameters must be the first run's."""
-    torch.set_num_threads(1)
+    torch.set_num_threads(test_threads())
     before, after = moe_batches(2, MICRO * dp, seed=1), moe_batches(2, MICRO * dp, seed=2)
     engine = _engine(dp, opt_type, "zero3")
     _train(engine, rank, before)
@@ -242,7 +243,7 @@ def test_zero3_checkpoint_round_trip_keeps_expert_state_with_its_host(tmp_path):
 
 # ------------------------------------------------------------------------- mixed layout, elastic
 def _mixed_save(rank, dp, ckpt, opt_type):
-    torch.set_num_threads(1)
+    torch.set_num_threads(test_threads())
     engine = _engine(dp, opt_type, "mixed")
     _train(engine, rank, moe_batches(2, MICRO * dp, seed=1))
     engine.save_checkpoint(ckpt, tag="t")
@@ -253,7 +254,7 @@ def _mixed_save(rank, dp, ckpt, opt_type):
 def _mixed_resume(rank, dp, ckpt, opt_type, n):
     from canzona_testkit.models import reference_grads
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(test_threads())
     engine = _engine(dp, opt_type, "mixed")
     engine.load_checkpoint(ckpt, tag="t")
     opt = engine.optimizer.optimizer

@@ -16,6 +16,7 @@ them, hosted matrices cut at chunk boundaries and updated over the DP group.
 """
 from __future__ import annotations
 
+from canzona_testkit.kernels import test_threads
 import functools
 import traceback
 
@@ -363,7 +364,7 @@ def _reference(n: int, m: int, opt_type: str) -> dict:
     from canzona_ds.reference import ReferenceOptimizer
     from canzona_testkit.models import reference_grads
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(test_threads())
     model = make_model(0)
     opt = ReferenceOptimizer(model.named_parameters(), CanzonaConfig.from_ds(opt_type, HP[opt_type]))
     for dp, data in ((n, batches(BEFORE, MICRO * n, 1)), (m, batches(AFTER, MICRO * m, 2))):

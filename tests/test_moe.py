@@ -222,7 +222,6 @@ def test_world2_ep2_bit_exact(name):
         assert dev < 0.02
 
 
-@pytest.mark.cpu_kernels
 @pytest.mark.parametrize("name", sorted(SCENARIOS_4))
 def test_world4_ep2(name):
     stage, opt_type, _ = SCENARIOS_4[name]

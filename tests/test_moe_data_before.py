@@ -44,6 +44,7 @@ its own ``try``; one failing scenario fails one test):
 """
 from __future__ import annotations
 
+from canzona_testkit.kernels import test_threads
 import os
 import traceback
 from functools import lru_cache
@@ -166,7 +167,7 @@ def _own_gradient_reference(results: list, opt_type: str, clip: float) -> dict:
     from canzona_testkit.models import HP
     from canzona_testkit.moe import whole_names
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(test_threads())
     problems = []
 
     def whole(per_rank: list, what: str) -> dict:

@@ -232,20 +232,34 @@ def test_offload_bit_exact(name):
     assert dense == ["moe.deepspeed_moe.gate.wg.weight", "proj.weight"], dense  # each dense matrix once
 
 
-#: DeepSpeed's own AdamW twins: offload vs plain within this many fp32 ulps per step (below)
-DS_CLIP_ULPS_PER_STEP = 2
+#: DeepSpeed's own AdamW twins (offload vs plain): the fraction of Adam's largest step by which
+#: their updates may differ per step (derivation in ``_within_adam_steps``)
+DS_ADAM_STEP_FRACTION = 2.0 ** -12
 
 
-def _within_ulps(got: dict, want: dict, ulps: float, what: str) -> None:
+def _within_adam_steps(got: dict, want: dict, steps: int, lr: float, what: str) -> None:
+    """Two AdamW runs that differ only by roundings agree within, per step, the weight's own
+    rounding (an ulp of the weight on each side) plus ``DS_ADAM_STEP_FRACTION`` of Adam's largest
+    step ``lr (1 - b1) / sqrt(1 - b2)`` (Kingma & Ba, section 2.1).
+
+    Why the update's size and not the weight's ulp: the error enters through the update.  Adam's
+    step ``m/(sqrt(v) + eps)`` is homogeneous of degree 0 in the gradient, so gradients that agree
+    to a relative ~2^-20 (an ulp of the clip coefficient, ulp-different weights fed forward) give
+    steps that agree to a few times that, and the SIMD splits of the CPU Adam kernel add a few ulps
+    of the step; 2^-12 of the largest step leaves a 2^8 margin for elements whose gradient nearly
+    cancels in ``m``.  A weight near zero has a tiny ulp but takes the same lr-sized step (an AVX2
+    EPYC: 2.98e-8 apart on such an ``embed.weight`` element after 3 steps, 20 ulps of the weight,
+    1e-6 of lr)."""
+    b1, b2 = 0.9, 0.999  # DeepSpeed's AdamW defaults, which DS_ADAMW keeps
+    largest_step = lr * (1 - b1) / np.sqrt(1 - b2)
     assert got and set(got) <= set(want)
     for n in got:
         a, b = np.asarray(got[n], dtype=np.float32), np.asarray(want[n], dtype=np.float32)
-        bound = ulps * np.spacing(np.maximum(np.abs(a), np.abs(b)))
+        bound = steps * (2 * np.spacing(np.maximum(np.abs(a), np.abs(b))) + DS_ADAM_STEP_FRACTION * largest_step)
         far = np.abs(a - b) > bound
-        assert not far.any(), f"{what}: {n}: {int(far.sum())} elements beyond {ulps} ulps, max {np.abs(a - b).max():.3g}"
+        assert not far.any(), f"{what}: {n}: {int(far.sum())} elements beyond the bound, max {np.abs(a - b).max():.3g}"
 
 
-@pytest.mark.cpu_kernels
 @pytest.mark.parametrize("name", sorted(TWINS))
 def test_offload_equals_plain(name):
     """Canzona types: offload and plain are the same arithmetic (the torch-exact clip, the rule and
@@ -256,11 +270,8 @@ def test_offload_equals_plain(name):
     tensors (``get_grad_norm_direct``), so the two clip coefficients may differ by an fp32 ulp and
     every clipped gradient element with them; the two runs also cut the same CPU Adam kernel
     (``cpu_adam_impl.cpp``: ``DeepSpeedCPUAdam`` on the flat partition, ``FusedAdam`` per tensor) at
-    other SIMD/scalar boundaries, whose widths depend on the CPU (AVX-512: 16 lanes, AVX2: 8).  Adam's
-    update is normalised (m / sqrt(v)), so an ulp of gradient scale changes it by ~an ulp of lr-sized
-    values, far below a weight's ulp; each step's add then rounds the weight to within an ulp.  So
-    the twins agree within ``DS_CLIP_ULPS_PER_STEP`` ulps per step (measured: bit for bit on AVX-512
-    Xeons; 30 of 512 ``embed.weight`` elements 1 ulp apart after 3 steps on an AVX2 EPYC)."""
+    other SIMD/scalar and OpenMP-thread boundaries, which depend on the CPU and the thread count.
+    So the twins agree within a fraction of Adam's step per step (``_within_adam_steps``)."""
     stage, opt_type, steps, extra = TWINS[name]
     gas = extra.get("gas", 1)
     for r in _results(name):
@@ -269,7 +280,9 @@ def test_offload_equals_plain(name):
             _eq(r["offload"]["params"], r["plain"]["params"], name)
             assert r["offload"]["losses"] == r["plain"]["losses"]
         else:
-            _within_ulps(r["offload"]["params"], r["plain"]["params"], DS_CLIP_ULPS_PER_STEP * steps, name)
+            _within_adam_steps(r["offload"]["params"], r["plain"]["params"], steps, opt_type["params"]["lr"], name)
+            # each loss is computed from weights within that bound (~1e-6 relative to the weights
+            # after 3 steps) on the same batch: to first order it moves by as little; 1e-5 leaves 10x
             np.testing.assert_allclose(r["offload"]["losses"], r["plain"]["losses"], rtol=1e-5, atol=0)
         if isinstance(opt_type, str):
             assert r["replay"]["replay_max_diff"] == 0.0 and r["replay"]["steps"] == steps // gas, r["replay"]

@@ -44,6 +44,7 @@ Per scenario (each in its own ``try``; one failing scenario fails one test):
 """
 from __future__ import annotations
 
+from canzona_testkit.kernels import test_threads
 import tempfile
 import traceback
 from functools import lru_cache
@@ -263,7 +264,7 @@ def _reference(results: list, opt_type: str, clip: float) -> dict:
     from canzona_testkit.models import HP
     from canzona_testkit.moe import TP_SPLIT
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(test_threads())
     problems = []
 
     def whole(per_rank: list, what: str) -> dict:

@@ -115,6 +115,7 @@ roots (measured 0.27), the first refresh one step late (0.46), grafting off (0.8
 """
 from __future__ import annotations
 
+from canzona_testkit.kernels import test_threads
 import dataclasses
 import importlib.metadata
 
@@ -145,7 +146,7 @@ SHAMPOO_WEIGHT_TOL = 5e-7
 @pytest.fixture(autouse=True)
 def _one_thread():
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(test_threads())
     yield
     torch.set_num_threads(threads)
 

@@ -2,6 +2,7 @@
 to the reference, checkpoint round trips, and the no-gradient semantics."""
 from __future__ import annotations
 
+from canzona_testkit.kernels import test_threads
 import copy
 
 import pytest
@@ -27,7 +28,7 @@ def _run(model, opt, steps, start=0):
 
 @pytest.mark.parametrize("opt_type", TYPES)
 def test_optimizer_equals_reference_single_process(opt_type):
-    torch.set_num_threads(1)
+    torch.set_num_threads(test_threads())
     cfg = CanzonaConfig.from_ds(opt_type, HP[opt_type])
     a, b = make_model(0), make_model(0)
     _run(a, CanzonaOptimizer(a.named_parameters(), cfg), 5)
@@ -38,7 +39,7 @@ def test_optimizer_equals_reference_single_process(opt_type):
 
 @pytest.mark.parametrize("opt_type", TYPES)
 def test_state_dict_round_trip_resumes_bit_exactly(opt_type):
-    torch.set_num_threads(1)
+    torch.set_num_threads(test_threads())
     cfg = CanzonaConfig.from_ds(opt_type, HP[opt_type])
     a = make_model(0)
     oa = CanzonaOptimizer(a.named_parameters(), cfg)
@@ -68,7 +69,7 @@ def test_loading_another_rules_state_is_refused():
 def test_parameter_without_gradient_is_stepped_with_zero_gradient(opt_type):
     """DeepSpeed ZeRO's semantics (its flat gradient partition has no None): momentum and weight
     decay still move a parameter that got no gradient; the optimizer and the reference agree."""
-    torch.set_num_threads(1)
+    torch.set_num_threads(test_threads())
     cfg = CanzonaConfig.from_ds(opt_type, HP[opt_type])
     models = [make_model(0), make_model(0)]
     opts = [CanzonaOptimizer(models[0].named_parameters(), cfg), ReferenceOptimizer(models[1].named_parameters(), cfg)]

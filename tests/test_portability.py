@@ -8,9 +8,9 @@ order (4-rank all-reduces, TP-split products), which bits come out depends on th
 tests bound the distance instead: ``canzona_testkit.models.muon_reordered_sum_tolerance``.
 These tests pin what that bound stands on, so a CPU on which it would not hold fails here, by name.
 
-CI runs the exactness-critical tests once more as an AVX2-only CPU would (``.ci/avx2``:
-``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2``), so a promise
-that holds only on some CPUs fails on every machine.
+CI reruns every test that asserted bit for bit under another kernel configuration (``.ci/kernels``:
+the AVX2 kernels and more threads than cores; ``canzona_testkit/kernels.py``), so a promise that
+holds only on some CPUs or thread counts fails on every machine.
 """
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ import torch
 from canzona_ds.optim.muon import newton_schulz
 from canzona_testkit.models import NS_FLIP_BOUND, TEST_MATRIX_ASPECT, make_model
 
-pytestmark = pytest.mark.cpu_kernels
 
 #: every matrix shape the multi-rank tests' models hold (TinyLM; canzona_testkit.moe's dense, expert and
 #: TP-split matrices)
@@ -71,3 +70,34 @@ def test_fp32_ulps_in_the_input_rarely_reach_bf16():
         moved = G + ulp * torch.sign(torch.randn(48, 16, generator=g))
         unchanged += torch.equal(newton_schulz(G), newton_schulz(moved))
     assert unchanged >= 40, unchanged
+
+
+def test_bit_for_bit_assertions_on_floats_enroll_the_running_test(monkeypatch):
+    """.ci/kernels reruns what this records: a float equality from test code enrolls the test,
+    an integer one or a bounded comparison does not."""
+    import numpy as np
+
+    from canzona_testkit import kernels
+
+    monkeypatch.setattr(kernels, "exact", set())
+    monkeypatch.setattr(kernels, "current", ["t::ints"])
+    assert torch.equal(torch.arange(3), torch.arange(3))
+    torch.testing.assert_close(torch.ones(2), torch.ones(2), rtol=1e-6, atol=1e-6)
+    assert kernels.exact == set()
+    for name, check in (("t::equal", lambda: torch.equal(torch.ones(2), torch.ones(2))),
+                        ("t::close", lambda: torch.testing.assert_close(torch.ones(2), torch.ones(2), rtol=0, atol=0)),
+                        ("t::numpy", lambda: np.testing.assert_array_equal(np.ones(2), np.ones(2)))):
+        kernels.current[0] = name
+        check()
+    assert kernels.exact == {"t::equal", "t::close", "t::numpy"}
+
+
+def test_test_threads_names_a_bad_value(monkeypatch):
+    from canzona_testkit.kernels import THREADS_ENV, test_threads
+
+    monkeypatch.setenv(THREADS_ENV, "3")
+    assert test_threads() == 3
+    for bad in ("0", "x"):
+        monkeypatch.setenv(THREADS_ENV, bad)
+        with pytest.raises(ValueError, match=f"{THREADS_ENV}={bad!r}"):
+            test_threads()

@@ -4,6 +4,7 @@ training under DeepSpeed's PipelineEngine with stock AdamW as the plain model wi
 (bit for bit: fp32, PP=2, DP=1, untied)."""
 from __future__ import annotations
 
+from canzona_testkit.kernels import test_threads
 import numpy as np
 import pytest
 import torch
@@ -133,7 +134,7 @@ def test_pipe_trains_like_plain_model():
     the pipeline per stage first; see tests/test_pipeline_harness.py)."""
     cfg, steps, gas, micro = _cfg(False), 2, 2, 2
     results = run_distributed(_train_worker, 2, cfg, steps, gas, micro)
-    torch.set_num_threads(1)
+    torch.set_num_threads(test_threads())
     plain = build_model(cfg, SEED)
     opt = torch.optim.AdamW(plain.parameters(), **ADAMW)
     x, y = _batch(cfg, steps * gas * micro)

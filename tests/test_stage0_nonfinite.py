@@ -9,6 +9,7 @@ steps are untouched: the same code path, compared exactly.
 """
 from __future__ import annotations
 
+from canzona_testkit.kernels import test_threads
 import pytest
 import torch
 
@@ -23,7 +24,7 @@ def _train(rank: int, world: int, optimizer: str, data: list, nan_at: int | None
     import canzona_ds  # noqa: F401 - registers the Canzona types (and the stage-0 check)
     import deepspeed
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(test_threads())
     model = make_model(0)
     section = {"type": "AdamW", "params": {"lr": 0.01}} if optimizer == "AdamW" else optimizer
     cfg = ds_config(DP, MICRO, optimizer=section, stage=0)

@@ -7,6 +7,7 @@ One pair of processes runs every rule, each in its own ``try``: one rule's failu
 only its own test."""
 from __future__ import annotations
 
+from canzona_testkit.kernels import test_threads
 import traceback
 from functools import lru_cache
 from typing import Any, Callable
@@ -100,7 +101,7 @@ def reference(rule: MatrixRule) -> dict[str, torch.Tensor]:
     params = {n: torch.nn.Parameter(full_weight(i, s)) for i, (n, s) in enumerate(SHAPES.items())}
     opt = ReferenceOptimizer(params.items(), CanzonaConfig(rule=rule, lr=LR, adam_lr=LR, weight_decay=WD))
     saved = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(test_threads())
     try:
         for step in range(STEPS):
             for p, G in zip(params.values(), full_grads(step)):

@@ -21,6 +21,7 @@ reports its own result or traceback, so a failing scenario fails only its own te
 """
 from __future__ import annotations
 
+from canzona_testkit.kernels import test_threads
 import traceback
 from contextlib import contextmanager
 from functools import lru_cache
@@ -188,7 +189,7 @@ def assembled(per_rank: list[dict[str, Any]], name: str, layout: str) -> torch.T
 def one_thread() -> Iterator[None]:
     """The ranks run 1 thread; the reference does too (same GEMM reduction order)."""
     saved = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(test_threads())
     try:
         yield
     finally:

@@ -8,6 +8,7 @@ DeepSpeed's AutoTP imports transformers, so this runs only where it is installed
 """
 from __future__ import annotations
 
+from canzona_testkit.kernels import test_threads
 import json
 import os
 import socket
@@ -66,7 +67,7 @@ def test_autotp_tracks_single_process_reference(tmp_path: Path, ds_config: str) 
     optimizer = json.loads((REPO / ds_config).read_text())["optimizer"]
     assert optimizer["type"] == "CanzonaMuon"
     saved = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(test_threads())
     try:
         ref = run_reference(cfg, 1, optimizer, STEPS)
     finally:

@@ -138,7 +138,6 @@ def _assert_equal(got: dict, ref: dict, atol: float = 0.0, what: str = "") -> No
 
 
 # ---------------------------------------------------------------------------- exactness
-@pytest.mark.cpu_kernels
 @pytest.mark.parametrize("device", device_params(2))
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("opt_type", TYPES)
@@ -169,7 +168,6 @@ def test_gradient_accumulation_bit_exact(opt_type, stage):
     _assert_equal(res[0]["params"], run_reference(2, STEPS, opt_type, gas=2, stage=stage))
 
 
-@pytest.mark.cpu_kernels
 @pytest.mark.parametrize("opt_type", TYPES)
 def test_dp4(opt_type):
     """Four ranks, one matrix each.  Each owner applies exactly the single-process rule to the

@@ -23,6 +23,7 @@ every rank and reports its own result or traceback, so a failing scenario fails 
 """
 from __future__ import annotations
 
+from canzona_testkit.kernels import test_threads
 import os
 import tempfile
 import traceback
@@ -377,7 +378,7 @@ def _scenarios(dp: int, ckpt_dir: str) -> dict:
 def _worker(rank, dp, ckpt_dir, names):
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(test_threads())
     scen = _scenarios(dp, ckpt_dir)
     out = {}
     for name in names:
@@ -404,7 +405,7 @@ _CKPT = tempfile.mkdtemp(prefix="canzona_zero3_")
 def _back_worker(rank, dp, ckpt_dir):
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(test_threads())
     out = {}
     for name, args, kw in (("resize-back", ("CanzonaSOAP", os.path.join(ckpt_dir, "CanzonaSOAP"), "t4", 2), {}),
                            ("replan", ("CanzonaMuon", os.path.join(ckpt_dir, "CanzonaMuon"), "t2", 2),

@@ -3,6 +3,7 @@
 reference bit for bit."""
 from __future__ import annotations
 
+from canzona_testkit.kernels import test_threads
 import json
 import os
 import pathlib
@@ -20,7 +21,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = """
 import json, sys
 import torch
-torch.set_num_threads(1)
+from canzona_testkit.kernels import test_threads
+torch.set_num_threads(test_threads())
 import canzona_ds  # the one line a user adds
 import deepspeed
 from canzona_testkit.models import ds_config, make_model, batches, params_of

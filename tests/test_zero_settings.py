@@ -4,6 +4,7 @@ gradient accumulation, per_head_muon, DeepSpeed lr schedulers that keep the lr s
 parameters that get no gradient."""
 from __future__ import annotations
 
+from canzona_testkit.kernels import test_threads
 import numpy as np
 import pytest
 import torch
@@ -79,7 +80,7 @@ def test_per_head_muon_matches_per_head_reference():
     assert heads == {"q_proj.weight": 4, "k_proj.weight": 2, "v_proj.weight": 2, "o_proj.weight": None}, heads
 
     def reference(per_head: bool) -> dict:
-        torch.set_num_threads(1)
+        torch.set_num_threads(test_threads())
         model = make_attention_model()
         cfg = CanzonaConfig.from_ds("CanzonaMuon", dict(params, per_head_muon=per_head))
         if per_head:

@@ -12,6 +12,7 @@ bound).
 """
 from __future__ import annotations
 
+from canzona_testkit.kernels import test_threads
 import os
 
 import numpy as np
@@ -60,7 +61,7 @@ def engine_for(model: str, lay: Layout, opt_type: str, cfg: dict | None = None):
 
     import canzona_ds  # noqa: F401
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(test_threads())
     module = make(model)
     cfg = config(lay, opt_type) if cfg is None else cfg
     return deepspeed.initialize(model=module, model_parameters=module.parameters(), config=cfg)[0]
@@ -106,7 +107,7 @@ def reference(model: str, n: int, m: int, opt_type: str) -> dict:
     from canzona_ds.reference import ReferenceOptimizer
     from canzona_testkit.models import HP, params_of, reference_grads
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(test_threads())
     module = make(model)
     if model == "stacks":  # every expert slice its own 2-D matrix
         from canzona_testkit.hf_moe import PerExpertReference

@@ -22,6 +22,7 @@ the norm over the model-parallel group, not canzona's torch-exact clip).
 """
 from __future__ import annotations
 
+from canzona_testkit.kernels import test_threads
 import os
 
 import numpy as np
@@ -51,7 +52,7 @@ def _engine(lay: Layout, opt_type: str):
     import canzona_ds  # noqa: F401
     from canzona_testkit.pipeline import build_pipe, dataset, rank_micro_batches
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(test_threads())
     module = build_pipe(lay.pp, True, 0)
     engine = deepspeed.initialize(model=module, model_parameters=list(module.parameters()),
                                   config=config(lay, opt_type))[0]
@@ -72,7 +73,7 @@ def _pptp(rank, world, lay: Layout, opt_type: str):
 
     if lay.stage != 1 or lay.ep != 1 or lay.mixed or lay.offload or lay.before:
         raise ValueError(f"family 'pptp' runs ZeRO 1 with PP, TP and DP only; got {lay}")
-    torch.set_num_threads(1)
+    torch.set_num_threads(test_threads())
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     topo = PipeModelDataParallelTopology(num_pp=lay.pp, num_mp=lay.tp, num_dp=lay.dp)
     grid = PipelineParallelGrid(topology=topo)
@@ -125,7 +126,7 @@ def reference(opt_type: str, modes: list[str]) -> dict:
     from canzona_testkit.models import HP, params_of
     from canzona_testkit.pipeline import ReferenceDecoder, dataset, rank_micro_batches
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(test_threads())
     model = ReferenceDecoder(True, 0, modes[0])
     named = list(model.named_parameters())
     opt = ReferenceOptimizer(named, CanzonaConfig.from_ds(opt_type, dict(HP[opt_type])))

@@ -30,6 +30,7 @@ parameters equal it bit for bit (DP <= 2: every sum has two terms).
 """
 from __future__ import annotations
 
+from canzona_testkit.kernels import test_threads
 import os
 
 import numpy as np
@@ -62,7 +63,7 @@ def engine_for(lay: Layout, opt_type: str):
     from canzona_testkit import megatron_standin as ms
 
     zt = _zt()
-    torch.set_num_threads(1)
+    torch.set_num_threads(test_threads())
     ms.initialize_model_parallel(lay.tp)
     model = ms.TinyGPTBlock(**zt.CFG)
     model.load_state_dict(ms.shard_state_dict(ms.init_full_state_dict(zt.CFG), zt.CFG, lay.tp,
@@ -196,7 +197,7 @@ def reference(opt_type: str, running: Layout, folder: str, results: list) -> tup
     from canzona_testkit.moe import _start_from
 
     zt, tp, dp = _zt(), running.tp, running.dp
-    torch.set_num_threads(1)
+    torch.set_num_threads(test_threads())
     index = Index.read(folder)
     start = start_state(index, frame_state(folder, tp))
     assert set(index.names) == set(ms.init_full_state_dict(zt.CFG)), index.names
