@@ -32,7 +32,7 @@ from canzona_ds.optim.rule import MatrixInfo, rule_step
 from canzona_ds.planning.cost import task_cost
 from canzona_ds.planning.params import ParamSpec, expert_stack, matrix_experts
 from canzona_testkit.dist import run_distributed
-from canzona_testkit.models import HP, TYPES, ds_config, params_of
+from canzona_testkit.models import HP, TYPES, ds_config, muon_kernel_tolerance, params_of
 
 transformers = pytest.importorskip("transformers")
 
@@ -372,8 +372,10 @@ def test_canzona_plan_reports_expert_stacks(capsys):
 @pytest.mark.parametrize("ns_method", ["standard", "gram"])
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_muon_batched_stack_equals_per_expert_direction(ns_method, nesterov):
-    """Muon's stack_direction (one batched Newton-Schulz over the experts) is bit-identical to its
-    direction() on each expert, momentum included."""
+    """Muon's stack_direction (one batched Newton-Schulz over the experts) equals its direction()
+    on each expert: the momentum bit for bit (element-wise lerp: on CPU the foreach op runs the
+    per-tensor kernel), the weights within muon_kernel_tolerance (baddbmm over the experts vs one
+    addmm per expert: other GEMM kernels, on the same given gradients)."""
     from canzona_ds.optim.muon import MuonRule
 
     torch.set_num_threads(test_threads())
@@ -390,5 +392,9 @@ def test_muon_batched_stack_equals_per_expert_direction(ns_method, nesterov):
             D = rule.direction(G[e], state, info, t)
             decay, size = rule.scales(0.02, 0.1, info, t)
             W_each[e].mul_(decay).add_(D.to(W.dtype), alpha=-size)
-    assert torch.equal(W, W_each)
+    info = MatrixInfo("w[0]", (40, 24))
+    sizes = [rule.scales(0.02, 0.1, info, t)[1] for t in range(1, 4)]
+    for e in range(6):
+        bound = muon_kernel_tolerance((40, 24), sizes, float(W_each[e].norm()))
+        assert float((W[e] - W_each[e]).norm()) <= bound, (e, float((W[e] - W_each[e]).norm()), bound)
     assert all(torch.equal(stacked[k]["momentum_buffer"], each[k]["momentum_buffer"]) for k in each)

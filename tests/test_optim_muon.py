@@ -10,6 +10,7 @@ from canzona_ds.optim.muon import MuonRule, newton_schulz
 from canzona_ds.optimizer import CanzonaOptimizer
 from canzona_ds.reference import ReferenceOptimizer
 from canzona_ds.optim.rule import MatrixInfo
+from canzona_testkit.models import NS_BF16_REL, muon_kernel_tolerance
 
 SHAPES = [(16, 16), (48, 16), (16, 40), (7, 33)]
 
@@ -100,8 +101,13 @@ def test_per_head_matches_deepspeed_per_head_orthogonalisation():
     rule = MuonRule(nesterov=False, momentum=0.0)
     info = MatrixInfo("q_proj.weight", tuple(G.shape), num_heads=heads)
     D = rule.direction(G.clone(), rule.init_state(info, like=G), info, 1)
-    blocks = torch.cat([newton_schulz(b) for b in G.split(head_dim)])
-    torch.testing.assert_close(D, blocks, rtol=0, atol=0)
+    # the heads as one (heads, head_dim, in) batch: the same call on the same tensor, bit for bit
+    torch.testing.assert_close(D, newton_schulz(G.reshape(heads, head_dim, cols)).reshape(G.shape), rtol=0, atol=0)
+    # head by head as 2-D matrices: other GEMM kernels (addmm vs baddbmm), so each side within
+    # NS_BF16_REL of the exact iteration, per head, and the two within twice that
+    blocks = [newton_schulz(b).float() for b in G.split(head_dim)]
+    for h, (got, one) in enumerate(zip(D.float().split(head_dim), blocks)):
+        assert ((got - one).norm() / one.norm()).item() <= 2 * NS_BF16_REL, h
     _, step_size = rule.scales(1.0, 0.0, info, 1)
     assert step_size == pytest.approx(original_muon._aspect_ratio_scale(head_dim, cols))
     # eager, as the main job and the test kit's ranks run DeepSpeed's Muon: its inductor-compiled CPU kernel
@@ -209,17 +215,31 @@ def test_auto_chooses_by_the_probe(monkeypatch):
 
 
 # ---------------------------------------------------------------- batched Newton-Schulz on the owner
+def _assert_within_kernel_tolerance(ours, ref, rule, lr, steps):
+    """A batched Newton-Schulz (baddbmm over k matrices) against one matrix at a time (addmm):
+    other GEMM kernels, so not bit for bit on every CPU (the probe's random matrices do not
+    establish it for every value: ns_batch's doc); the gradients are the same given tensors, so
+    only the directions differ: muon_kernel_tolerance.  A batch that swapped two matrices' updates
+    would be 8-9x the bound away (measured on these shapes over 3 steps)."""
+    for (name, p), (_, r) in zip(ours, ref):
+        info = MatrixInfo(name, tuple(r.shape))
+        sizes = [rule.scales(lr, 0.0, info, t)[1] for t in range(1, steps + 1)]
+        bound = muon_kernel_tolerance(info.shape2d, sizes, float(r.detach().norm()))
+        assert float((p.detach() - r.detach()).norm()) <= bound, (name, float((p - r).norm()), bound)
+
+
 BATCH_SHAPES = [(24, 40), (24, 40), (40, 24), (24, 40), (40, 24), (7, 33), (7, 33)]
 
 
 @pytest.mark.parametrize("ns_dtype", ["bf16", "fp32"])
 @pytest.mark.parametrize("ns_method", ["standard", "gram"])
-def test_owner_batches_same_shape_matrices_bit_exact(ns_dtype, ns_method, monkeypatch):
+def test_owner_batches_same_shape_matrices(ns_dtype, ns_method, monkeypatch):
     """CanzonaOptimizer (the owner's path: placement -> rule_steps) runs the same-shape matrices
-    as one batched Newton-Schulz where the probe found it exact, and its parameters equal the
-    single-process reference's (one matrix at a time) bit for bit: 7x33 in fp32 is a shape
-    where MKL's batched fp32 product rounds differently from the single one on some CPUs (gram also
-    under AVX2), so there the probe must send them one at a time.  The batch must really run (counted)."""
+    as one batched Newton-Schulz where the probe found it exact, and its parameters stay within
+    the kernel bound of the single-process reference's (one matrix at a time): 7x33 in fp32 is a
+    shape where MKL's batched fp32 product rounds differently from the single one on some CPUs
+    (gram also under AVX2), so there the probe must send them one at a time.  The batch must
+    really run (counted)."""
     from canzona_ds.optim import muon
 
     batched = []
@@ -235,8 +255,7 @@ def test_owner_batches_same_shape_matrices_bit_exact(ns_dtype, ns_method, monkey
     ref_opt = ReferenceOptimizer(ref, CanzonaConfig.from_ds("CanzonaMuon", params))
     _steps([p for _, p in ours], opt, grads)
     _steps([p for _, p in ref], ref_opt, grads)
-    for (name, p), (_, r) in zip(ours, ref):
-        torch.testing.assert_close(p.detach(), r.detach(), rtol=0, atol=0, msg=name)
+    _assert_within_kernel_tolerance(ours, ref, opt.rule, 0.02, len(grads))
     rule = opt.rule
     exact = {s: rule.batch_is_exact(BATCH_SHAPES.count(s), s if s[0] <= s[1] else s[::-1], torch.float32,
                                     torch.device("cpu")) for s in set(BATCH_SHAPES)}
@@ -274,7 +293,7 @@ def test_batch_probe_falls_back_where_batched_rounding_differs(monkeypatch):
 
 def test_owner_batches_are_bounded_in_size(monkeypatch):
     """rule_steps cuts a same-shape group into batches of at most BATCH_MAX_NUMEL elements (the
-    stacked copies a batch holds), still bit-exact against the one-at-a-time reference."""
+    stacked copies a batch holds), still within the kernel bound of the one-at-a-time reference."""
     from canzona_ds.optim import muon, rule
 
     monkeypatch.setattr(rule, "BATCH_MAX_NUMEL", 2 * 24 * 40)
@@ -288,6 +307,5 @@ def test_owner_batches_are_bounded_in_size(monkeypatch):
     ref = [(f"m{i}.weight", p.clone().requires_grad_()) for i, p in enumerate(init)]
     _steps([p for _, p in ours], CanzonaOptimizer(ours, CanzonaConfig.from_ds("CanzonaMuon", {"ns_batch": True})), grads)
     _steps([p for _, p in ref], ReferenceOptimizer(ref, CanzonaConfig.from_ds("CanzonaMuon", {})), grads)
-    for (name, p), (_, r) in zip(ours, ref):
-        torch.testing.assert_close(p.detach(), r.detach(), rtol=0, atol=0, msg=name)
+    _assert_within_kernel_tolerance(ours, ref, MuonRule(), MuonRule.default_lr, len(grads))
     assert max(s[0] for s in sizes if len(s) == 3) == 2, sizes  # 5 matrices: batches of 2, 2 and 1

@@ -67,8 +67,16 @@ def test_gqa_factors_never_raise_and_cap_every_clipped_head(seed):
 
 
 def _full_max(q, k, scale, allowed):
-    rep = q.shape[1] // k.shape[1]
-    scores = (q @ k.repeat_interleave(rep, 1).transpose(-1, -2)) * scale
+    """Each head's largest logit over the allowed pairs, from the whole score matrix at once: each
+    key head against its query heads as one (B, KV, H/KV, T, d) @ (B, KV, 1, d, T) product, the
+    kernel and shapes max_logits runs when all T rows fit one block (T <= BLOCK, as in the runs
+    below), so a clipped run and its reference reach every logit through the same GEMM and the
+    runs compare bit for bit (masking and max are exact).  Block by block the GEMM shapes differ:
+    test_max_logits_blockwise_equals_the_full_matrix bounds that."""
+    B, H, L, d = q.shape
+    KV = k.shape[1]
+    scores = torch.matmul(q.reshape(B, KV, H // KV, L, d), k.transpose(-1, -2)[:, :, None])
+    scores = (scores * scale).reshape(B, H, L, k.shape[2])
     return scores.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3))
 
 
@@ -80,15 +88,24 @@ def test_max_logits_blockwise_equals_the_full_matrix(block):
     pad = causal.clone().expand(2, 1, 11, 11).clone()
     pad[1, :, :, :3] = False
     additive = torch.zeros(2, 1, 11, 11).masked_fill(~pad, torch.finfo(torch.float32).min)
-    # The blockwise code and the full-matrix reference (repeat_interleave + one matmul) reach each
-    # logit through different matmul kernels, so their dot products may round differently on some
-    # CPUs (an AMD EPYC: 2.4e-7 apart with one block).  Each side's 8-term fp32 dot product is within
-    # gamma_8 * sum|q_i k_i| of the exact one (Higham, gamma_n = n u / (1 - n u), u = 2^-24), the
-    # scale's product adds an ulp, and a max moves by no more than its largest entry: the bound below.
+    # The blockwise code and an independent full-matrix reference (repeat_interleave + one matmul)
+    # reach each logit through different matmul kernels, so their dot products may round differently
+    # on some CPUs (an AMD EPYC: 2.4e-7 apart with one block).  Each side's 8-term fp32 dot product is
+    # within gamma_8 * sum|q_i k_i| of the exact one (Higham, gamma_n = n u / (1 - n u), u = 2^-24),
+    # the scale's product adds an ulp, and a max moves by no more than its largest entry: the bound.
     bound = _dot_product_bound(q, k, 0.3)
     for mask, allowed, is_causal in ((None, causal, True), (pad, pad, False), (additive, pad, False)):
         got = max_logits(q, k, 0.3, mask, causal=is_causal, block=block)
-        torch.testing.assert_close(got, _full_max(q, k, 0.3, allowed), rtol=0, atol=bound)
+        torch.testing.assert_close(got, _repeated_max(q, k, 0.3, allowed), rtol=0, atol=bound)
+        if block >= q.shape[2]:  # one block: _full_max's GEMM on the same shapes, the runs' premise
+            torch.testing.assert_close(got, _full_max(q, k, 0.3, allowed), rtol=0, atol=0)
+
+
+def _repeated_max(q, k, scale, allowed):
+    """The largest logits written another way: every query head against its key head repeated."""
+    rep = q.shape[1] // k.shape[1]
+    scores = (q @ k.repeat_interleave(rep, 1).transpose(-1, -2)) * scale
+    return scores.masked_fill(~allowed, float("-inf")).amax(dim=(0, 2, 3))
 
 
 def _dot_product_bound(q, k, scale) -> float:
