@@ -230,6 +230,17 @@ def _release_deepspeed_shm_buffers():
         sweep({n: st for n, st in shm_files().items() if n.startswith(f"{DS_PREFIX}{os.getuid()}_")}, wait=False)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    # The pytest process is the reference side of every rank-vs-reference comparison (and both
+    # sides of the single-process ones): it runs with the ranks' intra-op thread count
+    # (canzona_testkit/dist.py), set before each test's fixtures, so no reference can run with
+    # torch's default (the core count) while the ranks run test_threads().
+    import torch
+
+    torch.set_num_threads(kernels.test_threads())
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
     kernels.current[0] = item.nodeid

@@ -41,8 +41,9 @@ def launch_job(ds_config: str, log_dir: Path, ranks: int = 2, timeout: int = 300
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", str(_port()),
            "--module", "canzona_ds.cli.train", "--config", "configs/run_tiny.yaml", "--no-progress",
            "--ds-config", ds_config]
+    # threads_per_rank: the reference's intra-op threads (test_threads), as the test kit's ranks
     for key, value in {**OVERRIDES, "eval_batches": 2, "eval_every": 0, "checkpoint_every": 0,
-                       "log_dir": str(log_dir)}.items():
+                       "threads_per_rank": test_threads(), "log_dir": str(log_dir)}.items():
         cmd += ["--set", f"{key}={value}"]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)

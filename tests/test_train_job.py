@@ -15,12 +15,17 @@ from pathlib import Path
 
 import pytest
 
+from canzona_testkit.kernels import test_threads
+
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.dist
 
 #: small but real: the tiny preset at seq_len 64, 4 windows per rank per micro step
 COMMON = ["--set", "seq_len=64", "--set", "micro_batch=4", "--set", "eval_batches=2", "--set", "warmup_steps=2",
-          "--no-progress"]
+          "--no-progress",
+          # the ranks' intra-op threads: those of the single-process references in this pytest process
+          # (tests/conftest.py), so a reference comparison runs the same kernels on both sides
+          "--set", f"threads_per_rank={test_threads()}"]
 
 
 def _port() -> int:
