@@ -10,7 +10,9 @@ configuration (``.ci/kernels``), and which tests those are is recorded, not hand
 * ``record_exact_assertions()`` wraps the equality primitives the suite uses on floating values
   (``torch.equal``, ``torch.testing.assert_close`` and ``numpy.testing.assert_allclose`` with
   ``rtol=0, atol=0``, ``numpy.testing.assert_array_equal``/``assert_equal``); a call from test
-  code (``tests/``, ``canzona_testkit/``) on floating values marks the running test.  With
+  code (``tests/``, ``canzona_testkit/``) on floating values marks the running test, and so does
+  ``canzona_testkit.models.max_abs_diff`` when it finds two results equal (``max_abs_diff(a, b)
+  == 0.0``, the other spelling of a bit-for-bit assertion: ``note_exact``).  With
   ``CANZONA_EXACT_LOG=<file>`` set, the session appends the marked node ids there
   (tests/conftest.py).  A contributor who writes a bit-for-bit assertion has enrolled the test.
 * ``test_threads()`` is the intra-op thread count the ranks *and* the single-process references
@@ -73,6 +75,13 @@ def _from_test_code() -> bool:
 
 def _mark(*values) -> None:
     if current[0] is not None and any(_floating(v) for v in values) and _from_test_code():
+        exact.add(current[0])
+
+
+def note_exact() -> None:
+    """Enroll the running test: a test-kit helper found two float results equal bit for bit
+    (``canzona_testkit.models.max_abs_diff`` returning 0.0, which ``== 0.0`` assertions read)."""
+    if current[0] is not None:
         exact.add(current[0])
 
 

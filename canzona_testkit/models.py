@@ -188,7 +188,14 @@ def reordered_sum_bound(per_rank: list[dict]) -> dict:
 
 
 def max_abs_diff(a: dict, b: dict) -> float:
-    return max(float(abs(a[k] - b[k]).max()) for k in a)
+    """The largest |a - b| over the arrays of ``a``; 0.0 (both equal bit for bit) enrolls the running
+    test in .ci/kernels' rerun, as a zero-tolerance assertion does (canzona_testkit/kernels.py)."""
+    d = max(float(abs(a[k] - b[k]).max()) for k in a)
+    if d == 0.0:
+        from canzona_testkit.kernels import note_exact
+
+        note_exact()
+    return d
 
 
 #: largest rows/cols (or cols/rows) of a matrix in the test models; torch.optim.Muon's

@@ -81,15 +81,19 @@ def test_bit_for_bit_assertions_on_floats_enroll_the_running_test(monkeypatch):
 
     monkeypatch.setattr(kernels, "exact", set())
     monkeypatch.setattr(kernels, "current", ["t::ints"])
+    from canzona_testkit.models import max_abs_diff
+
     assert torch.equal(torch.arange(3), torch.arange(3))
     torch.testing.assert_close(torch.ones(2), torch.ones(2), rtol=1e-6, atol=1e-6)
+    assert max_abs_diff({"w": np.ones(2)}, {"w": np.zeros(2)}) == 1.0
     assert kernels.exact == set()
     for name, check in (("t::equal", lambda: torch.equal(torch.ones(2), torch.ones(2))),
                         ("t::close", lambda: torch.testing.assert_close(torch.ones(2), torch.ones(2), rtol=0, atol=0)),
-                        ("t::numpy", lambda: np.testing.assert_array_equal(np.ones(2), np.ones(2)))):
+                        ("t::numpy", lambda: np.testing.assert_array_equal(np.ones(2), np.ones(2))),
+                        ("t::diff", lambda: max_abs_diff({"w": np.ones(2)}, {"w": np.ones(2)}) == 0.0)):
         kernels.current[0] = name
         check()
-    assert kernels.exact == {"t::equal", "t::close", "t::numpy"}
+    assert kernels.exact == {"t::equal", "t::close", "t::numpy", "t::diff"}
 
 
 def test_test_threads_names_a_bad_value(monkeypatch):
