@@ -225,7 +225,8 @@ def muon_kernel_tolerance(shape: tuple[int, int], sizes: list[float], weight_nor
     Each side's direction O_t is within NS_BF16_REL ||O_t||_F of the exact iteration's, so the two
     are within 2 NS_BF16_REL ||O_t||_F <= 2 NS_BF16_REL NS_SPECTRAL_MAX sqrt(min(m, n)); the
     weights' difference obeys D_t = decay D_{t-1} + size_t dO_t (decay <= 1), plus each side's
-    fp32 rounding of the decay and the add (2 ulps of the weight per step): summed over steps."""
+    fp32 roundings of the decay and the add (two of at most u ||W||_F per side per step): summed
+    over steps."""
     u = 2.0 ** -24
     per_direction = 2 * NS_BF16_REL * NS_SPECTRAL_MAX * math.sqrt(min(shape))
     return sum(sizes) * per_direction + len(sizes) * 2 * 2 * u * weight_norm
