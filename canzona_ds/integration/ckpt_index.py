@@ -68,6 +68,8 @@ from torch import Tensor
 from ..ckpt.frames import TPFrame
 from ..ckpt.index import INDEX, MASTER, CheckpointIndexError, Chunk, Index, Reader
 from ..optim.rule import expert_name
+from .param_groups import describe as describe_groups
+from .param_groups import merge as merge_groups
 
 logger = logging.getLogger(__name__)
 
@@ -358,6 +360,8 @@ def emit(engine) -> tuple[list[Chunk] | None, dict]:
         "engine_file": None, "scalars": None,
         # expert stacks: their rule state is per expert, W[e] = chunk e of the stack's (E, ...) state
         "expert_stacks": {info.name: info.num_experts for info in opt.infos.values() if info.num_experts is not None},
+        # each group's hyper-parameters as the schedule last wrote them (integration/param_groups.py)
+        "param_groups": describe_groups(opt.param_groups),
     }
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if stage == 0 and opt.moe is not None and getattr(opt.moe, "active", False):
@@ -430,7 +434,7 @@ def gather_index(engine, tag: str, directory: str) -> Index | None:
     chunks, meta = emit(engine)
     meta["engine_file"], meta["scalars"] = _engine_files(engine)
     payload = (None if chunks is None else [c.to_json() for c in chunks], meta["roles"], layout_fingerprint(engine),
-               meta["expert_stacks"], meta["ep"])
+               meta["expert_stacks"], meta["ep"], meta["param_groups"])
     if tdist.is_initialized():
         parts: list = [None] * tdist.get_world_size()
         tdist.all_gather_object(parts, payload)
@@ -441,9 +445,10 @@ def gather_index(engine, tag: str, directory: str) -> Index | None:
     # every rank's roles and expert stacks (a pipeline stage knows its own parameters only) and
     # layout fingerprint
     meta["roles"] = {n: r for _, roles, *_ in parts for n, r in roles.items()}
-    meta["expert_stacks"] = {n: e for _, _, _, stacks, _ in parts for n, e in stacks.items()}
+    meta["expert_stacks"] = {n: e for _, _, _, stacks, *_ in parts for n, e in stacks.items()}
     meta["fingerprints"] = [fp for _, _, fp, *_ in parts]
-    meta["ep"] = max(ep for *_, ep in parts)  # (a pipeline stage without MoE layers has ep 1)
+    meta["ep"] = max(p[4] for p in parts)  # (a pipeline stage without MoE layers has ep 1)
+    meta["param_groups"] = merge_groups(p[5] for p in parts)  # (a pipeline stage has its own groups)
     parts = [c for c, *_ in parts]
     files = sorted(f for f in _list(directory))
     if any(p is None for p in parts):
@@ -752,6 +757,9 @@ def _fill_rule_state(opt, src: IndexSource, changed: set, layouts: dict | None =
 
 
 def _apply_engine_state(engine, src: IndexSource, load_lr_scheduler_states: bool) -> dict:
+    """The engine's counters, the lr scheduler (once: Megatron's adds its saved step count to its
+    own), ZeRO's loss-scale scalars; returns the client state.  The param groups' hyper-parameters
+    follow in :func:`restore_param_groups`, after either route."""
     for key in ("global_steps", "global_samples", "skipped_steps"):
         if src.engine_state.get(key) is not None:
             setattr(engine, key, src.engine_state[key])
@@ -762,6 +770,56 @@ def _apply_engine_state(engine, src: IndexSource, load_lr_scheduler_states: bool
         if hasattr(zopt, key):
             setattr(zopt, key, value)
     return dict(src.client_state)
+
+
+def restore_param_groups(engine, load_dir: str, tag: str | None) -> None:
+    """After a load of the optimizer state (DeepSpeed's stock load or :func:`load`): the live param
+    groups get the hyper-parameters the save recorded (integration/param_groups.py), so the first
+    resumed step runs at the lr (betas, weight decay, ...) the uninterrupted run's would.  A tag
+    written before the index recorded them: read from the optimizer state DeepSpeed saved (the
+    torch ``param_groups`` of DP rank 0's file)."""
+    from .param_groups import restore
+    from .runtime_info import canzona_optimizer
+
+    opt = canzona_optimizer(engine)
+    tag = latest_tag(load_dir) if tag is None else tag
+    if opt is None or tag is None:
+        return
+    folder = os.path.join(load_dir, str(tag))
+    index = read_index(folder)
+    saved = None if index is None else index.meta.get("param_groups")
+    if saved is None:
+        saved = _saved_groups_from_files(folder, index)
+    if saved:
+        restore(opt.param_groups, saved)
+
+
+def _saved_groups_from_files(folder: str, index: Index | None) -> list[dict] | None:
+    """The param groups of the torch optimizer state DeepSpeed wrote (stage 0: the model-states
+    file's ``optimizer``; ZeRO 1/2: ``base_optimizer_state``; ZeRO 3: ``optimizer_state_dict``)."""
+    from .param_groups import describe
+
+    if index is None:
+        from .ckpt_legacy import legacy_index
+
+        index = legacy_index(folder)
+    if index is None:
+        return None
+    reader, m = Reader(folder, index), index.meta
+    found = []
+    rec = m.get("scalars")
+    if rec and rec.get("file"):
+        sd = reader._file(rec["file"])
+        for k in rec.get("key", ()):
+            sd = sd.get(k, {}) if isinstance(sd, dict) else {}
+        if isinstance(sd, dict):
+            found += [sd.get("base_optimizer_state"), sd.get("optimizer_state_dict")]
+    if m.get("engine_file") and os.path.isfile(os.path.join(folder, m["engine_file"])):
+        found.append(reader._file(m["engine_file"]).get("optimizer"))
+    for sd in found:
+        if isinstance(sd, dict) and isinstance(sd.get("param_groups"), list):
+            return describe(sd["param_groups"])
+    return None
 
 
 def index_route(engine, load_dir: str, tag: str | None) -> Index | None:
