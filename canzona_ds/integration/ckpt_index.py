@@ -492,8 +492,10 @@ class IndexSource:
     """What ``ckpt_fill.fill_zero12`` (and the stage-0 and ZeRO-3 fills here) read through, answered
     from the index: regions by whole-model name, rule state whole, scalars."""
 
-    def __init__(self, folder: str, index: Index) -> None:
-        self.folder, self.index = folder, index
+    def __init__(self, folder: str, index: Index, engine_file: str | None = None) -> None:
+        #: ``engine_file``: the model-states file whose engine state (counters, lr scheduler,
+        #: client state) this rank takes (default: the index's, DP rank 0's of the first stage)
+        self.folder, self.index, self._engine_file = folder, index, engine_file
         self.reader = Reader(folder, index)
         self.rule = index.meta["rule"]
         self.matrix_step = index.meta.get("matrix_step", 0)
@@ -516,7 +518,7 @@ class IndexSource:
     def _engine_state(self) -> tuple[dict, dict]:
         from .ckpt_fill import DS_MODEL_KEYS
 
-        name = self.index.meta.get("engine_file")
+        name = self._engine_file or self.index.meta.get("engine_file")
         if not name:
             return {}, {}
         sd = self.reader._file(name)
@@ -792,6 +794,21 @@ def restore_param_groups(engine, load_dir: str, tag: str | None) -> None:
         saved = _saved_groups_from_files(folder, index)
     if saved:
         restore(opt.param_groups, saved)
+        _fit_scheduler(engine.lr_scheduler, opt.param_groups)
+
+
+def _fit_scheduler(sched, groups) -> None:
+    """A torch ``LRScheduler`` loaded from a file whose stage had other param groups (a pipeline
+    resumed at another PP size) keeps per-group lists of the wrong length: rebuilt from the live
+    groups, which hold the saved ``initial_lr`` / ``lr`` of their own role (just restored)."""
+    base = getattr(sched, "base_lrs", None)
+    if not isinstance(base, list) or len(base) == len(groups) or any("initial_lr" not in g for g in groups):
+        return
+    sched.base_lrs = [g["initial_lr"] for g in groups]
+    sched._last_lr = [g["lr"] for g in groups]
+    lambdas = getattr(sched, "lr_lambdas", None)
+    if isinstance(lambdas, list) and lambdas and len(lambdas) != len(groups):
+        sched.lr_lambdas = [lambdas[0]] * len(groups)  # (one callable given: the same for every group)
 
 
 def _saved_groups_from_files(folder: str, index: Index | None) -> list[dict] | None:
@@ -919,7 +936,10 @@ def load(engine, load_dir: str, tag: str | None, index: Index, load_module_stric
             f"ep_size={m.get('ep', 1)} with {m.get('no_chunks')}, so its index describes no chunks and only its own "
             f"layout loads (at stage 0 also another DP size); this run has ZeRO stage {stage}, DP={opt.groups.dp_size}, "
             f"TP={opt.tp_size}, PP={opt.groups.pp_size}, ep_size={_ep(opt)} ({todo}).")
-    src = IndexSource(folder, index)
+    # under pipeline parallelism each stage's model-states file holds its own lr scheduler (one entry
+    # per param group of that stage): a stage that has its saved file takes it
+    own = _engine_files(engine)[0]
+    src = IndexSource(folder, index, engine_file=own if own in index.files else None)
     if src.rule != opt.rule.name:
         raise CheckpointIndexError(f"{folder} holds {src.rule!r} state; this engine runs {opt.rule.name!r}.")
     import torch.distributed as tdist
