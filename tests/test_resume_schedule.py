@@ -104,17 +104,21 @@ def _run(engine, batches, kind) -> list:
 
 
 def _worker(rank, world, kind, ckpt):
+    import contextlib
+    import io
+
     import torch
 
     from canzona_testkit.models import batches, params_of
 
     torch.set_num_threads(1)
     data = batches(STEPS, 2, seed=3)
-    whole = _engine(1, kind)
+    with contextlib.redirect_stdout(io.StringIO()) as text:  # (the start-up line is printed on rank 0)
+        whole = _engine(1, kind)
     seen = _run(whole, data[:SAVE_AT], kind)
     whole.save_checkpoint(ckpt, tag="saved")
     seen += _run(whole, data[SAVE_AT:], kind)
-    out = {"uninterrupted": (seen, params_of(whole.module))}
+    out = {"uninterrupted": (seen, params_of(whole.module)), "startup": text.getvalue()}
     for stage in (1, 2):  # ZeRO 1 -> 1: DeepSpeed's stock load; 1 -> 2: the index loop
         engine = _engine(stage, kind)
         engine.load_checkpoint(ckpt, tag="saved")
@@ -132,6 +136,12 @@ def test_schedule_continues_after_resume(tmp_path, kind):
     hyper-parameters and ends at its weights, bit for bit; Megatron's scheduler is loaded once
     (its num_steps is the saved one, not twice it)."""
     (res,) = run_distributed(_worker, 1, kind, str(tmp_path / "ckpt"))
+    # plain deepspeed.initialize (and the Megatron hook's route): the one start-up line, printed
+    # where logging shows no INFO record (the default)
+    lines = [ln for ln in res["startup"].splitlines() if ln.startswith("canzona_ds: ")]
+    assert len(lines) == 1 and lines[0].startswith("canzona_ds: CanzonaMuon (muon on ") and \
+        "matrix lr 0.02, AdamW lr" in lines[0] and "ZeRO stage 1, DP 1 TP 1 PP 1; plan " in lines[0] and \
+        "load max/mean" in lines[0] and "HF Trainer" not in lines[0], lines
     seen, want = res["uninterrupted"]
     # the schedule moves across the resumed steps, and the first of them is not where a fresh one starts
     assert len({str(s) for s in seen[SAVE_AT:]}) == STEPS - SAVE_AT and seen[SAVE_AT] != seen[0], seen

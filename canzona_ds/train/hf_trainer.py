@@ -16,8 +16,8 @@ which DeepSpeed saves with the checkpoint) and saves every ``--save-steps`` step
 ``<out>/checkpoint-<step>``; ``--resume`` continues one through
 ``trainer.train(resume_from_checkpoint=...)``, at any ZeRO stage and DP size.  HF shards the
 dataset over DP ranks; the dataset is a fixed set of windows drawn from the shipped corpus with
-the run seed, and one global batch is ``--micro-batch`` x ranks windows (keep it when the DP
-size changes).  Writes ``<out>/log_history.json`` and ``<out>/group_lrs.json`` (the lr of every
+the run seed, and one global batch is ``--micro-batch`` x ranks windows (keep its size when the
+DP size changes; HF's sampler then deals other windows to the steps).  Writes ``<out>/log_history.json`` and ``<out>/group_lrs.json`` (the lr of every
 optimizer param group at each step, as the step used it).
 
 ``--model qwen3-moe-tiny``: a real transformers ``Qwen3MoeForCausalLM`` (2 layers, 8 experts
