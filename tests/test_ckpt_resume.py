@@ -745,7 +745,8 @@ def test_mixed_tp_checkpoint_with_other_grid_tp_hosts_resumes_exactly(tmp_path):
 
     lay, opt_type = Layout.parse("z1 tp2 dp2 mixed"), SH
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
-    res = run_distributed(tp.save_unseeded_and_resume, lay.world, "tp", lay, opt_type, ckpt, out)
+    res = run_distributed(scheduled, lay.world, tp.save_unseeded_and_resume, "tp", lay, opt_type, ckpt, out)
+    check_lrs(res, range(BEFORE + AFTER))  # (the saving engine's steps, then the resumed one's)
     assert all(r["route"] == ["index"] for r in res), [r["route"] for r in res]
     old, new = res[0]["saved_tp_hosts"], res[0]["tp_hosts"]
     assert old and old != new, (old, new)

@@ -791,7 +791,10 @@ def restore_param_groups(engine, load_dir: str, tag: str | None) -> None:
     index = read_index(folder)
     saved = None if index is None else index.meta.get("param_groups")
     if saved is None:
-        saved = _saved_groups_from_files(folder, index)
+        try:
+            saved = _saved_groups_from_files(folder, index)
+        except CheckpointIndexError:  # (records it cannot read: only DeepSpeed's stock load took such a tag,
+            saved = None              # and that load restored the groups with the optimizer state)
     if saved:
         restore(opt.param_groups, saved)
         _fit_scheduler(engine.lr_scheduler, opt.param_groups)
@@ -820,7 +823,7 @@ def _saved_groups_from_files(folder: str, index: Index | None) -> list[dict] | N
         from .ckpt_legacy import legacy_index
 
         index = legacy_index(folder)
-    if index is None:
+    if index is None or index.chunks is None:  # (no chunks: only the stock load took it, groups and all)
         return None
     reader, m = Reader(folder, index), index.meta
     found = []
