@@ -152,3 +152,33 @@ def test_schedule_continues_after_resume(tmp_path, kind):
             np.testing.assert_array_equal(params[n], want[n], err_msg=f"{kind} ZeRO 1 -> {stage}: {n}")
         if kind == "megatron":
             assert steps == SAVE_AT, (stage, steps)  # right after the load: the saved count, once
+
+
+def test_param_group_hyper_parameters_follow_role_and_partition_across_layouts():
+    """The record a save keeps (integration/param_groups.py) goes back by role and expert
+    partition, whatever the order and number of groups here: JSON keeps every float exactly, a
+    tuple stays a tuple, a tensor lr is written in place (the tensor a compiled step captured),
+    and a group this layout has that the save had not takes its role's values."""
+    import json
+
+    import torch
+
+    from canzona_ds.integration.param_groups import describe, restore
+
+    lr = 0.1 + 0.2  # (not a short decimal: JSON must keep its bits)
+    saved = [{"params": [], "canzona_role": "matrix", "lr": lr, "initial_lr": 0.3, "weight_decay": 0.01, "step": 7},
+             {"params": [], "canzona_role": "aux", "lr": lr / 3, "betas": (0.85, 0.95), "eps": 1e-8},
+             {"params": [], "canzona_role": "matrix", "canzona_partition": "ep_size_2", "moe": True, "name": "ep_size_2",
+              "lr": lr * 7}]
+    record = json.loads(json.dumps(describe(saved)))
+    tensor_lr = torch.tensor(0.0)
+    here = [{"params": [], "canzona_role": "aux", "lr": 0.0, "betas": (0.9, 0.99), "eps": 1e-8},
+            {"params": [], "canzona_role": "matrix", "canzona_partition": "ep_size_2", "lr": 0.0, "name": "ep_size_2"},
+            {"params": [], "canzona_role": "matrix", "lr": tensor_lr, "weight_decay": 0.0, "step": 0},
+            {"params": [], "canzona_role": "matrix", "canzona_partition": "ep_size_4", "lr": 0.0}]
+    assert restore(here, record) == 4
+    assert here[0]["lr"] == lr / 3 and here[0]["betas"] == (0.85, 0.95) and isinstance(here[0]["betas"], tuple)
+    assert here[1]["lr"] == lr * 7 and here[1]["name"] == "ep_size_2"
+    assert here[2]["lr"] is tensor_lr and float(tensor_lr) == torch.tensor(lr).item()
+    assert here[2]["initial_lr"] == 0.3 and here[2]["weight_decay"] == 0.01 and here[2]["step"] == 0  # (step: the state's)
+    assert here[3]["lr"] == lr  # another expert partition than the save's: its role's values
