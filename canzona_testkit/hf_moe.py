@@ -111,6 +111,23 @@ class PerExpertReference:
         self.adamw = torch.optim.AdamW(aux, lr=cfg.adam_lr, betas=cfg.adam_betas, eps=cfg.adam_eps,
                                        weight_decay=cfg.weight_decay)
         self.aux = aux
+        self.lr = cfg.lr
+
+    @property
+    def config(self):
+        return self.cfg
+
+    @property
+    def step_count(self) -> int:
+        return self.t
+
+    def set_lr(self, matrix_lr: float, adam_lr: float) -> None:
+        """The lrs of the next step (a schedule: canzona_testkit.schedule.reference_lr)."""
+        self.lr = matrix_lr
+        for g in (self.matrix_opt.param_groups if self.matrix_opt is not None else []):
+            g["lr"] = matrix_lr
+        for g in self.adamw.param_groups:
+            g["lr"] = adam_lr
 
     @torch.no_grad()
     def step(self) -> None:
@@ -128,7 +145,7 @@ class PerExpertReference:
             for i, (n, e, t) in enumerate(self.pieces):
                 key = f"piece{i}"  # a name of its own: nothing shared with the optimizer's keys
                 rule_step(self.cfg.rule, t, t.grad, self.states, MatrixInfo(key, tuple(t.shape)), self.t,
-                          self.cfg.lr, self.cfg.weight_decay)
+                          self.lr, self.cfg.weight_decay)
         for n, e, t in self.pieces:
             (params[n][e] if e is not None else params[n]).copy_(t)
         for p in self.aux:

@@ -278,6 +278,8 @@ class MatrixStepRecorder:
     def __init__(self, optimizer) -> None:
         self.opt = optimizer
         self.steps: list[dict] = []
+        #: per step, the lr and weight decay its matrix group ran with
+        self.hparams: list[tuple] = []
         # replay starts from the state the optimizer has now (a resumed run's loaded state)
         group = next((g for g in optimizer.param_groups if g["canzona_role"] == "matrix"), {"step": 0})
         self.start_step = group["step"]
@@ -299,6 +301,7 @@ class MatrixStepRecorder:
             record = {n: (g, before, after.detach().clone()) for n, (g, before, after) in pending.items()}
             if group["step"] > self.start_step + len(self.steps):  # the step's first matrix group
                 self.steps.append(record)
+                self.hparams.append((group["lr"], group["weight_decay"]))  # (a schedule moves them)
             else:  # MoE: one matrix group per expert group, each stepped in turn
                 self.steps[-1].update(record)
 
@@ -310,11 +313,10 @@ class MatrixStepRecorder:
         rule, worst = self.opt.rule, 0.0
         state = {n: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
                  for n, st in self.start_state.items()}
-        group = next(g for g in self.opt.param_groups if g["canzona_role"] == "matrix")
-        for t, record in enumerate(self.steps, start=self.start_step + 1):
+        for t, (record, (lr, wd)) in enumerate(zip(self.steps, self.hparams), start=self.start_step + 1):
             for name, (grad, before, after) in record.items():
                 W = before.clone()
-                rule_step(rule, W, grad.clone(), state, self.opt.infos[name], t, group["lr"], group["weight_decay"])
+                rule_step(rule, W, grad.clone(), state, self.opt.infos[name], t, lr, wd)
                 worst = max(worst, float((W - after).abs().max()))
         return worst
 

@@ -145,13 +145,14 @@ def moe_ds_config(dp: int, optimizer: str = "CanzonaMuon", stage: int = 1, micro
 def reference_run(world: int, ep_size: int, steps: int, optimizer: str = "CanzonaMuon", micro: int = 2,
                   clip: float = 0.0, seed: int = 0, params: dict | None = None, num_experts: int = NUM_EXPERTS,
                   data: list | None = None, start=None, tp_mlp: bool = False, ep2: int | None = None,
-                  before: bool = False) -> dict:
+                  before: bool = False, schedule: bool = False) -> dict:
     """The whole model's parameters after ``steps`` (module docstring); call inside a worker.
 
     ``tp_mlp``: the model of :class:`TinyMoETP` at TP=1 (its ``up``/``down`` MLP whole, before the
     MoE layer; at TP=1 the ranks compute exactly this).  ``ep2``: :class:`TinyMoE`'s second MoE
     layer with that ep_size (its own expert-parallel groups, the same arithmetic).  ``before``:
     DeepSpeed's ``use_data_before_expert_parallelism`` layout of the expert groups (:func:`ep_layout`).
+    ``schedule``: the resume scenarios' lr schedule (canzona_testkit/schedule.py) on the groups.
 
     ``start``: continue from a checkpoint's state instead of the initial weights (an
     ``canzona_testkit.ckpt.read``, every parameter and its state by whole-model name: the
@@ -257,6 +258,10 @@ def reference_run(world: int, ep_size: int, steps: int, optimizer: str = "Canzon
             master[n].grad = grads[n]
         if clip > 0:
             torch.nn.utils.clip_grad_norm_([master[n] for n in names], clip)
+        if schedule:
+            from .schedule import reference_lr
+
+            reference_lr(opt)
         opt.step()
     return {n: master[n].detach().numpy().copy() for n in names}
 

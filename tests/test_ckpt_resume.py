@@ -12,10 +12,15 @@ path clips torch-exactly: not under TP), loads at the running layout through the
     the first index holds (fp32 master, AdamW moments, every rule-state entry) reads back bit
     for bit from the second, whatever the two layouts (in the TP=1 frame where TP changed), and
     the step counts agree;
+  * the lr schedule: every row runs a warm-up-then-decay schedule (torch's LambdaLR as the engine's
+    client scheduler; canzona_testkit/schedule.py), and every param group's lr at each resumed
+    step is the schedule's, bit for bit (the first resumed step is neither the fresh schedule's
+    first value nor the configured peak);
   * exact continuation: the resumed run equals its family's single-process reference (torch's
     clip_grad_norm_, the reference optimizer) continued from the saved state: bit for bit where
     both sides average over at most 2 ranks in fp32 (a sum of two is exact in either order) and
-    run the same kernels; at 4 ranks within the reordered-sum bounds each family names.
+    run the same kernels; at 4 ranks within the reordered-sum bounds each family names.  The
+    references run the same schedule (the same factor on their groups' lrs).
 
 Saved checkpoints are shared between the scenarios that start from the same layout.
 """
@@ -31,7 +36,8 @@ import torch
 
 from canzona_testkit.dist import run_distributed
 from canzona_testkit.models import ds_config, make_model, params_of
-from canzona_testkit.resume import BEFORE, Layout, assert_same_state, dense, tp1_state
+from canzona_testkit.resume import AFTER, BEFORE, Layout, assert_same_state, dense, tp1_state
+from canzona_testkit.schedule import check_lrs, scheduled
 
 #: model -> the family module that saves, resumes and checks it (canzona_testkit/resume/)
 FAMILIES = {"dense": "dense", "stacks": "dense", "moe": "moe", "moe-e2": "moe"}
@@ -128,9 +134,11 @@ def saved(tmp_path_factory):
             lay = Layout.parse(spec)
             ckpt = str(tmp_path_factory.mktemp(f"saved-{model}-{opt_type}-{spec.replace(' ', '')}{'-old' * old}"))
             if old:
-                run_distributed(save_pre_index, lay.world, family(model).__name__, model, lay, opt_type, ckpt)
+                res = run_distributed(scheduled, lay.world, save_pre_index, family(model).__name__, model, lay,
+                                      opt_type, ckpt)
             else:
-                run_distributed(family(model).save, lay.world, model, lay, opt_type, ckpt)
+                res = run_distributed(scheduled, lay.world, family(model).save, model, lay, opt_type, ckpt)
+            check_lrs(res, range(BEFORE), prefix=True)  # (moepipe's save runs its own continuation on)
             made[key] = ckpt
         return made[key]
 
@@ -142,7 +150,9 @@ def _resume_and_check(ckpt, tmp_path, model, opt_type, a, b, index=None):
     the state bit for bit against ``ckpt``'s index (or ``index``) and the continuation."""
     fam, sa, sb = family(model), Layout.parse(a), Layout.parse(b)
     out = str(tmp_path / "out")
-    res = run_distributed(fam.resume, sb.world, model, sb, opt_type, ckpt, out)
+    res = run_distributed(scheduled, sb.world, fam.resume, model, sb, opt_type, ckpt, out)
+    # every resumed step ran at the schedule's lr in every param group (the saving run's did too)
+    check_lrs(res, range(BEFORE, BEFORE + AFTER))
     fam.check(model, opt_type, sa, sb, ckpt, out, res, index)
 
 
@@ -737,7 +747,8 @@ def test_mixed_tp_checkpoint_with_other_grid_tp_hosts_resumes_exactly(tmp_path):
 
     lay, opt_type = Layout.parse("z1 tp2 dp2 mixed"), SH
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
-    res = run_distributed(tp.save_unseeded_and_resume, lay.world, "tp", lay, opt_type, ckpt, out)
+    res = run_distributed(scheduled, lay.world, tp.save_unseeded_and_resume, "tp", lay, opt_type, ckpt, out)
+    check_lrs(res, range(BEFORE + AFTER))  # (the saving engine's steps, then the resumed one's)
     assert all(r["route"] == ["index"] for r in res), [r["route"] for r in res]
     old, new = res[0]["saved_tp_hosts"], res[0]["tp_hosts"]
     assert old and old != new, (old, new)

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -21,18 +22,23 @@ pytestmark = pytest.mark.dist
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _launch(out: Path, *extra: str, steps: int = 6, seq_len: int = 64,
+def _launch(out: Path, *extra: str, steps: int = 6, seq_len: int = 64, ranks: int = 2, micro: int = 4,
             zero_class: str = "CanzonaZeroOptimizer") -> subprocess.CompletedProcess:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    r = subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])  # this checkout's
+    r = subprocess.run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port",
                         str(port), "--module", "canzona_ds.train.hf_trainer", "--steps", str(steps), "--seq-len",
-                        str(seq_len), "--micro-batch", "4", "--out", str(out), *extra],
+                        str(seq_len), "--micro-batch", str(micro), "--out", str(out), *extra],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert f"DeepSpeed optimizer: {zero_class};" in r.stdout + r.stderr
+    # what a Trainer user sees at the default log level: one line naming what runs, from rank 0
+    starts = [ln for ln in (r.stdout + r.stderr).splitlines() if "canzona_ds: Canzona" in ln]
+    assert len(starts) == 1 and "matrix lr" in starts[0] and "AdamW lr" in starts[0] and "ZeRO stage" in starts[0] \
+        and 'HF Trainer: a ds_config "lr": "auto"' in starts[0], starts
     return r
 
 
@@ -40,13 +46,50 @@ def _losses(out: Path) -> list[float]:
     return [h["loss"] for h in json.loads((out / "log_history.json").read_text()) if "loss" in h]
 
 
-@pytest.mark.parametrize("ds_config,zero_class", [("configs/ds_cpu_canzona.json", "CanzonaZeroOptimizer"),
-                                                   ("configs/ds_cpu_canzona_zero3.json", "CanzonaZero3Optimizer")])
-def test_hf_trainer_with_canzona_muon(tmp_path, ds_config, zero_class):
-    """ZeRO-1, and ZeRO-3 (HF Trainer with a stage-3 ds_config: parameters partitioned, clipping on)."""
-    _launch(tmp_path, "--ds-config", ds_config, zero_class=zero_class)
+def test_hf_trainer_zero3_with_canzona_muon(tmp_path):
+    """ZeRO-3 (HF Trainer with a stage-3 ds_config: parameters partitioned, clipping on)."""
+    _launch(tmp_path, "--ds-config", "configs/ds_cpu_canzona_zero3.json", "--save-steps", "0",
+            zero_class="CanzonaZero3Optimizer")
     losses = _losses(tmp_path)
     assert len(losses) == 6 and losses[-1] < losses[0] - 1.0
+
+
+def _masters(run: Path, step: int) -> dict:
+    """The fp32 master weights of ``run``'s checkpoint at ``step``, by name, through its index."""
+    from canzona_testkit.ckpt import read
+
+    return read(str(run / f"checkpoint-{step}"), f"global_step{step}").params
+
+
+SAVE, STEPS = 4, 8
+
+
+def test_hf_trainer_resumes_at_another_zero_stage_and_dp_size(tmp_path):
+    """The shipped example as a user runs it: CanzonaMuon at ZeRO-1 on 2 ranks, the Trainer's
+    cosine schedule with 4 warm-up steps, a checkpoint every 4 steps; resumed from step 4 with
+    ``trainer.train(resume_from_checkpoint=...)`` at ZeRO-2 (2 ranks) and at ZeRO-1 on 1 rank.
+    Every resumed step runs every param group at the uninterrupted run's lr, bit for bit (the
+    first resumed step is the last warm-up step; a fresh schedule would run it at 1/4 of that).
+    At ZeRO-2 on 2 ranks the arithmetic is the uninterrupted run's, so the losses and the step-8
+    fp32 masters are equal bit for bit.  On 1 rank HF's sampler hands the one process other
+    windows than the two processes saw together (its loss at the first resumed step differs
+    with the same weights), so there the continuation has no reference to equal; the lrs do."""
+    whole, zero2, one = tmp_path / "whole", tmp_path / "zero2", tmp_path / "one"
+    common = ("--save-steps", str(SAVE), "--warmup-steps", "4")
+    _launch(whole, *common, steps=STEPS)
+    ckpt = str(whole / f"checkpoint-{SAVE}")
+    _launch(zero2, *common, "--zero-stage", "2", "--resume", ckpt, steps=STEPS)
+    _launch(one, *common, "--resume", ckpt, steps=STEPS, ranks=1, micro=8)
+    want = json.loads((whole / "group_lrs.json").read_text())
+    assert [s for s, _ in want] == list(range(1, STEPS + 1)) and len({tuple(lrs) for _, lrs in want}) >= STEPS - 1
+    for run in (zero2, one):
+        got = json.loads((run / "group_lrs.json").read_text())
+        assert got == want[SAVE:], (run.name, got, want[SAVE:])
+    assert _losses(zero2) == _losses(whole)
+    end, end2 = _masters(whole, STEPS), _masters(zero2, STEPS)
+    assert sorted(end) == sorted(end2)
+    for n in end:
+        assert torch.equal(end2[n], end[n]), n
 
 
 def _replay(rank, world, out, opt_type):
@@ -98,7 +141,7 @@ def test_hf_trainer_qwen3_moe_exact_against_per_expert_reference(tmp_path, opt_t
 
     config, params = MOE_RUNS[opt_type]
     _launch(tmp_path, "--model", "qwen3-moe-tiny", "--ds-config", config, "--opt-params", json.dumps(params),
-            "--record", steps=5, seq_len=32)
+            "--record", "--lr-scheduler", "constant", "--warmup-steps", "0", "--save-steps", "0", steps=5, seq_len=32)
     losses = _losses(tmp_path)
     assert len(losses) == 5 and losses[-1] < losses[0] - 0.3, losses
     res = run_distributed(_replay, 1, str(tmp_path), opt_type)[0]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
@@ -272,5 +273,51 @@ def build_optimizer(named: list, cfg: CanzonaConfig, groups: ParallelGroups, set
 
         # names relative to each module, as ``named`` (one module: the engine's)
         opt.enable_qk_clip(attach([(m, "") for m, _ in modules or ()]), groups.dp_group)
+    announce(opt, settings)
     return opt
+
+
+def startup_line(opt: CanzonaOptimizer, settings: RunSettings) -> str:
+    """What runs, in one line: the Canzona type and rule, its two lrs, the ZeRO stage and sizes,
+    the DP ownership plan's balance (max / mean of the planner's load over the ranks)."""
+    cfg, g = opt.config, opt.groups
+    line = (f"canzona_ds: {settings.optimizer_type} ({opt.rule.name} on {len(opt.matrix_names)} matrices, AdamW on "
+            f"{len(opt.aux_names)} parameters): matrix lr {cfg.lr:g}, AdamW lr {cfg.adam_lr:g}; ZeRO stage "
+            f"{settings.zero_stage}, DP {g.dp_size} TP {g.tp_size} PP {g.pp_size}; ")
+    plans = []
+    for key, plan in opt.plans.items():
+        loads = list(plan.rank_load)
+        mean = sum(loads) / len(loads) if loads else 0.0
+        balance = max(loads) / mean if mean else 1.0
+        plans.append(f"{'' if key is None else key + ' '}plan {plan.planner} over {plan.world_size} ranks, "
+                     f"load max/mean {balance:.3f} ({plan.cost_model})")
+    if plans:
+        line += "; ".join(plans)
+    elif settings.zero_stage == 3:
+        line += "matrices hosted over the DP group by the micro-group runtime (no ownership plan)"
+    else:
+        line += "every rank updates every matrix it holds (no DP ownership plan)"
+    hf = sys.modules.get("transformers.integrations.deepspeed")
+    if hf is not None and getattr(hf, "deepspeed_config", lambda: None)() is not None:
+        line += ('. HF Trainer: a ds_config "lr": "auto" is TrainingArguments.learning_rate, so that lr is the '
+                 "matrix (Muon) lr too (set optimizer.params lr and adam_lr to choose them)")
+    return line
+
+
+def announce(opt: CanzonaOptimizer, settings: RunSettings) -> None:
+    """:func:`startup_line` once per build, on global rank 0: through the ``canzona_ds`` logger
+    at INFO where logging is set up to show it, else printed (the HF Trainer and DeepSpeed show
+    no INFO record at their default levels, so a user would otherwise see nothing)."""
+    import logging
+
+    import torch.distributed as tdist
+
+    if tdist.is_available() and tdist.is_initialized() and tdist.get_rank() != 0:
+        return
+    line = startup_line(opt, settings)
+    log = logging.getLogger("canzona_ds")
+    if log.isEnabledFor(logging.INFO) and log.hasHandlers():
+        log.info(line)
+    else:
+        print(line, flush=True)
 

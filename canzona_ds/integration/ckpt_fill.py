@@ -264,13 +264,8 @@ def fill_zero12(engine, src) -> dict:
             if id(p) not in grouped:
                 p.data.copy_(mine(name, MASTER, 0, p.numel()).view(p.shape))
         _gather_bit16(zopt)
-    for key, value in src.zero_scalars.items():
-        setattr(zopt, key, value)
-    for key in ("global_steps", "global_samples", "skipped_steps"):
-        if src.engine_state.get(key) is not None:
-            setattr(engine, key, src.engine_state[key])
-    if engine.lr_scheduler is not None and src.engine_state.get("lr_scheduler") is not None:
-        engine.lr_scheduler.load_state_dict(src.engine_state["lr_scheduler"])
+    # (the engine's counters, ZeRO's scalars and the lr scheduler follow once, for every stage, in
+    # ckpt_index._apply_engine_state; the param groups' hyper-parameters in restore_param_groups)
     return dict(src.client_state)
 
 

@@ -68,6 +68,8 @@ from torch import Tensor
 from ..ckpt.frames import TPFrame
 from ..ckpt.index import INDEX, MASTER, CheckpointIndexError, Chunk, Index, Reader
 from ..optim.rule import expert_name
+from .param_groups import describe as describe_groups
+from .param_groups import merge as merge_groups
 
 logger = logging.getLogger(__name__)
 
@@ -358,6 +360,8 @@ def emit(engine) -> tuple[list[Chunk] | None, dict]:
         "engine_file": None, "scalars": None,
         # expert stacks: their rule state is per expert, W[e] = chunk e of the stack's (E, ...) state
         "expert_stacks": {info.name: info.num_experts for info in opt.infos.values() if info.num_experts is not None},
+        # each group's hyper-parameters as the schedule last wrote them (integration/param_groups.py)
+        "param_groups": describe_groups(opt.param_groups),
     }
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if stage == 0 and opt.moe is not None and getattr(opt.moe, "active", False):
@@ -430,7 +434,7 @@ def gather_index(engine, tag: str, directory: str) -> Index | None:
     chunks, meta = emit(engine)
     meta["engine_file"], meta["scalars"] = _engine_files(engine)
     payload = (None if chunks is None else [c.to_json() for c in chunks], meta["roles"], layout_fingerprint(engine),
-               meta["expert_stacks"], meta["ep"])
+               meta["expert_stacks"], meta["ep"], meta["param_groups"])
     if tdist.is_initialized():
         parts: list = [None] * tdist.get_world_size()
         tdist.all_gather_object(parts, payload)
@@ -441,9 +445,10 @@ def gather_index(engine, tag: str, directory: str) -> Index | None:
     # every rank's roles and expert stacks (a pipeline stage knows its own parameters only) and
     # layout fingerprint
     meta["roles"] = {n: r for _, roles, *_ in parts for n, r in roles.items()}
-    meta["expert_stacks"] = {n: e for _, _, _, stacks, _ in parts for n, e in stacks.items()}
+    meta["expert_stacks"] = {n: e for _, _, _, stacks, *_ in parts for n, e in stacks.items()}
     meta["fingerprints"] = [fp for _, _, fp, *_ in parts]
-    meta["ep"] = max(ep for *_, ep in parts)  # (a pipeline stage without MoE layers has ep 1)
+    meta["ep"] = max(p[4] for p in parts)  # (a pipeline stage without MoE layers has ep 1)
+    meta["param_groups"] = merge_groups(p[5] for p in parts)  # (a pipeline stage has its own groups)
     parts = [c for c, *_ in parts]
     files = sorted(f for f in _list(directory))
     if any(p is None for p in parts):
@@ -487,8 +492,10 @@ class IndexSource:
     """What ``ckpt_fill.fill_zero12`` (and the stage-0 and ZeRO-3 fills here) read through, answered
     from the index: regions by whole-model name, rule state whole, scalars."""
 
-    def __init__(self, folder: str, index: Index) -> None:
-        self.folder, self.index = folder, index
+    def __init__(self, folder: str, index: Index, engine_file: str | None = None) -> None:
+        #: ``engine_file``: the model-states file whose engine state (counters, lr scheduler,
+        #: client state) this rank takes (default: the index's, DP rank 0's of the first stage)
+        self.folder, self.index, self._engine_file = folder, index, engine_file
         self.reader = Reader(folder, index)
         self.rule = index.meta["rule"]
         self.matrix_step = index.meta.get("matrix_step", 0)
@@ -511,7 +518,7 @@ class IndexSource:
     def _engine_state(self) -> tuple[dict, dict]:
         from .ckpt_fill import DS_MODEL_KEYS
 
-        name = self.index.meta.get("engine_file")
+        name = self._engine_file or self.index.meta.get("engine_file")
         if not name:
             return {}, {}
         sd = self.reader._file(name)
@@ -752,6 +759,9 @@ def _fill_rule_state(opt, src: IndexSource, changed: set, layouts: dict | None =
 
 
 def _apply_engine_state(engine, src: IndexSource, load_lr_scheduler_states: bool) -> dict:
+    """The engine's counters, the lr scheduler (once: Megatron's adds its saved step count to its
+    own), ZeRO's loss-scale scalars; returns the client state.  The param groups' hyper-parameters
+    follow in :func:`restore_param_groups`, after either route."""
     for key in ("global_steps", "global_samples", "skipped_steps"):
         if src.engine_state.get(key) is not None:
             setattr(engine, key, src.engine_state[key])
@@ -762,6 +772,74 @@ def _apply_engine_state(engine, src: IndexSource, load_lr_scheduler_states: bool
         if hasattr(zopt, key):
             setattr(zopt, key, value)
     return dict(src.client_state)
+
+
+def restore_param_groups(engine, load_dir: str, tag: str | None) -> None:
+    """After a load of the optimizer state (DeepSpeed's stock load or :func:`load`): the live param
+    groups get the hyper-parameters the save recorded (integration/param_groups.py), so the first
+    resumed step runs at the lr (betas, weight decay, ...) the uninterrupted run's would.  A tag
+    written before the index recorded them: read from the optimizer state DeepSpeed saved (the
+    torch ``param_groups`` of DP rank 0's file)."""
+    from .param_groups import restore
+    from .runtime_info import canzona_optimizer
+
+    opt = canzona_optimizer(engine)
+    tag = latest_tag(load_dir) if tag is None else tag
+    if opt is None or tag is None:
+        return
+    folder = os.path.join(load_dir, str(tag))
+    index = read_index(folder)
+    saved = None if index is None else index.meta.get("param_groups")
+    if saved is None:
+        try:
+            saved = _saved_groups_from_files(folder, index)
+        except CheckpointIndexError:  # (records it cannot read: only DeepSpeed's stock load took such a tag,
+            saved = None              # and that load restored the groups with the optimizer state)
+    if saved:
+        restore(opt.param_groups, saved)
+        _fit_scheduler(engine.lr_scheduler, opt.param_groups)
+
+
+def _fit_scheduler(sched, groups) -> None:
+    """A torch ``LRScheduler`` loaded from a file whose stage had other param groups (a pipeline
+    resumed at another PP size) keeps per-group lists of the wrong length: rebuilt from the live
+    groups, which hold the saved ``initial_lr`` / ``lr`` of their own role (just restored)."""
+    base = getattr(sched, "base_lrs", None)
+    if not isinstance(base, list) or len(base) == len(groups) or any("initial_lr" not in g for g in groups):
+        return
+    sched.base_lrs = [g["initial_lr"] for g in groups]
+    sched._last_lr = [g["lr"] for g in groups]
+    lambdas = getattr(sched, "lr_lambdas", None)
+    if isinstance(lambdas, list) and lambdas and len(lambdas) != len(groups):
+        sched.lr_lambdas = [lambdas[0]] * len(groups)  # (one callable given: the same for every group)
+
+
+def _saved_groups_from_files(folder: str, index: Index | None) -> list[dict] | None:
+    """The param groups of the torch optimizer state DeepSpeed wrote (stage 0: the model-states
+    file's ``optimizer``; ZeRO 1/2: ``base_optimizer_state``; ZeRO 3: ``optimizer_state_dict``)."""
+    from .param_groups import describe
+
+    if index is None:
+        from .ckpt_legacy import legacy_index
+
+        index = legacy_index(folder)
+    if index is None or index.chunks is None:  # (no chunks: only the stock load took it, groups and all)
+        return None
+    reader, m = Reader(folder, index), index.meta
+    found = []
+    rec = m.get("scalars")
+    if rec and rec.get("file"):
+        sd = reader._file(rec["file"])
+        for k in rec.get("key", ()):
+            sd = sd.get(k, {}) if isinstance(sd, dict) else {}
+        if isinstance(sd, dict):
+            found += [sd.get("base_optimizer_state"), sd.get("optimizer_state_dict")]
+    if m.get("engine_file") and os.path.isfile(os.path.join(folder, m["engine_file"])):
+        found.append(reader._file(m["engine_file"]).get("optimizer"))
+    for sd in found:
+        if isinstance(sd, dict) and isinstance(sd.get("param_groups"), list):
+            return describe(sd["param_groups"])
+    return None
 
 
 def index_route(engine, load_dir: str, tag: str | None) -> Index | None:
@@ -861,7 +939,10 @@ def load(engine, load_dir: str, tag: str | None, index: Index, load_module_stric
             f"ep_size={m.get('ep', 1)} with {m.get('no_chunks')}, so its index describes no chunks and only its own "
             f"layout loads (at stage 0 also another DP size); this run has ZeRO stage {stage}, DP={opt.groups.dp_size}, "
             f"TP={opt.tp_size}, PP={opt.groups.pp_size}, ep_size={_ep(opt)} ({todo}).")
-    src = IndexSource(folder, index)
+    # under pipeline parallelism each stage's model-states file holds its own lr scheduler (one entry
+    # per param group of that stage): a stage that has its saved file takes it
+    own = _engine_files(engine)[0]
+    src = IndexSource(folder, index, engine_file=own if own in index.files else None)
     if src.rule != opt.rule.name:
         raise CheckpointIndexError(f"{folder} holds {src.rule!r} state; this engine runs {opt.rule.name!r}.")
     import torch.distributed as tdist

@@ -176,13 +176,19 @@ class MegatronSchedulerTarget:
     matrix group has ``lr_mult`` 1 (Megatron ``--lr`` is the matrix lr) and the AdamW group
     ``adam_lr / lr`` (ds_config ``optimizer.params``).  Both groups' ``lr`` and
     ``weight_decay`` are read at every step, by the local update and the TP runtime alike.
+
+    ``param_groups`` are views over the optimizer's groups *as they are now*: DeepSpeed's load
+    (torch's ``Optimizer.load_state_dict``) replaces the group dicts, and a view kept from build
+    time would take the scheduler's writes to dicts nothing reads any more.
     """
 
     def __init__(self, optimizer) -> None:
         self.optimizer = optimizer
-        ratio = optimizer.config.adam_lr_ratio
-        self.param_groups = [_GroupView(g, 1.0 if g.get("canzona_role") == MATRIX else ratio)
-                             for g in optimizer.param_groups]
+
+    @property
+    def param_groups(self) -> list[_GroupView]:
+        ratio = self.optimizer.config.adam_lr_ratio
+        return [_GroupView(g, 1.0 if g.get("canzona_role") == MATRIX else ratio) for g in self.optimizer.param_groups]
 
 
 def _retarget_scheduler(scheduler) -> Callable:

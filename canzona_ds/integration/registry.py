@@ -297,7 +297,15 @@ def install() -> None:
 
             index = ckpt_index.index_route(self, load_dir, tag)
             if index is not None:
-                return ckpt_index.load(self, load_dir, tag, index, load_module_strict, load_lr_scheduler_states)
+                out = ckpt_index.load(self, load_dir, tag, index, load_module_strict, load_lr_scheduler_states)
+            else:
+                out = stock_load(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                                 load_lr_scheduler_states, load_module_only, custom_load_fn)
+            # either route: the param groups' hyper-parameters as saved (the schedule's last lr,
+            # betas, ...), which no scheduler's load_state_dict writes (integration/param_groups.py)
+            if out[0] is not None:
+                ckpt_index.restore_param_groups(self, load_dir, tag)
+            return out
         return stock_load(self, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
                           load_module_only, custom_load_fn)
 

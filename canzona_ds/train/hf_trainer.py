@@ -4,11 +4,21 @@ by HF Trainer with DeepSpeed ZeRO-1 (or ZeRO-3) and ``"type": "CanzonaMuon"`` fr
     pip install transformers accelerate          # ~25 s on the CI machine; not a dependency
     deepspeed --num_gpus 2 --module canzona_ds.train.hf_trainer --steps 20 --out runs/hf
     deepspeed --num_gpus 2 --module canzona_ds.train.hf_trainer --ds-config configs/ds_cpu_canzona_zero3.json
+    # resume the run above at another ZeRO stage and DP size (the checkpoint index loads any layout)
+    deepspeed --num_gpus 1 --module canzona_ds.train.hf_trainer --steps 20 --micro-batch 16 --zero-stage 2 \
+        --out runs/hf-resumed --resume runs/hf/checkpoint-10
 
 HF Trainer builds the engine itself (``deepspeed.initialize`` with the ds_config dict), so
-the only canzona-specific line is the registration, ``canzona_ds.integration.install()``.  HF shards the
-dataset over DP ranks with its own DistributedSampler; the dataset is a fixed set of
-windows drawn from the shipped corpus with the run seed.  Writes ``<out>/log_history.json``.
+the only canzona-specific line is ``import canzona_ds`` (it registers the Canzona types with
+DeepSpeed whenever DeepSpeed is imported, also through transformers' lazy import).  The run
+uses a warm-up-then-cosine schedule (``--lr-scheduler``, ``--warmup-steps``; the Trainer's own,
+which DeepSpeed saves with the checkpoint) and saves every ``--save-steps`` steps into
+``<out>/checkpoint-<step>``; ``--resume`` continues one through
+``trainer.train(resume_from_checkpoint=...)``, at any ZeRO stage and DP size.  HF shards the
+dataset over DP ranks; the dataset is a fixed set of windows drawn from the shipped corpus with
+the run seed, and one global batch is ``--micro-batch`` x ranks windows (keep its size when the
+DP size changes; HF's sampler then deals other windows to the steps).  Writes ``<out>/log_history.json`` and ``<out>/group_lrs.json`` (the lr of every
+optimizer param group at each step, as the step used it).
 
 ``--model qwen3-moe-tiny``: a real transformers ``Qwen3MoeForCausalLM`` (2 layers, 8 experts
 per layer stored as 3-D ``mlp.experts.*`` stacks, which the Canzona types update expert by
@@ -116,19 +126,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--out", default="runs/hf")
+    ap.add_argument("--lr-scheduler", default="cosine", help="TrainingArguments.lr_scheduler_type")
+    ap.add_argument("--warmup-steps", type=int, default=4)
+    ap.add_argument("--save-steps", type=int, default=10, help="0: no checkpoints")
+    ap.add_argument("--zero-stage", type=int, default=None, help="override the ds_config's zero_optimization.stage")
+    ap.add_argument("--resume", default=None, help="a checkpoint-<step> folder to continue")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=-1, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer, TrainerCallback, TrainingArguments
 
-    from canzona_ds.integration import install
     from canzona_ds.integration.runtime_info import release_shm_buffer
 
-    # explicit: transformers probes deepspeed with importlib.util.find_spec before importing
-    # it, which consumes canzona_ds's one-shot import hook without running the registration
-    install()
     torch.set_num_threads(1)
     ds = load_ds_config(args.ds_config)
+    if args.zero_stage is not None:
+        ds.setdefault("zero_optimization", {})["stage"] = args.zero_stage
     if args.opt_params:
         ds["optimizer"].setdefault("params", {}).update(json.loads(args.opt_params))
     # HF requires these to agree with its own arguments; we state them once, here
@@ -148,8 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     moe = args.model == "qwen3-moe-tiny"
     targs = TrainingArguments(**hf_opt,
         output_dir=args.out, per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=1,
-        max_steps=args.steps, logging_steps=1, save_strategy="no", report_to=[], seed=args.seed,
-        max_grad_norm=float(ds.get("gradient_clipping", 0.0)), lr_scheduler_type="constant",
+        max_steps=args.steps, logging_steps=1, report_to=[], seed=args.seed,
+        save_strategy="steps" if args.save_steps > 0 else "no", save_steps=max(args.save_steps, 1),
+        max_grad_norm=float(ds.get("gradient_clipping", 0.0)), lr_scheduler_type=args.lr_scheduler,
+        warmup_steps=args.warmup_steps,
         deepspeed=ds, dataloader_drop_last=True, disable_tqdm=False, use_cpu=not torch.cuda.is_available(),
         # each rank's loss is its own tokens' mean (HF would otherwise rescale it by the token count
         # of all ranks), so the run is the plain DP average a single process can replay
@@ -162,11 +177,22 @@ def main(argv: list[str] | None = None) -> int:
         model, data = HFCausalLM(build_model(preset(args.model), args.seed)), windows
     recorder = Recorder(model) if args.record else None
     initial = {n: p.detach().clone() for n, p in model.named_parameters()} if args.record else None
-    trainer = Trainer(model=model, args=targs, train_dataset=data)
-    trainer.train()
+    group_lrs: list = []
+
+    class GroupLrs(TrainerCallback):
+        """The lr of every optimizer param group as each step uses it (not the scheduler's report)."""
+
+        def on_step_begin(self, targs, state, control, **kwargs):
+            opt = getattr(trainer.model_wrapped, "optimizer", None)
+            if opt is not None:
+                group_lrs.append([state.global_step + 1, [float(g["lr"]) for g in opt.param_groups]])
+
+    trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[GroupLrs()])
+    trainer.train(resume_from_checkpoint=args.resume)
     if trainer.is_world_process_zero():
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "log_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
+        (Path(args.out) / "group_lrs.json").write_text(json.dumps(group_lrs))
         engine_opt = type(getattr(trainer.model_wrapped, "optimizer", None)).__name__
         print(f"DeepSpeed optimizer: {engine_opt}; log: {Path(args.out) / 'log_history.json'}")
     if recorder is not None:

@@ -106,6 +106,7 @@ def reference(model: str, n: int, m: int, opt_type: str) -> dict:
     from canzona_ds.config import CanzonaConfig
     from canzona_ds.reference import ReferenceOptimizer
     from canzona_testkit.models import HP, params_of, reference_grads
+    from canzona_testkit.schedule import reference_lr
 
     torch.set_num_threads(test_threads())
     module = make(model)
@@ -122,6 +123,7 @@ def reference(model: str, n: int, m: int, opt_type: str) -> dict:
                 p.grad = grads[name]
             norm = torch.nn.utils.clip_grad_norm_(module.parameters(), CLIP)
             assert norm > 2 * CLIP, f"the clipping must clip (norm {float(norm):.3g})"
+            reference_lr(opt)  # the scenarios' schedule (canzona_testkit/schedule.py)
             opt.step()
     return params_of(module)
 

@@ -84,7 +84,7 @@ def reference(model: str, lay: Layout, opt_type: str, start) -> dict:
 
     kw = dict(params=config(model, lay, opt_type)["optimizer"]["params"]) if model == "moe-e2" else {}
     return reference_run(lay.dp, lay.ep, AFTER, opt_type, micro=MICRO, data=data(lay.dp, AFTER, 2), start=start,
-                         clip=CLIP, num_experts=_experts(model), ep2=lay.epb, before=lay.before, **kw)
+                         clip=CLIP, num_experts=_experts(model), ep2=lay.epb, before=lay.before, schedule=True, **kw)
 
 
 def check(model, opt_type, saved, running, ckpt, out, results, index=None):

@@ -121,7 +121,7 @@ def reference(lay: Layout, opt_type: str, start, steps: int = AFTER) -> dict:
 
     # the TP=1 model at the running DP size (at TP 2 the ranks' expert groups are not TP=1's: ep 1)
     return reference_run(lay.dp, lay.ep if lay.tp == 1 else 1, steps, opt_type, micro=MICRO,
-                         data=data(lay.dp, AFTER, 2), start=start, tp_mlp=True)
+                         data=data(lay.dp, AFTER, 2), start=start, tp_mlp=True, schedule=True)
 
 
 def check(model, opt_type, saved, running, ckpt, out, results, index=None):

@@ -125,6 +125,7 @@ def reference(opt_type: str, modes: list[str]) -> dict:
     from canzona_ds.reference import ReferenceOptimizer
     from canzona_testkit.models import HP, params_of
     from canzona_testkit.pipeline import ReferenceDecoder, dataset, rank_micro_batches
+    from canzona_testkit.schedule import reference_lr
 
     torch.set_num_threads(test_threads())
     model = ReferenceDecoder(True, 0, modes[0])
@@ -143,6 +144,7 @@ def reference(opt_type: str, modes: list[str]) -> dict:
                 p.grad = torch.zeros_like(p)
         norm = torch.nn.utils.clip_grad_norm_([p for _, p in named], CLIP)
         assert norm > 2 * CLIP, f"the clipping must clip (norm {float(norm):.3g})"
+        reference_lr(opt)  # the scenarios' schedule (canzona_testkit/schedule.py)
         opt.step()
     return params_of(model)
 

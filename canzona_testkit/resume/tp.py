@@ -195,6 +195,7 @@ def reference(opt_type: str, running: Layout, folder: str, results: list) -> tup
     from canzona_ds.reference import ReferenceOptimizer, zero_average
     from canzona_testkit import megatron_standin as ms
     from canzona_testkit.moe import _start_from
+    from canzona_testkit.schedule import reference_lr
 
     zt, tp, dp = _zt(), running.tp, running.dp
     torch.set_num_threads(test_threads())
@@ -210,6 +211,7 @@ def reference(opt_type: str, running: Layout, folder: str, results: list) -> tup
                                   for d in range(dp)]) for t in range(tp)]
         for n, p in params.items():
             p.grad = _assemble(averaged, n, tp)
+        reference_lr(opt)  # the scenarios' schedule (canzona_testkit/schedule.py)
         opt.step()
     return start.params, {n: p.detach() for n, p in params.items()}
 
