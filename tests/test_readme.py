@@ -27,6 +27,8 @@ def test_ci_runs_the_readme_test_command():
     assert ci[-1] == TEST_COMMAND, ci[-1]
     # and, before it, the exactness-critical tests as an AVX2-only CPU (docs/zero.md)
     assert "bash .ci/avx2" in ci and (ROOT / ".ci" / "avx2").is_file(), ci
+    # and the integration tier on the oldest supported DeepSpeed release (docs/support.md)
+    assert "bash .ci/ds_range" in ci and (ROOT / ".ci" / "ds_range").is_file(), ci
 
 
 def test_main_job_command_is_runnable():
