@@ -3,6 +3,7 @@
     python benchmarks/ds_range.py                      # the tier here (the main environment's DeepSpeed,
                                                        # the newest) and .ci/ds_range's releases; records all
     python benchmarks/ds_range.py --only-venvs         # only .ci/ds_range's releases
+    python benchmarks/ds_range.py --only-here          # only the tier in this environment
     python benchmarks/ds_range.py --from-log LOG --label L   # records a saved .ci/ds_range log
                                                              # (.ds_range/dsV.log)
 
@@ -54,6 +55,7 @@ def main() -> None:
     ap.add_argument("--from-log", type=Path, help="record a saved .ci/ds_range log instead of running")
     ap.add_argument("--label", default="the tier", help="the record's label (say whether the machine was idle)")
     ap.add_argument("--only-venvs", action="store_true", help="skip the run in this environment")
+    ap.add_argument("--only-here", action="store_true", help="skip .ci/ds_range's releases")
     args = ap.parse_args()
     new: list[dict] = []
     if args.from_log:
@@ -67,9 +69,10 @@ def main() -> None:
                                 "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True)
             new.append(record(f"{args.label}, newest", "main environment", deepspeed.__version__,
                               torch.__version__, r.stdout))
-        r = subprocess.run(["bash", ".ci/ds_range"], cwd=ROOT, capture_output=True, text=True)
-        for log in r.stdout.split(".ci/ds_range: ")[1:]:
-            new.append(from_venv_log(args.label, ".ci/ds_range: " + log))
+        if not args.only_here:
+            r = subprocess.run(["bash", ".ci/ds_range"], cwd=ROOT, capture_output=True, text=True)
+            for log in r.stdout.split(".ci/ds_range: ")[1:]:
+                new.append(from_venv_log(args.label, ".ci/ds_range: " + log))
     old = json.loads(args.out.read_text())["runs"] if args.out.is_file() else []
     keys = {(r["label"], r["deepspeed"]) for r in new}
     runs = [r for r in old if (r["label"], r["deepspeed"]) not in keys] + new
