@@ -909,9 +909,20 @@ SUITE = {
 }
 
 
+# ============================================================================ ds_range.json
+DS_RANGE = {
+    "ds_range": Table(
+        "ds_range", "ds_range: the integration tier (tests/ds_range_tier.txt) per DeepSpeed release (pytest's summary).",
+        "runs",
+        _cols(("deepspeed", "{deepspeed}"), ("torch", "{torch}"), ("where", "{where}"), ("run", "{label}"),
+              ("CPU, cores", "{cpu}, {cores}"), ("passed", "{passed}"), ("skipped", "{skipped}"),
+              ("failed", "{failed}"), ("minutes", "{minutes:.1f}"))),
+}
+
+
 #: table name -> its spec
 TABLES: dict[str, Table] = {**PAPER_EXPERIMENTS, **PLANS, **PIPELINE_TP, **BENCH_ZERO, **MISC, **MAIN_JOB,
-                            **CHECKPOINTS, **LAYOUTS, **MOE_NS_QK, **STARTUP, **CPU_KERNELS, **SUITE}
+                            **CHECKPOINTS, **LAYOUTS, **MOE_NS_QK, **STARTUP, **CPU_KERNELS, **SUITE, **DS_RANGE}
 
 
 def load(stem: str, results: Path | str | None = None) -> Data:

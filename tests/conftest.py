@@ -204,6 +204,31 @@ def session_leaks(baseline: set[tuple[str, int]], shm: Path = SHM, settle_s: flo
     return leaks
 
 
+# ------------------------------------------------------------------ the DeepSpeed-range tier
+#: the integration tier .ci/ds_range runs on the other supported DeepSpeed releases (one node id a line)
+DS_RANGE_TIER = Path(__file__).with_name("ds_range_tier.txt")
+
+
+def ds_range_ids(path: Path = DS_RANGE_TIER) -> list[str]:
+    return [ln.strip() for ln in path.read_text().splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Mark the tier's tests ``ds_range``; a listed id whose file was collected but which no longer
+    exists fails the collection (the list stays the tests it names)."""
+    wanted = set(ds_range_ids())
+    found = set()
+    for item in items:
+        if item.nodeid in wanted:
+            item.add_marker(pytest.mark.ds_range)
+            found.add(item.nodeid)
+    files = {item.nodeid.split("::", 1)[0] for item in items}
+    gone = sorted(i for i in wanted - found if i.split("::", 1)[0] in files and "::" in i
+                  and not config.getoption("-k") and not any(a.count("::") for a in config.args))
+    if gone:
+        raise pytest.UsageError(f"{DS_RANGE_TIER.name} lists tests that do not exist: {gone}")
+
+
 # ------------------------------------------------------------------ hooks
 def pytest_configure(config):
     global _session_baseline

@@ -1,5 +1,5 @@
 """``import canzona_ds`` registers the Canzona types with DeepSpeed, however DeepSpeed gets imported;
-the pinned DeepSpeed internals are checked at install."""
+the DeepSpeed internals are checked at install (canzona_ds/integration/ds_compat.py)."""
 import subprocess
 import sys
 
@@ -37,32 +37,98 @@ def test_deepspeed_imported_first_registers():
     assert out.returncode == 0 and "REGISTERED" in out.stdout, out.stderr[-3000:]
 
 
-def test_pinned_internals_all_present():
-    from canzona_ds.integration.pinned import missing_members
+def test_internals_all_present():
+    from canzona_ds.integration.ds_compat import missing_members
 
     assert missing_members() == []
 
 
-def test_wrong_deepspeed_version_is_a_clear_error(monkeypatch):
+def test_supported_range_is_setup_cfgs():
+    import configparser
+    from pathlib import Path
+
+    from canzona_ds.integration import ds_compat
+
+    cfg = configparser.ConfigParser()
+    cfg.read(Path(__file__).resolve().parents[1] / "setup.cfg")
+    assert f"deepspeed{ds_compat.SUPPORTED_RANGE}" in cfg["options"]["install_requires"].split()
+    assert [ds_compat.in_range(v) for v in ("0.19.6", "0.19.7", "0.19.8+cpu", "0.19.12", "0.20.0rc1", "1.0.0")] == \
+        [False, True, True, True, False, False]
+
+
+def test_deepspeed_outside_the_range_is_a_clear_error(monkeypatch):
     import deepspeed
     import pytest
 
-    from canzona_ds.integration import pinned
+    from canzona_ds.integration import ds_compat
 
-    monkeypatch.setattr(deepspeed, "__version__", "0.20.0")
-    with pytest.raises(RuntimeError, match="pinned to deepspeed==0.19.8"):
-        pinned.check_deepspeed()
+    for version in ("0.20.0", "0.19.6"):
+        monkeypatch.setattr(deepspeed, "__version__", version)
+        with pytest.raises(RuntimeError, match=rf"supports deepspeed>=0\.19\.7,<0\.20 but deepspeed=={version} is"):
+            ds_compat.check_deepspeed()
+
+
+#: a real engine build under a DeepSpeed version outside the range (the version string seen by the
+#: check is the only thing changed): import canzona_ds warns, and building the optimizer fails
+OUTSIDE = """
+import os, warnings
+import deepspeed, torch
+deepspeed.__version__ = "0.20.0"
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import canzona_ds
+print("WARNED", any("supports deepspeed>=0.19.7,<0.20" in str(w.message) for w in caught))
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+for opt in ("AdamW", "CanzonaMuon"):
+    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": opt, "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": 1}}
+    try:
+        deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        print(opt, "BUILT")
+    except RuntimeError as err:
+        print(opt, "REFUSED", str(err))
+"""
+
+
+def test_outside_the_range_deepspeed_works_and_canzona_refuses_in_one_line():
+    import os
+
+    from canzona_testkit.dist import free_port
+
+    env = dict(os.environ, PORT=str(free_port()))
+    out = subprocess.run([sys.executable, "-c", OUTSIDE], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert "WARNED True" in lines and "AdamW BUILT" in lines, out.stdout + out.stderr[-3000:]
+    refused = [ln for ln in lines if ln.startswith("CanzonaMuon")]
+    assert refused == ["CanzonaMuon REFUSED canzona_ds supports deepspeed>=0.19.7,<0.20 but deepspeed==0.20.0 is "
+                       "installed; install a release in that range (pip install 'deepspeed>=0.19.7,<0.20')."], out.stdout
 
 
 def test_missing_internal_is_named(monkeypatch):
     import pytest
 
-    from canzona_ds.integration import pinned
+    from canzona_ds.integration import ds_compat
 
-    monkeypatch.setattr(pinned, "CLASS_MEMBERS", pinned.CLASS_MEMBERS + (("deepspeed.runtime.engine",
-                                                                            "DeepSpeedEngine._gone_in_next_release"),))
+    monkeypatch.setattr(ds_compat, "CLASS_MEMBERS", ds_compat.CLASS_MEMBERS + (("deepspeed.runtime.engine",
+                                                                                  "DeepSpeedEngine._gone_in_next_release"),))
     with pytest.raises(RuntimeError, match="_gone_in_next_release"):
-        pinned.check_deepspeed()
+        ds_compat.check_deepspeed()
+
+
+def test_feature_of_a_newer_release_is_refused_by_name(monkeypatch):
+    import pytest
+
+    from canzona_ds.integration import ds_compat
+
+    assert ds_compat.has("per_head_muon") == all(ds_compat._present(m, p) for m, p in
+                                                 ds_compat.FEATURES["per_head_muon"][1])
+    monkeypatch.setitem(ds_compat.FEATURES, "per_head_muon",
+                        ("0.19.8", (("deepspeed", "_per_head_muon_meta_gone"),)))
+    with pytest.raises(ValueError, match=r"CanzonaMuon per_head_muon=true needs deepspeed>=0\.19\.8 .*deepspeed==\S+ "
+                                         r"is installed"):
+        ds_compat.require("per_head_muon", "CanzonaMuon per_head_muon=true")
 
 
 def test_import_is_cheap():

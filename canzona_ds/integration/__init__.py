@@ -1,6 +1,7 @@
-"""DeepSpeed integration: the only package that knows DeepSpeed internals (pinned version).
+"""DeepSpeed integration: the only package that knows DeepSpeed internals (the supported releases).
 
-    pinned.py       every private DeepSpeed attribute relied on, checked at install
+    ds_compat.py    the supported range; every private DeepSpeed attribute relied on, checked at install;
+                    what differs between releases, detected by what the module has
     groups.py       the one place process groups are read (mpu, pipeline grid, AutoTP, plain DP)
                     into a canzona_ds.parallel.ParallelGroups
     builder.py      the one optimizer builder (settings agreement, checks, head tagging)

@@ -199,8 +199,12 @@ def build_optimizer(named: list, cfg: CanzonaConfig, groups: ParallelGroups, set
     ZeRO-3 already partitioned (``deepspeed.zero.Init``) has its whole shape in ``ds_shape``.
     DeepSpeed MoE expert parameters (integration/moe.py) are planned over their
     expert-data-parallel groups."""
+    from .ds_compat import require, require_supported
     from .moe import check_moe, expert_partitions, moe_info
 
+    require_supported()  # a DeepSpeed outside the supported range: one line naming both
+    if cfg.per_head_muon:
+        require("per_head_muon", f"{settings.optimizer_type} per_head_muon=true")
     shapes = {n: tuple(p.ds_shape) for n, p in named if hasattr(p, "ds_shape")}
     partitions = expert_partitions(named)
     if groups.pp_size > 1:

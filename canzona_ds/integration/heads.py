@@ -5,7 +5,8 @@ DeepSpeed's own Muon decides this in ``deepspeed.set_optimizer_flags`` (only for
 ``k_proj``, ...), the model's ``config`` gives the candidate head geometries, and the
 parameter's shape must confirm one; fused QKV and MLA down-projections stay whole.  To
 mean exactly what DeepSpeed means, :func:`tag_heads` calls the same resolver (private
-functions of DeepSpeed 0.19.8, listed in ``pinned.py``) and sets the same attributes,
+functions DeepSpeed added in 0.19.8, ``per_head_muon`` in ``ds_compat.FEATURES``: refused by name
+on an older release) and sets the same attributes,
 ``muon_num_heads`` and ``muon_head_dim``.  With tensor parallelism the geometry is
 resolved on the FULL matrix shape: the TP host orthogonalises the whole matrix, head by
 head.  Like DeepSpeed, an explicit ``per_head_muon: true`` that tags nothing is an error.

@@ -85,7 +85,7 @@ def fork_local_launch(num_ranks: int, master_port: int | str, module: str, args:
         sys.argv = [LAUNCH_MODULE, *launch_args]
         from deepspeed.launcher import launch
 
-        launch.time = _PollingTime()  # pinned.py: deepspeed.launcher.launch.time
+        launch.time = _PollingTime()  # ds_compat.py: deepspeed.launcher.launch.time
         launch.main()
         code = 0
     except SystemExit as e:  # launch.py exits with a failed rank's status, or 1 after a signal

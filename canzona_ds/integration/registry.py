@@ -35,7 +35,7 @@ import torch
 from ..optim import OPTIMIZER_TYPES
 from ..config import CanzonaConfig, CheckpointConfig
 from ..optimizer import MATRIX, CanzonaOptimizer
-from .pinned import check_deepspeed
+from .ds_compat import check_deepspeed
 
 DS_CONFIG_TP_KEY = "canzona_tp"
 
@@ -154,12 +154,48 @@ def build_optimizer(engine, model_parameters) -> CanzonaOptimizer:
 
 
 # ---------------------------------------------------------------------------- install
+_refusal_installed = False
+
+
+def _install_refusal(message: str) -> None:
+    """A DeepSpeed outside the supported range (or lacking an internal): the engine still accepts
+    the Canzona type names, so that a ds_config naming one fails with ``message`` (one line) when
+    the optimizer is built, instead of DeepSpeed's unknown-optimizer error; nothing else is touched."""
+    global _refusal_installed
+    try:
+        import deepspeed.runtime.engine as engine_mod
+    except Exception:  # a DeepSpeed this different: nothing to register with
+        return
+    Engine = getattr(engine_mod, "DeepSpeedEngine", None)
+    if _refusal_installed or Engine is None or not all(hasattr(Engine, m) for m in (
+            "_is_supported_optimizer", "_configure_basic_optimizer", "optimizer_name")):
+        return
+    _refusal_installed = True
+    stock_is_supported = Engine._is_supported_optimizer
+    stock_basic = Engine._configure_basic_optimizer
+
+    def _is_supported_optimizer(self, optimizer_name):
+        return optimizer_name in OPTIMIZER_TYPES or stock_is_supported(self, optimizer_name)
+
+    def _configure_basic_optimizer(self, model_parameters):
+        if self.optimizer_name() in OPTIMIZER_TYPES:
+            raise RuntimeError(message)
+        return stock_basic(self, model_parameters)
+
+    Engine._is_supported_optimizer = _is_supported_optimizer
+    Engine._configure_basic_optimizer = _configure_basic_optimizer
+
+
 def install() -> None:
     """Teach DeepSpeed's engine the Canzona optimizer types (idempotent)."""
     global _installed
     if _installed:
         return
-    check_deepspeed()
+    try:
+        check_deepspeed()
+    except RuntimeError as err:
+        _install_refusal(str(err))
+        raise
     import deepspeed.runtime.engine as engine_mod
     from deepspeed.runtime.zero import utils as zero_utils
 

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from ..optimizer import MATRIX, STATE_KEY, CanzonaOptimizer, FlatView
-from .pinned import check_instance
+from .ds_compat import check_instance, zero12_builtin_muon_active
 
 def _make_zero_class():
     from deepspeed import comm as dist
@@ -137,7 +137,7 @@ def _make_zero_class():
             # zero_to_fp32 walks round_robin_bit16_padding: with our explicit per-parameter
             # padding up to dp*P nothing may be stripped.
             self.groups_padding[i] = 0
-            if self._is_muon_group(group) or self._muon_update_lacks_loss_scale(i):
+            if zero12_builtin_muon_active(self, group, i):
                 raise RuntimeError("DeepSpeed's built-in Muon path is active on CanzonaOptimizer parameters; it "
                                    "would orthogonalise twice.")
             fingerprint = self._canzona_group_fingerprint(i)

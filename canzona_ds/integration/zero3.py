@@ -50,7 +50,7 @@ import torch
 from ..optimizer import MATRIX, STATE_KEY, CanzonaOptimizer
 from ..placement import FlatPiece
 from ..tp.runtime import FlatSplit
-from .pinned import check_instance
+from .ds_compat import check_instance
 
 #: DeepSpeedZeroOptimizer_Stage3 instance attributes the subclass reads
 ZERO3_INSTANCE_ATTRS: tuple[str, ...] = (

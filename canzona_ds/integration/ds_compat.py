@@ -1,20 +1,36 @@
-"""Every DeepSpeed internal canzona-ds relies on, named once, checked at install.
+"""The one place that knows the DeepSpeed releases canzona-ds supports and what differs between them.
 
-canzona-ds is pinned to ``deepspeed==SUPPORTED_DEEPSPEED``: the ZeRO integration
-subclasses ``DeepSpeedZeroOptimizer`` and wraps a few ``DeepSpeedEngine`` methods.
-:func:`check_deepspeed` runs when ``import canzona_ds`` registers the optimizer types
-(after ``import deepspeed``): a wrong version or a missing internal is a RuntimeError
-that names it, instead of an AttributeError deep inside ``deepspeed.initialize``.
-Instance attributes can only be checked on an instance: the ZeRO subclass checks
-``ZERO_INSTANCE_ATTRS`` right after DeepSpeed's constructor (:func:`check_instance`).
+Supported: ``deepspeed>=0.19.7,<0.20`` (:data:`SUPPORTED_RANGE`; ``setup.cfg`` names the same range).
+The floor is set by the ZeRO-1/2 integration (integration/zero.py): it realises the ownership
+plan through DeepSpeed's per-parameter padding (``parameter_alignment``:
+``flatten_dense_tensors_aligned(..., param_padding=)``, ``round_robin_bit16_padding`` and
+``round_robin_bit16_offsets``), which DeepSpeed added in 0.19.7; before it a ZeRO partition is
+one contiguous run of parameters, and the release's own ``zero_to_fp32.py`` (copied into every
+checkpoint folder) would misread a padded buffer.  The ceiling is the next minor release: its
+private internals are unknown, so it is refused until a release of canzona-ds is tested on it.
+
+Inside the range nothing branches on the version string: :data:`CLASS_MEMBERS` (and
+:data:`ZERO_INSTANCE_ATTRS`, checked on an instance by :func:`check_instance`) are what every
+supported release has, checked when ``import canzona_ds`` registers the optimizer types
+(:func:`check_deepspeed`); :data:`FEATURES` are internals only newer releases have, detected
+by what the module has (:func:`has`), with a shim here for each caller
+(:func:`zero12_builtin_muon_active`) or a refusal by name (:func:`require`: ``per_head_muon``).
+
+Outside the range ``import canzona_ds`` warns and ``import deepspeed`` keeps working; a ds_config
+naming a Canzona type, or any other build of a Canzona optimizer, fails with
+:func:`range_error`'s one line (integration/registry.py, integration/builder.py).
 """
 from __future__ import annotations
 
 import importlib
+import re
 
-SUPPORTED_DEEPSPEED = "0.19.8"
+#: the DeepSpeed releases canzona-ds supports (setup.cfg's install_requires says the same)
+SUPPORTED_RANGE = ">=0.19.7,<0.20"
+MIN_VERSION = (0, 19, 7)
+BELOW_VERSION = (0, 20, 0)
 
-#: (module, attribute path) that must exist on the installed DeepSpeed
+#: (module, attribute path) that every supported release has
 CLASS_MEMBERS: tuple[tuple[str, str], ...] = (
     # engine methods wrapped by integration/registry.py
     ("deepspeed.runtime.engine", "DeepSpeedEngine._is_supported_optimizer"),
@@ -51,7 +67,6 @@ CLASS_MEMBERS: tuple[tuple[str, str], ...] = (
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer._load_legacy_checkpoint"),
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer._load_universal_checkpoint"),
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer._is_muon_group"),
-    ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer._muon_update_lacks_loss_scale"),
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.scaled_global_norm"),
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.unscale_and_clip_grads"),
     ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer.get_param_id"),
@@ -75,13 +90,6 @@ CLASS_MEMBERS: tuple[tuple[str, str], ...] = (
     ("deepspeed.runtime.engine", "DeepSpeedEngine.zero_elastic_checkpoint"),
     # exact-type list of ZeRO-supported optimizers
     ("deepspeed.runtime.zero.utils", "ZERO_SUPPORTED_OPTIMIZERS"),
-    # per_head_muon: DeepSpeed's own head resolution (same semantics as its Muon)
-    ("deepspeed", "_per_head_muon_meta"),
-    ("deepspeed", "_resolve_attention_head_count"),
-    ("deepspeed", "_owner_modules"),
-    ("deepspeed", "_leaf_module_name"),
-    ("deepspeed", "_report_per_head_tagging"),
-    ("deepspeed", "_layer_shape"),
     # the CPU accelerator's fp16 capability (canzona_ds.integration.accelerator)
     ("deepspeed.accelerator.cpu_accelerator", "CPU_Accelerator.is_fp16_supported"),
 )
@@ -98,6 +106,18 @@ ZERO_INSTANCE_ATTRS: tuple[str, ...] = (
 )
 
 
+#: internals only some supported releases have: feature -> (the release that added them, members)
+FEATURES: dict[str, tuple[str, tuple[tuple[str, str], ...]]] = {
+    # per_head_muon: DeepSpeed's own head resolution (same semantics as its Muon), integration/heads.py
+    "per_head_muon": ("0.19.8", (("deepspeed", "_per_head_muon_meta"), ("deepspeed", "_resolve_attention_head_count"),
+                                 ("deepspeed", "_owner_modules"), ("deepspeed", "_leaf_module_name"),
+                                 ("deepspeed", "_report_per_head_tagging"), ("deepspeed", "_layer_shape"))),
+    # the ZeRO-1/2 Muon path's loss-scale bookkeeping (zero12_builtin_muon_active)
+    "zero12_muon_loss_scale": ("0.19.8", (("deepspeed.runtime.zero.stage_1_and_2",
+                                           "DeepSpeedZeroOptimizer._muon_update_lacks_loss_scale"),)),
+}
+
+
 def _resolve(module: str, path: str):
     obj = importlib.import_module(module)
     for part in path.split("."):
@@ -105,33 +125,84 @@ def _resolve(module: str, path: str):
     return obj
 
 
+def _present(module: str, path: str) -> bool:
+    try:
+        _resolve(module, path)
+        return True
+    except (ImportError, AttributeError):
+        return False
+
+
 def missing_members() -> list[str]:
-    out = []
-    for module, path in CLASS_MEMBERS:
-        try:
-            _resolve(module, path)
-        except (ImportError, AttributeError):
-            out.append(f"{module}.{path}")
-    return out
+    return [f"{module}.{path}" for module, path in CLASS_MEMBERS if not _present(module, path)]
+
+
+def has(feature: str) -> bool:
+    """Whether the installed DeepSpeed has every internal of ``feature`` (a key of FEATURES)."""
+    if feature not in FEATURES:
+        raise KeyError(f"unknown DeepSpeed feature {feature!r}; known: {sorted(FEATURES)}")
+    return all(_present(m, p) for m, p in FEATURES[feature][1])
+
+
+def require(feature: str, what: str) -> None:
+    """ValueError naming ``what`` (a setting) unless the installed DeepSpeed has ``feature``."""
+    if not has(feature):
+        import deepspeed
+
+        raise ValueError(f"{what} needs deepspeed>={FEATURES[feature][0]} (canzona_ds uses DeepSpeed's own "
+                         f"implementation); deepspeed=={deepspeed.__version__} is installed. Upgrade DeepSpeed "
+                         f"or remove {what}.")
+
+
+def version_tuple(version: str) -> tuple[int, int, int]:
+    """``"0.19.8"``, ``"0.19.8+abc"``, ``"0.20.0rc1"`` -> (0, 19, 8) / (0, 20, 0)."""
+    m = re.match(r"\s*(\d+)\.(\d+)(?:\.(\d+))?", version)
+    if m is None:
+        raise ValueError(f"cannot read a DeepSpeed version from {version!r}")
+    return int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)
+
+
+def in_range(version: str) -> bool:
+    return MIN_VERSION <= version_tuple(version) < BELOW_VERSION
+
+
+def range_error(version: str) -> str:
+    """The one line for a DeepSpeed release outside SUPPORTED_RANGE."""
+    return (f"canzona_ds supports deepspeed{SUPPORTED_RANGE} but deepspeed=={version} is installed; "
+            f"install a release in that range (pip install 'deepspeed{SUPPORTED_RANGE}').")
+
+
+def require_supported() -> None:
+    """RuntimeError (one line) unless the installed DeepSpeed is in SUPPORTED_RANGE."""
+    import deepspeed
+
+    if not in_range(deepspeed.__version__):
+        raise RuntimeError(range_error(deepspeed.__version__))
 
 
 def check_deepspeed() -> None:
-    """RuntimeError unless the installed DeepSpeed is the pinned version with every internal."""
+    """RuntimeError unless the installed DeepSpeed is in the range and has every internal."""
     import deepspeed
 
-    if deepspeed.__version__ != SUPPORTED_DEEPSPEED:
-        raise RuntimeError(
-            f"canzona_ds is pinned to deepspeed=={SUPPORTED_DEEPSPEED} (its ZeRO integration overrides private "
-            f"internals of that release), but deepspeed=={deepspeed.__version__} is installed. "
-            f"Install deepspeed=={SUPPORTED_DEEPSPEED}.")
+    require_supported()
     missing = missing_members()
     if missing:
         raise RuntimeError(f"deepspeed=={deepspeed.__version__} lacks internals canzona_ds needs: {missing}. "
-                           f"Reinstall deepspeed=={SUPPORTED_DEEPSPEED}.")
+                           f"Reinstall DeepSpeed (canzona_ds supports deepspeed{SUPPORTED_RANGE}).")
 
 
 def check_instance(obj, attrs: tuple[str, ...] = ZERO_INSTANCE_ATTRS) -> None:
     missing = [a for a in attrs if not hasattr(obj, a)]
     if missing:
-        raise RuntimeError(f"{type(obj).__mro__[1].__name__} lacks attributes canzona_ds relies on: {missing}. "
-                           f"Install deepspeed=={SUPPORTED_DEEPSPEED}.")
+        import deepspeed
+
+        raise RuntimeError(f"{type(obj).__mro__[1].__name__} of deepspeed=={deepspeed.__version__} lacks attributes "
+                           f"canzona_ds relies on: {missing} (canzona_ds supports deepspeed{SUPPORTED_RANGE}).")
+
+
+# ------------------------------------------------------------------ shims (one per feature caller)
+def zero12_builtin_muon_active(zopt, group: list, i: int) -> bool:
+    """Whether DeepSpeed's own ZeRO-1/2 Muon path would run on group ``i`` of ``zopt``
+    (its ``_is_muon_group`` and, where the release has it, ``_muon_update_lacks_loss_scale``)."""
+    return bool(zopt._is_muon_group(group)) or \
+        (has("zero12_muon_loss_scale") and bool(zopt._muon_update_lacks_loss_scale(i)))
