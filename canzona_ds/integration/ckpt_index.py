@@ -489,7 +489,9 @@ class IndexSource:
 
     def __init__(self, folder: str, index: Index) -> None:
         self.folder, self.index = folder, index
-        self.reader = Reader(folder, index)
+        from .ckpt_safe import read
+
+        self.reader = Reader(folder, index, read)  # (only data unpickled: ckpt/safe_load.py)
         self.rule = index.meta["rule"]
         self.matrix_step = index.meta.get("matrix_step", 0)
         adam = index.meta.get("adam_step")
