@@ -199,3 +199,11 @@ def test_the_main_jobs_look_at_a_tag_refuses_a_planted_object(planted):
         saved_layout(root)
     assert not marker.exists()
     assert saved_optimizer_type(os.path.join(root, "good")) == "CanzonaMuon"
+
+
+def test_bad_opt_in_value_names_the_key():
+    from canzona_ds.config import CheckpointConfig
+
+    assert CheckpointConfig.from_section({"allow_unsafe_pickle": True}).allow_unsafe_pickle
+    with pytest.raises((TypeError, ValueError), match="canzona_checkpoint.allow_unsafe_pickle"):
+        CheckpointConfig.from_section({"allow_unsafe_pickle": "yes"})
