@@ -718,6 +718,11 @@ CHECKPOINTS = {
         _CKPT_INDEX_COLS),
     "ckpt_index_large": Table(
         "ckpt_index_large", "bench_ckpt_index --size large: the same, 310M parameters.", "rows", _CKPT_INDEX_COLS),
+    "safe_load": Table(
+        "safe_load", "bench_safe_load: a tag's files read by torch.load(weights_only=False) and by the safe loader.",
+        "rows", _cols(("read ({files} files, {bytes:MB.0f} MB, {params:,} parameters; load average {load_avg_1min_at_end:.0f} on {cpu} cores)", "{read}"),
+                      ("weights_only=False, ms", "{today_s:ms.1f}"), ("safe loader, ms", "{safe_s:ms.1f}"),
+                      ("safe / today", "{ratio:.3f}")), none="-"),
 }
 
 

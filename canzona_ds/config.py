@@ -155,11 +155,17 @@ class CheckpointConfig:
     #: matrix_include changed) is refused by name at load; true re-initialises exactly those
     #: parameters' optimizer state instead (each logged by name), keeping their weights
     reinit_changed_roles: bool = False
+    #: load_checkpoint unpickles only data: tensors and the few plain types DeepSpeed's files hold
+    #: (a file naming any other type is refused by name before anything is unpickled). true
+    #: unpickles anything, as torch.load(weights_only=False) does: a crafted file can then run
+    #: code. Only for a checkpoint whose origin you trust (docs/checkpoints.md)
+    allow_unsafe_pickle: bool = False
 
     def __post_init__(self) -> None:
         check_choice("canzona_checkpoint.verify", self.verify, CHECKPOINT_VERIFY)
         check_bool("canzona_checkpoint.fallback", self.fallback)
         check_bool("canzona_checkpoint.reinit_changed_roles", self.reinit_changed_roles)
+        check_bool("canzona_checkpoint.allow_unsafe_pickle", self.allow_unsafe_pickle)
         if self.fallback and self.verify == "off":
             raise ValueError("Invalid canzona_checkpoint.fallback=true with verify='off': falling back needs "
                              "verification to tell an intact checkpoint from a corrupt one. Set verify to "

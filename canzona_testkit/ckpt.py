@@ -112,3 +112,47 @@ def save_pre_index(rank: int, world: int, module: str, *args):
 
     with pre_index_records():
         return importlib.import_module(module).save(rank, world, *args)
+
+
+class Planted:
+    """An object whose unpickling creates the file ``marker`` (``open(marker, "w")``): what an
+    attacker's ``os.system`` would be, with a side effect a test can look for."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+#: the type a planted object's pickle names
+PLANTED_TYPE = "io.open"
+
+
+def plant(src_tag: str, dst_tag: str, file: str, marker: str) -> str:
+    """Copy the tag directory ``src_tag`` to ``dst_tag`` with a :class:`Planted` object added to
+    the dict stored in ``file`` (key ``"planted"``) and the manifest's sizes, hashes and
+    ``files_sha256`` recomputed (anyone can: it has no key), so the tag verifies.  Returns the
+    planted file's path."""
+    import json
+    import shutil
+
+    import torch
+
+    from canzona_ds import checkpoint as ck
+
+    shutil.copytree(src_tag, dst_tag)
+    path = os.path.join(dst_tag, file)
+    obj = torch.load(path, map_location="cpu", weights_only=False)  # (the suite's own file)
+    obj["planted"] = Planted(marker)
+    torch.save(obj, path)
+    mpath = os.path.join(dst_tag, ck.MANIFEST)
+    if os.path.isfile(mpath):
+        manifest = json.loads(open(mpath).read())
+        for entry in manifest["files"]:
+            entry["bytes"], entry["sha256"] = ck.sha256_file(os.path.join(dst_tag, entry["path"]))
+        manifest["tag"] = os.path.basename(dst_tag.rstrip("/"))
+        manifest["files_sha256"] = ck._files_digest(manifest["files"])
+        with open(mpath, "w") as f:
+            json.dump(manifest, f, indent=1)
+    return path

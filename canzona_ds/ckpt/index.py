@@ -40,7 +40,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from .frames import FrameError, TPFrame, assemble, to_global
 
@@ -308,25 +308,30 @@ class Reader:
     """Regions of a checkpoint read through its index, every file opened memory-mapped once.
 
     ``elements_read`` counts the stored elements handed out so far (a region's, a whole
-    tensor's, each TP shard a rebuild reads once): what this rank copied from the checkpoint."""
+    tensor's, each TP shard a rebuild reads once): what this rank copied from the checkpoint.
 
-    def __init__(self, folder: str, index: Index) -> None:
+    ``read(path, mmap=True)`` opens a file: :func:`canzona_ds.ckpt.safe_load.load` by default,
+    which unpickles only data (tensors and the few types DeepSpeed's files hold); canzona-ds
+    passes integration/ckpt_safe.read, the same plus the ds_config opt-in."""
+
+    def __init__(self, folder: str, index: Index, read: Callable[..., Any] | None = None) -> None:
         if index.chunks is None:
             raise CheckpointIndexError(f"{folder}: this checkpoint's index describes no chunks "
                               f"({index.meta.get('no_chunks', 'layout without an emitter')}).")
         self.folder, self.index = folder, index
+        if read is None:
+            from .safe_load import load as read
+        self._read = read
         self._files: dict[str, Any] = {}
         self._cache: tuple | None = None  # ((name, state), its flat global tensor): one at a time
         self.elements_read = 0
 
     def _file(self, name: str) -> Any:
-        import torch
-
         if name not in self._files:
             path = os.path.join(self.folder, name)
             if not os.path.isfile(path):
                 raise CheckpointIndexError(f"{self.folder}: the index names {name!r}, which is not in the checkpoint.")
-            self._files[name] = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+            self._files[name] = self._read(path, mmap=True)
         return self._files[name]
 
     def stored(self, c: Chunk):

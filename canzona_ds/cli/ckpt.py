@@ -8,6 +8,9 @@
                                                   OUT/optimizer.pt (every state by whole-model name),
                                                   OUT/info.json (what was converted, from where)
 
+Every read unpickles only data (canzona_ds/ckpt/safe_load.py): ``verify`` and ``convert`` first
+check that every ``.pt`` file of the tag names no type but tensors' and the few DeepSpeed
+writes, and refuse a file that does by name, unpickling nothing (docs/checkpoints.md).
 ``--tag`` defaults to the one ``DIR/latest`` names.  Exit status: 0 ok, 2 a problem (the
 message names it).  ``convert`` reads through the checkpoint index (for a tag written before
 the index, the one built from its records: integration/ckpt_legacy.py); a tag whose index
@@ -95,12 +98,18 @@ def verify(folder: str, tag: str | None, mode: str, out=None) -> int:
     path = os.path.join(folder, tag)
     ck.verify(folder, tag, mode)
     print(f"{path}: manifest: every file's {mode} matches", file=out)
+    from ..integration.ckpt_safe import check_tag
+
+    check_tag(path)  # a manifest proves a tag whole, not harmless: every file holds only data
+    print(f"{path}: pickles: every file holds only data (tensors and the types DeepSpeed writes)", file=out)
     if not os.path.isfile(os.path.join(path, INDEX)):
         print(f"{path}: no {INDEX} (written before the index): the manifest is all there is to check", file=out)
         return 0
     index = Index.read(path)
     if index.chunks is not None:
-        reader = Reader(path, index)
+        from ..integration.ckpt_safe import read
+
+        reader = Reader(path, index, read)  # (only data unpickled: ckpt/safe_load.py)
         for c in index.chunks:
             reader.stored(c)  # every chunk's key resolves to a tensor long enough to hold it
     n = "no chunks described" if index.chunks is None else f"{len(index.chunks)} chunks agree with their files"
@@ -146,6 +155,9 @@ def convert(folder: str, tag: str | None, out_dir: str, out=None) -> int:
     path = os.path.join(folder, tag)
     if not os.path.isdir(path):
         raise ValueError(f"{path} does not exist.")
+    from ..integration.ckpt_safe import check_tag
+
+    check_tag(path)  # every file holds only data before any is read
     weights, state, info = _consolidated(path)
     os.makedirs(out_dir, exist_ok=True)
     save_file({n: t.contiguous() for n, t in weights.items()}, os.path.join(out_dir, "model.safetensors"))

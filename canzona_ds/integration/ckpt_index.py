@@ -496,7 +496,9 @@ class IndexSource:
         #: ``engine_file``: the model-states file whose engine state (counters, lr scheduler,
         #: client state) this rank takes (default: the index's, DP rank 0's of the first stage)
         self.folder, self.index, self._engine_file = folder, index, engine_file
-        self.reader = Reader(folder, index)
+        from .ckpt_safe import read
+
+        self.reader = Reader(folder, index, read)  # (only data unpickled: ckpt/safe_load.py)
         self.rule = index.meta["rule"]
         self.matrix_step = index.meta.get("matrix_step", 0)
         adam = index.meta.get("adam_step")

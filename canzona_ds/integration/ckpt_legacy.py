@@ -62,14 +62,14 @@ _opened: dict[str, dict] | None = None
 
 def _load(path: str) -> dict:
     """A checkpoint file memory-mapped (its structure; tensor data stays in the file until sliced)."""
-    import torch
+    from .ckpt_safe import read
 
     if _opened is not None and path in _opened:
         return _opened[path]
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        obj = read(path, mmap=True)
     except RuntimeError:  # written with the legacy (non-zip) format: cannot be mapped
-        obj = torch.load(path, map_location="cpu", weights_only=False)
+        obj = read(path)
     if _opened is not None:
         _opened[path] = obj
     return obj

@@ -27,6 +27,7 @@ checks trip over it (e.g. ``params`` given as a list).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -327,23 +328,30 @@ def install() -> None:
     def load_unverified(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
         # the one comparison (integration/ckpt_index.py): the same layout -> DeepSpeed's own load;
-        # anything else -> the index loop, which fills this run's layout or refuses by name
-        if load_optimizer_states and not load_module_only and custom_load_fn is None:
-            from . import ckpt_index
+        # anything else -> the index loop, which fills this run's layout or refuses by name.
+        # A Canzona engine's reads (DeepSpeed's and the index's) unpickle only data (ckpt_safe.py)
+        reads = contextlib.nullcontext()
+        if canzona_optimizer(self) is not None:
+            from .ckpt_safe import engine_reads
 
-            index = ckpt_index.index_route(self, load_dir, tag)
-            if index is not None:
-                out = ckpt_index.load(self, load_dir, tag, index, load_module_strict, load_lr_scheduler_states)
-            else:
-                out = stock_load(self, load_dir, tag, load_module_strict, load_optimizer_states,
-                                 load_lr_scheduler_states, load_module_only, custom_load_fn)
-            # either route: the param groups' hyper-parameters as saved (the schedule's last lr,
-            # betas, ...), which no scheduler's load_state_dict writes (integration/param_groups.py)
-            if out[0] is not None:
-                ckpt_index.restore_param_groups(self, load_dir, tag)
-            return out
-        return stock_load(self, load_dir, tag, load_module_strict, load_optimizer_states, load_lr_scheduler_states,
-                          load_module_only, custom_load_fn)
+            reads = engine_reads(self, load_dir, tag, checkpoint_hooks.checkpoint_config(self).allow_unsafe_pickle)
+        with reads:
+            if load_optimizer_states and not load_module_only and custom_load_fn is None:
+                from . import ckpt_index
+
+                index = ckpt_index.index_route(self, load_dir, tag)
+                if index is not None:
+                    out = ckpt_index.load(self, load_dir, tag, index, load_module_strict, load_lr_scheduler_states)
+                else:
+                    out = stock_load(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                                     load_lr_scheduler_states, load_module_only, custom_load_fn)
+                # either route: the param groups' hyper-parameters as saved (the schedule's last lr,
+                # betas, ...), which no scheduler's load_state_dict writes (integration/param_groups.py)
+                if out[0] is not None:
+                    ckpt_index.restore_param_groups(self, load_dir, tag)
+                return out
+            return stock_load(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                              load_lr_scheduler_states, load_module_only, custom_load_fn)
 
     @functools.wraps(stock_load)
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,

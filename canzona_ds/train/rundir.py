@@ -104,10 +104,11 @@ class Layout:
 def saved_layout(ckpt_dir: str | Path) -> tuple[str, Layout] | None:
     """(tag, layout) of the checkpoint ``--resume`` would load first from ``ckpt_dir`` (the one
     ``latest`` names, else the newest published tag); None when there is none.  Reads the
-    manifest and the model-states file's stored ds_config (memory-mapped, no tensor data)."""
-    import torch
-
+    manifest and the model-states file's stored ds_config (memory-mapped, no tensor data; a file
+    that holds anything but data raises the loader's UnsafeCheckpointError naming it)."""
     from canzona_ds import checkpoint
+    from canzona_ds.ckpt.safe_load import UnsafeCheckpointError
+    from canzona_ds.integration.ckpt_safe import read
     from canzona_ds.train.trainer import saved_pipeline_stages
 
     ckpt_dir = Path(ckpt_dir)
@@ -125,9 +126,11 @@ def saved_layout(ckpt_dir: str | Path) -> tuple[str, Layout] | None:
     stage = 0
     files = sorted(path.glob("mp_rank_*model_states.pt")) or sorted(path.glob("*model_states.pt"))
     try:
-        ds = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)["ds_config"]
+        ds = read(str(files[0]), mmap=True)["ds_config"]
         stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
         canzona = str(ds["optimizer"]["type"]).startswith("Canzona")
+    except UnsafeCheckpointError:
+        raise
     except Exception:  # noqa: BLE001 - unreadable: DeepSpeed's load (and the verification) will say why
         return tag, Layout(-1, saved_pipeline_stages(path), world)
     return tag, Layout(stage, saved_pipeline_stages(path), world, canzona)

@@ -430,14 +430,20 @@ def train(cfg: RunConfig, name: str | None = None, progress: bool = True) -> Run
 
 def saved_optimizer_type(ckpt_dir: str | Path) -> str | None:
     """The optimizer type in the ds_config DeepSpeed stores in a checkpoint's model states
-    (memory-mapped: the tensors are not read); None when unreadable."""
+    (memory-mapped: the tensors are not read); None when unreadable (a file that holds anything
+    but data raises the loader's UnsafeCheckpointError naming it)."""
     # mp_rank_* first: a pipeline checkpoint also holds layer_*-model_states.pt (weights only)
     files = sorted(Path(ckpt_dir).glob("mp_rank_*model_states.pt")) or sorted(Path(ckpt_dir).glob("*model_states.pt"))
     if not files:
         return None
+    from canzona_ds.ckpt.safe_load import UnsafeCheckpointError
+    from canzona_ds.integration.ckpt_safe import read
+
     try:
-        states = torch.load(files[0], map_location="cpu", weights_only=False, mmap=True)
+        states = read(str(files[0]), mmap=True)
         return str(states["ds_config"]["optimizer"]["type"])
+    except UnsafeCheckpointError:
+        raise
     except Exception:  # noqa: BLE001 - not knowable: DeepSpeed's own load decides
         return None
 
