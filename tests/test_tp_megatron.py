@@ -385,3 +385,33 @@ def test_launch_shim_patches_real_import_path(tmp_path: Path) -> None:
     params = shipped["optimizer"]["params"]
     assert got["type"] == "CanzonaOptimizer" and got["rule"] == "muon" and got["argv"] == ["--foo", "1"]
     assert got["mult"] == pytest.approx([1.0, params["adam_lr"] / params["muon_lr"]])
+
+
+def test_megatron_weight_decay_classes_become_adamw_groups() -> None:
+    """Megatron's get_param_groups result (biases/1-D: wd_mult 0; a scaled head: lr_mult 2) tags the
+    parameters; CanzonaOptimizer makes one AdamW group per class and the hook's lr_mult carries both
+    ratios.  Matrices of two classes are refused by name."""
+    from canzona_ds.config import CanzonaConfig
+    from canzona_ds.integration.megatron import _lr_mult, tag_megatron_param_groups
+    from canzona_ds.optimizer import CanzonaOptimizer
+
+    torch.manual_seed(0)
+    named = [("w", torch.nn.Parameter(torch.randn(8, 4))), ("embed.weight", torch.nn.Parameter(torch.randn(16, 4))),
+             ("b", torch.nn.Parameter(torch.randn(8))), ("norm", torch.nn.Parameter(torch.randn(4))),
+             ("head.bias", torch.nn.Parameter(torch.randn(4)))]
+    p = dict(named)
+    tag_megatron_param_groups([{"params": [p["w"], p["embed.weight"]], "wd_mult": 1.0, "lr_mult": 1.0},
+                               {"params": [p["b"], p["norm"]], "wd_mult": 0.0, "lr_mult": 1.0},
+                               {"params": [p["head.bias"]], "wd_mult": 0.0, "lr_mult": 2.0}])
+    cfg = CanzonaConfig.from_ds("CanzonaMuon", {"muon_lr": LR, "adam_lr": ADAM_LR, "weight_decay": WD},
+                                None)
+    opt = CanzonaOptimizer(named, cfg)
+    got = [(names, g["canzona_role"], g["weight_decay"], g["lr"], _lr_mult(g, cfg.adam_lr_ratio))
+           for names, g in zip(opt.group_names, opt.param_groups)]
+    assert got == [(["w"], "matrix", WD, LR, 1.0), (["embed.weight"], "aux", WD, ADAM_LR, ADAM_LR / LR),
+                   (["b", "norm"], "aux", 0.0, ADAM_LR, ADAM_LR / LR),
+                   (["head.bias"], "aux", 0.0, 2 * ADAM_LR, 2 * ADAM_LR / LR)]
+    w2 = torch.nn.Parameter(torch.randn(8, 4))
+    w2.canzona_wd_mult = 0.0
+    with pytest.raises(ValueError, match=r"different weight-decay / lr multipliers.*'x'"):
+        CanzonaOptimizer([("w", p["w"]), ("x", w2)], cfg)

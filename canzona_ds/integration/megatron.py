@@ -42,7 +42,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import MutableMapping
-from typing import Any, Callable, Mapping
+import sys
+from typing import Any, Callable, Mapping, Sequence
 
 from ..optim import OPTIMIZER_TYPES
 from ..config import CanzonaConfig
@@ -106,8 +107,25 @@ def build_tp_optimizer(model, ds_config: Mapping[str, Any], mpu=None) -> Canzona
     # Megatron's OptimizerParamScheduler sets lr = schedule_lr * lr_mult for every group:
     # with --lr = the matrix lr, the AdamW group keeps its ratio
     for g in opt.param_groups:
-        g["lr_mult"] = 1.0 if g["canzona_role"] == MATRIX else cfg.adam_lr_ratio
+        g["lr_mult"] = _lr_mult(g, cfg.adam_lr_ratio)
     return opt
+
+
+def _lr_mult(group: Mapping[str, Any], adam_lr_ratio: float) -> float:
+    """Megatron's ``lr_mult`` of a Canzona param group: 1 (matrix) or ``adam_lr / lr`` (AdamW), times
+    the group's own multiplier (Megatron's ``scale_lr_cond`` / ``lr_mult``: ``param_lr_mult``)."""
+    return (1.0 if group.get("canzona_role") == MATRIX else adam_lr_ratio) * group.get("param_lr_mult", 1.0)
+
+
+def tag_megatron_param_groups(groups: Sequence[Mapping[str, Any]]) -> None:
+    """Mark every parameter of Megatron's ``get_param_groups`` result with its group's ``wd_mult``
+    and ``lr_mult`` (``canzona_wd_mult`` / ``canzona_lr_mult``), which CanzonaOptimizer groups by:
+    Megatron's ``no_weight_decay_cond`` (default: biases and 1-D parameters, i.e. norms, get no
+    weight decay), ``scale_lr_cond`` and ``lr_mult`` hold as with Megatron's own optimizer."""
+    for g in groups:
+        for p in g["params"]:
+            p.canzona_wd_mult = float(g.get("wd_mult", 1.0))
+            p.canzona_lr_mult = float(g.get("lr_mult", 1.0))
 
 
 def _load_ds_config(args) -> dict:
@@ -181,8 +199,7 @@ class MegatronSchedulerTarget:
     def __init__(self, optimizer) -> None:
         self.optimizer = optimizer
         ratio = optimizer.config.adam_lr_ratio
-        self.param_groups = [_GroupView(g, 1.0 if g.get("canzona_role") == MATRIX else ratio)
-                             for g in optimizer.param_groups]
+        self.param_groups = [_GroupView(g, _lr_mult(g, ratio)) for g in optimizer.param_groups]
 
 
 def _retarget_scheduler(scheduler) -> Callable:
@@ -209,7 +226,10 @@ def _wrap_deepspeed_initialize(deepspeed_module) -> None:
     def initialize(*args, **kwargs):
         placeholder = kwargs.get("optimizer")
         if not isinstance(placeholder, DeferredCanzona):
-            return original(*args, **kwargs)
+            out = original(*args, **kwargs)
+            if isinstance(placeholder, CanzonaOptimizer):  # stage 0: the client optimizer is ours
+                _log_start(out[0], placeholder, _zero_stage(_engine_config(kwargs)))
+            return out
         if args:
             raise TypeError("patched deepspeed.initialize: pass arguments by keyword (as Megatron-DeepSpeed does)")
         if kwargs.get("mpu") is None and not _is_pipeline_module(kwargs.get("model")):
@@ -224,11 +244,49 @@ def _wrap_deepspeed_initialize(deepspeed_module) -> None:
         scheduler = kwargs.get("lr_scheduler")
         if scheduler is not None:
             kwargs["lr_scheduler"] = _retarget_scheduler(scheduler)
-        return original(**kwargs)
+        out = original(**kwargs)
+        basic = getattr(out[0], "basic_optimizer", None)
+        if isinstance(basic, CanzonaOptimizer):
+            _log_start(out[0], basic, _zero_stage(placeholder.ds_config))
+        return out
 
     initialize._canzona_patched = True
     initialize._canzona_original = original
     deepspeed_module.initialize = initialize
+
+
+def _engine_config(kwargs) -> dict:
+    cfg = kwargs.get("config") or kwargs.get("config_params") or {}
+    if isinstance(cfg, str):
+        with open(cfg) as f:
+            return json.load(f)
+    return dict(cfg)
+
+
+def start_line(optimizer: CanzonaOptimizer, zero_stage: int) -> str:
+    """The one line that says Canzona runs: its type, ZeRO stage, DP/TP/PP sizes and the plans'
+    balance (busiest rank's load / mean; 1.00 is perfect) -- the DP ownership plan's and the TP
+    hosts' plan's, where the optimizer has them."""
+    kind = next((t for t, r in OPTIMIZER_TYPES.items() if r == optimizer.rule.name), optimizer.rule.name)
+    g = optimizer.groups
+
+    def balance(plan) -> str:
+        loads = list(getattr(plan, "rank_load", None) or [])
+        mean = sum(loads) / len(loads) if loads else 0.0
+        return f"{max(loads) / mean:.2f} over {len(loads)} ranks" if mean > 0 else "n/a"
+
+    tp_plan = getattr(optimizer.tp_runtime, "plan", None)
+    return (f"canzona-ds: {kind} (CanzonaOptimizer, not Megatron's --optimizer) at ZeRO stage {zero_stage}, "
+            f"DP={g.dp_size} TP={g.tp_size} PP={g.pp_size}; DP plan balance {balance(optimizer.plan)}, "
+            f"TP hosts balance {balance(tp_plan)}")
+
+
+def _log_start(engine, optimizer: CanzonaOptimizer, zero_stage: int) -> None:
+    """:func:`start_line`, printed once by global rank 0 (stdout: shown at any log level)."""
+    from deepspeed import comm as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(start_line(optimizer, zero_stage), flush=True)
 
 
 def _is_pipeline_module(model) -> bool:
@@ -267,10 +325,16 @@ def patch_megatron_training(training_module=None, get_args: Callable | None = No
     if getattr(original, "_canzona_patched", False):
         return original._canzona_original
 
-    def get_megatron_optimizer(model, *a, **k):
+    def get_megatron_optimizer(model, no_weight_decay_cond=None, scale_lr_cond=None, lr_mult=1.0):
         ds_config = _load_ds_config(get_args())
         if (ds_config.get("optimizer") or {}).get("type") not in OPTIMIZER_TYPES:
-            return original(model, *a, **k)
+            return original(model, no_weight_decay_cond, scale_lr_cond, lr_mult)
+        # Megatron's own param-group rule (megatron/optimizer/__init__.py: get_param_groups), where
+        # the module that defined get_megatron_optimizer has it
+        param_groups = getattr(sys.modules.get(getattr(original, "__module__", ""), None), "get_param_groups", None)
+        if param_groups is not None:
+            chunks = model if isinstance(model, (list, tuple)) else [model]
+            tag_megatron_param_groups(param_groups(chunks, no_weight_decay_cond, scale_lr_cond, lr_mult))
         if _zero_stage(ds_config) in (1, 2):
             config_from_ds_config(ds_config)  # fail early on bad keys
             return DeferredCanzona(ds_config, mpu)
