@@ -415,3 +415,23 @@ def test_megatron_weight_decay_classes_become_adamw_groups() -> None:
     w2.canzona_wd_mult = 0.0
     with pytest.raises(ValueError, match=r"different weight-decay / lr multipliers.*'x'"):
         CanzonaOptimizer([("w", p["w"]), ("x", w2)], cfg)
+
+
+def test_launch_shim_finds_the_script_after_the_launchers_local_rank(tmp_path: Path) -> None:
+    """The deepspeed launcher runs ``shim --local_rank=N script args``: the script is found after
+    the launcher's options, which move behind the script's own arguments; anything else is named."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "megatron_shim", Path(__file__).resolve().parents[1] / "launch/megatron_pretrain_gpt.py")
+    shim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shim)
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("")
+    s = str(script)
+    assert shim.split_argv(["--local_rank=1", s, "--tp", "2"]) == (s, ["--tp", "2", "--local_rank=1"])
+    assert shim.split_argv(["--local_rank", "0", s]) == (s, ["--local_rank", "0"])
+    assert shim.split_argv([s, "--foo"]) == (s, ["--foo"])
+    for bad in (["--local_rank=0"], ["--local_rank=0", "--foo", s], ["--local_rank=0", str(tmp_path / "x.py")]):
+        with pytest.raises(SystemExit, match="pretrain_gpt.py|no script"):
+            shim.split_argv(bad)
