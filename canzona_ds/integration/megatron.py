@@ -32,6 +32,12 @@
      the DeepSpeed-built optimizer (:class:`MegatronSchedulerTarget`: matrix group
      ``lr_mult`` 1, AdamW group ``adam_lr / lr``).  Every other call passes through.
 
+   The patched ``get_megatron_optimizer`` also runs Megatron's ``get_param_groups`` (its
+   ``no_weight_decay_cond`` / ``scale_lr_cond`` / ``lr_mult``) and marks every parameter with its
+   group's multipliers (:func:`tag_megatron_param_groups`): biases and norms get no weight decay,
+   as with Megatron's own optimizer.  After ``deepspeed.initialize`` rank 0 prints one line naming
+   the Canzona type, ZeRO stage, DP/TP/PP sizes and the plans' balance (:func:`start_line`).
+
    ``launch/megatron_pretrain_gpt.py`` applies the patch before running pretrain_gpt.py.
 
 4. ZeRO x TP without Megatron's training loop: pass *no* client optimizer and give
@@ -52,7 +58,8 @@ from .groups import groups_from_deepspeed, groups_from_mpu
 from .registry import DS_CONFIG_TP_KEY
 
 __all__ = ["DeferredCanzona", "MegatronSchedulerTarget", "build_tp_optimizer", "config_from_ds_config",
-           "groups_from_deepspeed", "groups_from_mpu", "patch_megatron_training"]
+           "groups_from_deepspeed", "groups_from_mpu", "patch_megatron_training", "start_line",
+           "tag_megatron_param_groups"]
 
 
 def config_from_ds_config(ds_config: Mapping[str, Any]) -> CanzonaConfig:
