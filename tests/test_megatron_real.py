@@ -85,9 +85,11 @@ def ds_config(row: dict[str, Any]) -> dict[str, Any]:
             "steps_per_print": 1000, "wall_clock_breakdown": False}
 
 
-def launch(name: str, run: str, work: Path, extra: list[str], capture: Path | None = None) -> dict[str, Any]:
-    """One documented launch of row ``name``; returns its log, parsed iterations and wall time."""
-    row, meg = ROWS[name], megatron()
+def launch(name: str, run: str, work: Path, extra: list[str], capture: Path | None = None,
+           **override: Any) -> dict[str, Any]:
+    """One documented launch of row ``name`` (``override``: other sizes); returns its log, parsed
+    iterations and wall time."""
+    row, meg = {**ROWS[name], **override}, megatron()
     cfg = work / f"{name}.json"
     cfg.write_text(json.dumps(ds_config(row)))
     args = [*MODEL, *SCHEDULE, "--tensor-model-parallel-size", str(row["tp"]),
@@ -283,3 +285,4 @@ def test_resume_continues_bit_for_bit(name: str) -> None:
         assert resumed[i] == full[i], f"{name} iteration {i}: resumed {resumed[i]}, uninterrupted {full[i]}"
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=lambda s, k=k: f"{name} {k}: {s}")
+

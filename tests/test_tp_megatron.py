@@ -435,3 +435,39 @@ def test_launch_shim_finds_the_script_after_the_launchers_local_rank(tmp_path: P
     for bad in (["--local_rank=0"], ["--local_rank=0", "--foo", s], ["--local_rank=0", str(tmp_path / "x.py")]):
         with pytest.raises(SystemExit, match="pretrain_gpt.py|no script"):
             shim.split_argv(bad)
+
+
+def test_megatron_fused_layouts_get_their_tp_blocks() -> None:
+    """tag_megatron_tp_blocks: --swiglu's dense_h_to_4h from the model's universal-checkpoint info
+    (two equal blocks), the fused QKV from Megatron's head counts ([Q; K; V]); a QKV whose size is
+    not Q + 2 KV is refused by name."""
+    from canzona_ds.integration.megatron import tag_megatron_tp_blocks
+
+    class Chunk(torch.nn.Module):
+        def __init__(self, qkv_rows: int) -> None:
+            super().__init__()
+            self.qkv = torch.nn.Linear(8, qkv_rows)
+            self.fc1 = torch.nn.Linear(8, 12)
+            self.fc2 = torch.nn.Linear(6, 8)
+            for p in (self.qkv.weight, self.qkv.bias, self.fc1.weight, self.fc1.bias, self.fc2.weight):
+                p.tensor_model_parallel, p.partition_dim = True, 1 if p is self.fc2.weight else 0
+
+        def named_parameters(self, *a, **k):  # Megatron's names
+            names = {"qkv": "layers.0.self_attention.query_key_value", "fc1": "layers.0.mlp.dense_h_to_4h",
+                     "fc2": "layers.0.mlp.dense_4h_to_h"}
+            for n, p in super().named_parameters(*a, **k):
+                mod, leaf = n.split(".")
+                yield f"{names[mod]}.{leaf}", p
+
+        def universal_checkpoint_info(self):
+            return {"parameter_with_2_sub_params_cat_dim_0": [r"layers.\d+.mlp.dense_h_to_4h.weight",
+                                                              r"layers.\d+.mlp.dense_h_to_4h.bias"]}
+
+    args = types.SimpleNamespace(tensor_model_parallel_size=2, num_attention_heads=4, num_key_value_heads=2,
+                                 kv_channels=2)
+    got = tag_megatron_tp_blocks([Chunk(8)], args)  # TP=1 rows 16 = Q 8 + K 4 + V 4
+    assert got == {"layers.0.self_attention.query_key_value.weight": (8, 4, 4),
+                   "layers.0.self_attention.query_key_value.bias": (8, 4, 4),
+                   "layers.0.mlp.dense_h_to_4h.weight": (12, 12), "layers.0.mlp.dense_h_to_4h.bias": (12, 12)}
+    with pytest.raises(ValueError, match=r"query_key_value.weight.*not Q \+ K \+ V = 8 \+ 4 \+ 4"):
+        tag_megatron_tp_blocks([Chunk(10)], args)

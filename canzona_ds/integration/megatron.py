@@ -59,7 +59,7 @@ from .registry import DS_CONFIG_TP_KEY
 
 __all__ = ["DeferredCanzona", "MegatronSchedulerTarget", "build_tp_optimizer", "config_from_ds_config",
            "groups_from_deepspeed", "groups_from_mpu", "patch_megatron_training", "start_line",
-           "tag_megatron_param_groups"]
+           "tag_megatron_param_groups", "tag_megatron_tp_blocks"]
 
 
 def config_from_ds_config(ds_config: Mapping[str, Any]) -> CanzonaConfig:
@@ -122,6 +122,57 @@ def _lr_mult(group: Mapping[str, Any], adam_lr_ratio: float) -> float:
     """Megatron's ``lr_mult`` of a Canzona param group: 1 (matrix) or ``adam_lr / lr`` (AdamW), times
     the group's own multiplier (Megatron's ``scale_lr_cond`` / ``lr_mult``: ``param_lr_mult``)."""
     return (1.0 if group.get("canzona_role") == MATRIX else adam_lr_ratio) * group.get("param_lr_mult", 1.0)
+
+
+#: Megatron-DeepSpeed's universal-checkpoint key for a parameter whose TP shard is 2 sub-parameters
+#: concatenated along dim 0 (SwiGLU's ``dense_h_to_4h``: ``[gate_r; up_r]``); deepspeed.checkpoint.constants
+SUB_PARAMS_2_DIM_0 = "parameter_with_2_sub_params_cat_dim_0"
+
+
+def tag_megatron_tp_blocks(chunks: Sequence, args) -> dict[str, tuple[int, ...]]:
+    """Give Megatron-DeepSpeed's fused TP parameters their TP=1 blocks (``canzona_tp_blocks``,
+    canzona_ds/tp/layout.py), so that the checkpoint index's shard frames describe them and a
+    resume at another TP size regroups them (docs/checkpoints.md, "Tensor-parallel layouts"):
+
+    * what the model records in its universal-checkpoint info (``universal_checkpoint_info()``,
+      ``parameter_with_2_sub_params_cat_dim_0``: ``--swiglu``'s ``dense_h_to_4h`` weight and bias,
+      ``[gate_r; up_r]`` on TP rank r): two equal blocks;
+    * the fused ``self_attention.query_key_value`` weight and bias, which that info does not record:
+      Megatron-DeepSpeed's ``ParallelAttention.forward`` cuts its output into ``[Q_r; K_r; V_r]``
+      (``num_attention_heads`` and twice ``num_key_value_heads`` heads of ``kv_channels``): blocks
+      ``(Q, K, V)`` of the TP=1 ``[Q; K; V]``.  A size that does not add up is a ``ValueError``.
+
+    Returns name -> blocks of what it tagged."""
+    import re
+
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    out: dict[str, tuple[int, ...]] = {}
+    if tp <= 1:
+        return out
+    for chunk in chunks:
+        info_of = getattr(chunk, "universal_checkpoint_info", None)
+        info = info_of() if callable(info_of) else {}
+        two = [re.compile(p) for p in (info or {}).get(SUB_PARAMS_2_DIM_0, [])]
+        for name, p in chunk.named_parameters():
+            if not getattr(p, "tensor_model_parallel", False) or int(getattr(p, "partition_dim", -1)) != 0:
+                continue
+            full = p.shape[0] * tp
+            if any(r.fullmatch(name) or r.match(name) for r in two):
+                if full % 2:
+                    raise ValueError(f"{name!r}: {full} rows cannot be [gate; up] halves")
+                blocks: tuple[int, ...] = (full // 2, full // 2)
+            elif name.endswith(("query_key_value.weight", "query_key_value.bias")):
+                hn = int(args.kv_channels)
+                q, kv = int(args.num_attention_heads) * hn, int(args.num_key_value_heads or args.num_attention_heads) * hn
+                if q + 2 * kv != full:
+                    raise ValueError(f"{name!r}: {full} rows at TP=1 are not Q + K + V = {q} + {kv} + {kv} "
+                                     "(num_attention_heads, num_key_value_heads, kv_channels)")
+                blocks = (q, kv, kv)
+            else:
+                continue
+            p.canzona_tp_blocks = blocks
+            out[name] = blocks
+    return out
 
 
 def tag_megatron_param_groups(groups: Sequence[Mapping[str, Any]]) -> None:
@@ -339,9 +390,11 @@ def patch_megatron_training(training_module=None, get_args: Callable | None = No
         # Megatron's own param-group rule (megatron/optimizer/__init__.py: get_param_groups), where
         # the module that defined get_megatron_optimizer has it
         param_groups = getattr(sys.modules.get(getattr(original, "__module__", ""), None), "get_param_groups", None)
+        chunks = model if isinstance(model, (list, tuple)) else [model]
         if param_groups is not None:
-            chunks = model if isinstance(model, (list, tuple)) else [model]
             tag_megatron_param_groups(param_groups(chunks, no_weight_decay_cond, scale_lr_cond, lr_mult))
+        if hasattr(get_args(), "kv_channels"):  # Megatron's args (a stand-in's may lack them)
+            tag_megatron_tp_blocks(chunks, get_args())
         if _zero_stage(ds_config) in (1, 2):
             config_from_ds_config(ds_config)  # fail early on bad keys
             return DeferredCanzona(ds_config, mpu)
