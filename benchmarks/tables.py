@@ -925,9 +925,23 @@ DS_RANGE = {
 }
 
 
+# ============================================================================ megatron.json
+MEGATRON = {
+    "megatron": Table(
+        "megatron", "bench_megatron: the real Megatron-DeepSpeed, Megatron's Adam vs the shipped CanzonaMuon config, "
+        "interleaved (CPU, gloo).",
+        "runs",
+        _cols(("layout", "{layout}"), ("optimizer", lambda r: "Megatron's Adam" if r["optimizer"] == "adam"
+                                       else "CanzonaMuon (configs/ds_megatron_tp.json)"),
+              ("iterations", "{iters}"), ("lm loss, mean of last 5", "{loss_last5:.3f}"),
+              ("ms / iteration (median from 3)", "{iter_ms_median:.0f}"),
+              ("peak RSS of a rank, MB", "{peak_rss_mb:.0f}"))),
+}
+
+
 #: table name -> its spec
 TABLES: dict[str, Table] = {**PAPER_EXPERIMENTS, **PLANS, **PIPELINE_TP, **BENCH_ZERO, **MISC, **MAIN_JOB,
-                            **CHECKPOINTS, **LAYOUTS, **MOE_NS_QK, **STARTUP, **CPU_KERNELS, **SUITE, **DS_RANGE}
+                            **CHECKPOINTS, **LAYOUTS, **MOE_NS_QK, **STARTUP, **CPU_KERNELS, **SUITE, **DS_RANGE, **MEGATRON}
 
 
 def load(stem: str, results: Path | str | None = None) -> Data:

@@ -74,6 +74,38 @@ STATE_KEY = "canzona"
 __all__ = ["AUX", "MATRIX", "STATE_KEY", "CanzonaOptimizer", "FlatView"]
 
 
+def _mults(p: Tensor) -> tuple[float, float]:
+    """A parameter's (weight-decay, lr) multipliers: its ``canzona_wd_mult`` / ``canzona_lr_mult``
+    attributes (what Megatron's ``no_weight_decay_cond`` / ``scale_lr_cond`` / ``lr_mult`` decide,
+    set by integration/megatron.py), 1.0 where unset."""
+    out = []
+    for attr in ("canzona_wd_mult", "canzona_lr_mult"):
+        v = getattr(p, attr, 1.0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+            raise ValueError(f"Invalid {attr}={v!r} on a parameter of shape {list(p.shape)}. Must be a number >= 0.")
+        out.append(float(v))
+    return out[0], out[1]
+
+
+def _matrix_mults(mats) -> tuple[float, float]:
+    """The one multiplier class of a matrix group (the rule steps a partition's matrices as one group)."""
+    classes: dict[tuple[float, float], list[str]] = {}
+    for n, p in mats:
+        classes.setdefault(_mults(p), []).append(n)
+    if len(classes) > 1:
+        raise ValueError("Matrices with different weight-decay / lr multipliers (canzona_wd_mult, canzona_lr_mult): "
+                         + "; ".join(f"{k}: {v[:3]}" for k, v in classes.items())
+                         + ". The matrix rule takes one class per group: exclude such matrices from the rule "
+                         "(use_muon=False) or give them the same multipliers.")
+    return next(iter(classes))
+
+
+def _mult_keys(mult: tuple[float, float]) -> dict:
+    """A group's multiplier keys (Megatron's scheduler reads ``wd_mult``; ``param_lr_mult`` scales
+    its ``lr_mult``); none for the default class, so groups without multipliers are as before."""
+    return {} if mult == (1.0, 1.0) else {"wd_mult": mult[0], "param_lr_mult": mult[1]}
+
+
 class CanzonaOptimizer(torch.optim.Optimizer):
     """A matrix rule (Muon, Shampoo, SOAP, ...) + AdamW, placed by a strategy.
 
@@ -180,16 +212,23 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             moe = {} if key is None else {"moe": True, "name": key, "canzona_partition": key}
             if mats:
                 self.partition_matrices[key] = [n for n, _ in mats]
-                param_groups.append(dict(params=[p for _, p in mats], canzona_role=MATRIX, lr=config.lr,
-                                         weight_decay=config.weight_decay, step=0, **moe))
+                mult = _matrix_mults(mats)
+                param_groups.append(dict(params=[p for _, p in mats], canzona_role=MATRIX, lr=config.lr * mult[1],
+                                         weight_decay=config.weight_decay * mult[0], step=0, **moe,
+                                         **_mult_keys(mult)))
                 group_names.append([n for n, _ in mats])
-            if rest:
-                param_groups.append(dict(params=[p for _, p in rest], canzona_role=AUX, lr=config.adam_lr,
-                                         betas=tuple(config.adam_betas), eps=config.adam_eps,
-                                         weight_decay=config.weight_decay, **moe))
-                group_names.append([n for n, _ in rest])
+            # AdamW: one group per (weight-decay, lr) multiplier class (module doc), in the model's order
+            classes: dict[tuple[float, float], list] = {}
+            for n, p in rest:
+                classes.setdefault(_mults(p), []).append((n, p))
+            for mult, members in classes.items():
+                param_groups.append(dict(params=[p for _, p in members], canzona_role=AUX,
+                                         lr=config.adam_lr * mult[1], betas=tuple(config.adam_betas),
+                                         eps=config.adam_eps, weight_decay=config.weight_decay * mult[0], **moe,
+                                         **_mult_keys(mult)))
+                group_names.append([n for n, _ in members])
+                ordered_aux += members
             ordered_matrices += mats
-            ordered_aux += rest
         #: the DP ownership plan of the dense matrices (None: none, or every matrix is updated here)
         self.plan: OwnershipPlan | None = self.plans.get(None)
         #: the parameter names of every param group, in its order

@@ -19,4 +19,7 @@ process the runners start, which inherit that path), and ``pip install .`` leave
     moe.py               tiny DeepSpeed MoE models (+ TP, + pipeline) and their reference
     hf_moe.py            a tiny transformers Qwen3MoeForCausalLM and its per-expert reference
     fuzz.py              invalid optimizer settings generated from the config dataclasses
+    megatron_real.py     the real Megatron-DeepSpeed for the megatron_real tier: source, minimal
+                         CPU patches, helpers build, byte-token dataset, the documented launch
+    megatron_capture/    a sitecustomize that records a real run's optimizer steps (that tier only)
 """

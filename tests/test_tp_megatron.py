@@ -385,3 +385,89 @@ def test_launch_shim_patches_real_import_path(tmp_path: Path) -> None:
     params = shipped["optimizer"]["params"]
     assert got["type"] == "CanzonaOptimizer" and got["rule"] == "muon" and got["argv"] == ["--foo", "1"]
     assert got["mult"] == pytest.approx([1.0, params["adam_lr"] / params["muon_lr"]])
+
+
+def test_megatron_weight_decay_classes_become_adamw_groups() -> None:
+    """Megatron's get_param_groups result (biases/1-D: wd_mult 0; a scaled head: lr_mult 2) tags the
+    parameters; CanzonaOptimizer makes one AdamW group per class and the hook's lr_mult carries both
+    ratios.  Matrices of two classes are refused by name."""
+    from canzona_ds.config import CanzonaConfig
+    from canzona_ds.integration.megatron import _lr_mult, tag_megatron_param_groups
+    from canzona_ds.optimizer import CanzonaOptimizer
+
+    torch.manual_seed(0)
+    named = [("w", torch.nn.Parameter(torch.randn(8, 4))), ("embed.weight", torch.nn.Parameter(torch.randn(16, 4))),
+             ("b", torch.nn.Parameter(torch.randn(8))), ("norm", torch.nn.Parameter(torch.randn(4))),
+             ("head.bias", torch.nn.Parameter(torch.randn(4)))]
+    p = dict(named)
+    tag_megatron_param_groups([{"params": [p["w"], p["embed.weight"]], "wd_mult": 1.0, "lr_mult": 1.0},
+                               {"params": [p["b"], p["norm"]], "wd_mult": 0.0, "lr_mult": 1.0},
+                               {"params": [p["head.bias"]], "wd_mult": 0.0, "lr_mult": 2.0}])
+    cfg = CanzonaConfig.from_ds("CanzonaMuon", {"muon_lr": LR, "adam_lr": ADAM_LR, "weight_decay": WD},
+                                None)
+    opt = CanzonaOptimizer(named, cfg)
+    got = [(names, g["canzona_role"], g["weight_decay"], g["lr"], _lr_mult(g, cfg.adam_lr_ratio))
+           for names, g in zip(opt.group_names, opt.param_groups)]
+    assert got == [(["w"], "matrix", WD, LR, 1.0), (["embed.weight"], "aux", WD, ADAM_LR, ADAM_LR / LR),
+                   (["b", "norm"], "aux", 0.0, ADAM_LR, ADAM_LR / LR),
+                   (["head.bias"], "aux", 0.0, 2 * ADAM_LR, 2 * ADAM_LR / LR)]
+    w2 = torch.nn.Parameter(torch.randn(8, 4))
+    w2.canzona_wd_mult = 0.0
+    with pytest.raises(ValueError, match=r"different weight-decay / lr multipliers.*'x'"):
+        CanzonaOptimizer([("w", p["w"]), ("x", w2)], cfg)
+
+
+def test_launch_shim_finds_the_script_after_the_launchers_local_rank(tmp_path: Path) -> None:
+    """The deepspeed launcher runs ``shim --local_rank=N script args``: the script is found after
+    the launcher's options, which move behind the script's own arguments; anything else is named."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "megatron_shim", Path(__file__).resolve().parents[1] / "launch/megatron_pretrain_gpt.py")
+    shim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shim)
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("")
+    s = str(script)
+    assert shim.split_argv(["--local_rank=1", s, "--tp", "2"]) == (s, ["--tp", "2", "--local_rank=1"])
+    assert shim.split_argv(["--local_rank", "0", s]) == (s, ["--local_rank", "0"])
+    assert shim.split_argv([s, "--foo"]) == (s, ["--foo"])
+    for bad in (["--local_rank=0"], ["--local_rank=0", "--foo", s], ["--local_rank=0", str(tmp_path / "x.py")]):
+        with pytest.raises(SystemExit, match="pretrain_gpt.py|no script"):
+            shim.split_argv(bad)
+
+
+def test_megatron_fused_layouts_get_their_tp_blocks() -> None:
+    """tag_megatron_tp_blocks: --swiglu's dense_h_to_4h from the model's universal-checkpoint info
+    (two equal blocks), the fused QKV from Megatron's head counts ([Q; K; V]); a QKV whose size is
+    not Q + 2 KV is refused by name."""
+    from canzona_ds.integration.megatron import tag_megatron_tp_blocks
+
+    class Chunk(torch.nn.Module):
+        def __init__(self, qkv_rows: int) -> None:
+            super().__init__()
+            self.qkv = torch.nn.Linear(8, qkv_rows)
+            self.fc1 = torch.nn.Linear(8, 12)
+            self.fc2 = torch.nn.Linear(6, 8)
+            for p in (self.qkv.weight, self.qkv.bias, self.fc1.weight, self.fc1.bias, self.fc2.weight):
+                p.tensor_model_parallel, p.partition_dim = True, 1 if p is self.fc2.weight else 0
+
+        def named_parameters(self, *a, **k):  # Megatron's names
+            names = {"qkv": "layers.0.self_attention.query_key_value", "fc1": "layers.0.mlp.dense_h_to_4h",
+                     "fc2": "layers.0.mlp.dense_4h_to_h"}
+            for n, p in super().named_parameters(*a, **k):
+                mod, leaf = n.split(".")
+                yield f"{names[mod]}.{leaf}", p
+
+        def universal_checkpoint_info(self):
+            return {"parameter_with_2_sub_params_cat_dim_0": [r"layers.\d+.mlp.dense_h_to_4h.weight",
+                                                              r"layers.\d+.mlp.dense_h_to_4h.bias"]}
+
+    args = types.SimpleNamespace(tensor_model_parallel_size=2, num_attention_heads=4, num_key_value_heads=2,
+                                 kv_channels=2)
+    got = tag_megatron_tp_blocks([Chunk(8)], args)  # TP=1 rows 16 = Q 8 + K 4 + V 4
+    assert got == {"layers.0.self_attention.query_key_value.weight": (8, 4, 4),
+                   "layers.0.self_attention.query_key_value.bias": (8, 4, 4),
+                   "layers.0.mlp.dense_h_to_4h.weight": (12, 12), "layers.0.mlp.dense_h_to_4h.bias": (12, 12)}
+    with pytest.raises(ValueError, match=r"query_key_value.weight.*not Q \+ K \+ V = 8 \+ 4 \+ 4"):
+        tag_megatron_tp_blocks([Chunk(10)], args)

@@ -144,7 +144,7 @@ def fill_zero12(engine, src) -> dict:
 
     from ..optimizer import MATRIX
     from ..tp.layout import tp_blocks
-    from ..tp.runtime import FlatSplit, GridSplit, TPMatrix
+    from ..tp.runtime import FlatSplit, GridSplit, TPMatrix, tp_split
     from .runtime_info import canzona_optimizer
 
     with agreed():  # (every check below is local: a refusal is raised on every rank)
@@ -174,11 +174,11 @@ def fill_zero12(engine, src) -> dict:
         layouts = {}  # name -> (dim, shard sizes, blocks) of this run's TP-split parameters
         for name, p in names.items():
             full = src.full_shape(glob(name))
-            if TPMatrix.is_split(p, tp_size):
-                m = TPMatrix.from_param(name, p, tp_size)
-                if tuple(full) != tuple(m.full_shape):
-                    raise CheckpointIndexError(f"{name!r} is {tuple(full)} in the checkpoint, {m.full_shape} here.")
-                layouts[name] = (m.partition_dim, tuple(m.shard_sizes), tuple(tp_blocks(p, m.full_shape[m.partition_dim])))
+            if TPMatrix.is_split(p, tp_size):  # a matrix or a 1-D bias
+                dim, sizes, whole = tp_split(name, p, tp_size)
+                if tuple(full) != whole:
+                    raise CheckpointIndexError(f"{name!r} is {tuple(full)} in the checkpoint, {whole} here.")
+                layouts[name] = (dim, sizes, tuple(tp_blocks(p, whole[dim])))
             elif tuple(full) != tuple(p.shape):
                 raise CheckpointIndexError(f"{name!r} is {tuple(full)} in the checkpoint, {tuple(p.shape)} here.")
         # rule state is keyed per matrix, and per expert for a stack ("<stack>[e]"); here by this

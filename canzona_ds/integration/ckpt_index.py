@@ -87,7 +87,7 @@ def _experts_of(opt) -> dict[str, tuple[str, int, int]]:
 def _tp_frames(engine, opt) -> dict[str, tuple[TPFrame, tuple[int, ...]]]:
     """This run's TP-split parameters (local name) -> (their shard's frame, the global shape)."""
     from ..tp.layout import tp_blocks
-    from ..tp.runtime import TPMatrix
+    from ..tp.runtime import TPMatrix, tp_split
 
     if opt.tp_size <= 1:
         return {}
@@ -96,10 +96,9 @@ def _tp_frames(engine, opt) -> dict[str, tuple[TPFrame, tuple[int, ...]]]:
     t = dist.get_rank(group=opt.tp_group)
     out = {}
     for name, p in engine.module.named_parameters():
-        if TPMatrix.is_split(p, opt.tp_size):
-            m = TPMatrix.from_param(name, p, opt.tp_size)
-            blocks = tp_blocks(p, m.full_shape[m.partition_dim])
-            out[name] = (TPFrame(m.partition_dim, tuple(m.shard_sizes), tuple(blocks), t), tuple(m.full_shape))
+        if TPMatrix.is_split(p, opt.tp_size):  # a matrix or a 1-D bias: a shard frame either way
+            dim, sizes, full = tp_split(name, p, opt.tp_size)
+            out[name] = (TPFrame(dim, sizes, tuple(tp_blocks(p, full[dim])), t), full)
     return out
 
 

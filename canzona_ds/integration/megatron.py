@@ -32,6 +32,12 @@
      the DeepSpeed-built optimizer (:class:`MegatronSchedulerTarget`: matrix group
      ``lr_mult`` 1, AdamW group ``adam_lr / lr``).  Every other call passes through.
 
+   The patched ``get_megatron_optimizer`` also runs Megatron's ``get_param_groups`` (its
+   ``no_weight_decay_cond`` / ``scale_lr_cond`` / ``lr_mult``) and marks every parameter with its
+   group's multipliers (:func:`tag_megatron_param_groups`): biases and norms get no weight decay,
+   as with Megatron's own optimizer.  After ``deepspeed.initialize`` rank 0 prints one line naming
+   the Canzona type, ZeRO stage, DP/TP/PP sizes and the plans' balance (:func:`start_line`).
+
    ``launch/megatron_pretrain_gpt.py`` applies the patch before running pretrain_gpt.py.
 
 4. ZeRO x TP without Megatron's training loop: pass *no* client optimizer and give
@@ -42,7 +48,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import MutableMapping
-from typing import Any, Callable, Mapping
+import sys
+from typing import Any, Callable, Mapping, Sequence
 
 from ..optim import OPTIMIZER_TYPES
 from ..config import CanzonaConfig
@@ -51,7 +58,8 @@ from .groups import groups_from_deepspeed, groups_from_mpu
 from .registry import DS_CONFIG_TP_KEY
 
 __all__ = ["DeferredCanzona", "MegatronSchedulerTarget", "build_tp_optimizer", "config_from_ds_config",
-           "groups_from_deepspeed", "groups_from_mpu", "patch_megatron_training"]
+           "groups_from_deepspeed", "groups_from_mpu", "patch_megatron_training", "start_line",
+           "tag_megatron_param_groups", "tag_megatron_tp_blocks"]
 
 
 def config_from_ds_config(ds_config: Mapping[str, Any]) -> CanzonaConfig:
@@ -106,8 +114,76 @@ def build_tp_optimizer(model, ds_config: Mapping[str, Any], mpu=None) -> Canzona
     # Megatron's OptimizerParamScheduler sets lr = schedule_lr * lr_mult for every group:
     # with --lr = the matrix lr, the AdamW group keeps its ratio
     for g in opt.param_groups:
-        g["lr_mult"] = 1.0 if g["canzona_role"] == MATRIX else cfg.adam_lr_ratio
+        g["lr_mult"] = _lr_mult(g, cfg.adam_lr_ratio)
     return opt
+
+
+def _lr_mult(group: Mapping[str, Any], adam_lr_ratio: float) -> float:
+    """Megatron's ``lr_mult`` of a Canzona param group: 1 (matrix) or ``adam_lr / lr`` (AdamW), times
+    the group's own multiplier (Megatron's ``scale_lr_cond`` / ``lr_mult``: ``param_lr_mult``)."""
+    return (1.0 if group.get("canzona_role") == MATRIX else adam_lr_ratio) * group.get("param_lr_mult", 1.0)
+
+
+#: Megatron-DeepSpeed's universal-checkpoint key for a parameter whose TP shard is 2 sub-parameters
+#: concatenated along dim 0 (SwiGLU's ``dense_h_to_4h``: ``[gate_r; up_r]``); deepspeed.checkpoint.constants
+SUB_PARAMS_2_DIM_0 = "parameter_with_2_sub_params_cat_dim_0"
+
+
+def tag_megatron_tp_blocks(chunks: Sequence, args) -> dict[str, tuple[int, ...]]:
+    """Give Megatron-DeepSpeed's fused TP parameters their TP=1 blocks (``canzona_tp_blocks``,
+    canzona_ds/tp/layout.py), so that the checkpoint index's shard frames describe them and a
+    resume at another TP size regroups them (docs/checkpoints.md, "Tensor-parallel layouts"):
+
+    * what the model records in its universal-checkpoint info (``universal_checkpoint_info()``,
+      ``parameter_with_2_sub_params_cat_dim_0``: ``--swiglu``'s ``dense_h_to_4h`` weight and bias,
+      ``[gate_r; up_r]`` on TP rank r): two equal blocks;
+    * the fused ``self_attention.query_key_value`` weight and bias, which that info does not record:
+      Megatron-DeepSpeed's ``ParallelAttention.forward`` cuts its output into ``[Q_r; K_r; V_r]``
+      (``num_attention_heads`` and twice ``num_key_value_heads`` heads of ``kv_channels``): blocks
+      ``(Q, K, V)`` of the TP=1 ``[Q; K; V]``.  A size that does not add up is a ``ValueError``.
+
+    Returns name -> blocks of what it tagged."""
+    import re
+
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    out: dict[str, tuple[int, ...]] = {}
+    if tp <= 1:
+        return out
+    for chunk in chunks:
+        info_of = getattr(chunk, "universal_checkpoint_info", None)
+        info = info_of() if callable(info_of) else {}
+        two = [re.compile(p) for p in (info or {}).get(SUB_PARAMS_2_DIM_0, [])]
+        for name, p in chunk.named_parameters():
+            if not getattr(p, "tensor_model_parallel", False) or int(getattr(p, "partition_dim", -1)) != 0:
+                continue
+            full = p.shape[0] * tp
+            if any(r.fullmatch(name) or r.match(name) for r in two):
+                if full % 2:
+                    raise ValueError(f"{name!r}: {full} rows cannot be [gate; up] halves")
+                blocks: tuple[int, ...] = (full // 2, full // 2)
+            elif name.endswith(("query_key_value.weight", "query_key_value.bias")):
+                hn = int(args.kv_channels)
+                q, kv = int(args.num_attention_heads) * hn, int(args.num_key_value_heads or args.num_attention_heads) * hn
+                if q + 2 * kv != full:
+                    raise ValueError(f"{name!r}: {full} rows at TP=1 are not Q + K + V = {q} + {kv} + {kv} "
+                                     "(num_attention_heads, num_key_value_heads, kv_channels)")
+                blocks = (q, kv, kv)
+            else:
+                continue
+            p.canzona_tp_blocks = blocks
+            out[name] = blocks
+    return out
+
+
+def tag_megatron_param_groups(groups: Sequence[Mapping[str, Any]]) -> None:
+    """Mark every parameter of Megatron's ``get_param_groups`` result with its group's ``wd_mult``
+    and ``lr_mult`` (``canzona_wd_mult`` / ``canzona_lr_mult``), which CanzonaOptimizer groups by:
+    Megatron's ``no_weight_decay_cond`` (default: biases and 1-D parameters, i.e. norms, get no
+    weight decay), ``scale_lr_cond`` and ``lr_mult`` hold as with Megatron's own optimizer."""
+    for g in groups:
+        for p in g["params"]:
+            p.canzona_wd_mult = float(g.get("wd_mult", 1.0))
+            p.canzona_lr_mult = float(g.get("lr_mult", 1.0))
 
 
 def _load_ds_config(args) -> dict:
@@ -187,8 +263,10 @@ class MegatronSchedulerTarget:
 
     @property
     def param_groups(self) -> list[_GroupView]:
+        """Views of the optimizer's live groups, read at every access: DeepSpeed's load replaces
+        the group dicts, and a view taken at build time would write to the dead ones."""
         ratio = self.optimizer.config.adam_lr_ratio
-        return [_GroupView(g, 1.0 if g.get("canzona_role") == MATRIX else ratio) for g in self.optimizer.param_groups]
+        return [_GroupView(g, _lr_mult(g, ratio)) for g in self.optimizer.param_groups]
 
 
 def _retarget_scheduler(scheduler) -> Callable:
@@ -215,7 +293,10 @@ def _wrap_deepspeed_initialize(deepspeed_module) -> None:
     def initialize(*args, **kwargs):
         placeholder = kwargs.get("optimizer")
         if not isinstance(placeholder, DeferredCanzona):
-            return original(*args, **kwargs)
+            out = original(*args, **kwargs)
+            if isinstance(placeholder, CanzonaOptimizer):  # stage 0: the client optimizer is ours
+                _log_start(out[0], placeholder, _zero_stage(_engine_config(kwargs)))
+            return out
         if args:
             raise TypeError("patched deepspeed.initialize: pass arguments by keyword (as Megatron-DeepSpeed does)")
         if kwargs.get("mpu") is None and not _is_pipeline_module(kwargs.get("model")):
@@ -230,11 +311,49 @@ def _wrap_deepspeed_initialize(deepspeed_module) -> None:
         scheduler = kwargs.get("lr_scheduler")
         if scheduler is not None:
             kwargs["lr_scheduler"] = _retarget_scheduler(scheduler)
-        return original(**kwargs)
+        out = original(**kwargs)
+        basic = getattr(out[0], "basic_optimizer", None)
+        if isinstance(basic, CanzonaOptimizer):
+            _log_start(out[0], basic, _zero_stage(placeholder.ds_config))
+        return out
 
     initialize._canzona_patched = True
     initialize._canzona_original = original
     deepspeed_module.initialize = initialize
+
+
+def _engine_config(kwargs) -> dict:
+    cfg = kwargs.get("config") or kwargs.get("config_params") or {}
+    if isinstance(cfg, str):
+        with open(cfg) as f:
+            return json.load(f)
+    return dict(cfg)
+
+
+def start_line(optimizer: CanzonaOptimizer, zero_stage: int) -> str:
+    """The one line that says Canzona runs: its type, ZeRO stage, DP/TP/PP sizes and the plans'
+    balance (busiest rank's load / mean; 1.00 is perfect) -- the DP ownership plan's and the TP
+    hosts' plan's, where the optimizer has them."""
+    kind = next((t for t, r in OPTIMIZER_TYPES.items() if r == optimizer.rule.name), optimizer.rule.name)
+    g = optimizer.groups
+
+    def balance(plan) -> str:
+        loads = list(getattr(plan, "rank_load", None) or [])
+        mean = sum(loads) / len(loads) if loads else 0.0
+        return f"{max(loads) / mean:.2f} over {len(loads)} ranks" if mean > 0 else "n/a"
+
+    tp_plan = getattr(optimizer.tp_runtime, "plan", None)
+    return (f"canzona-ds: {kind} (CanzonaOptimizer, not Megatron's --optimizer) at ZeRO stage {zero_stage}, "
+            f"DP={g.dp_size} TP={g.tp_size} PP={g.pp_size}; DP plan balance {balance(optimizer.plan)}, "
+            f"TP hosts balance {balance(tp_plan)}")
+
+
+def _log_start(engine, optimizer: CanzonaOptimizer, zero_stage: int) -> None:
+    """:func:`start_line`, printed once by global rank 0 (stdout: shown at any log level)."""
+    from deepspeed import comm as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(start_line(optimizer, zero_stage), flush=True)
 
 
 def _is_pipeline_module(model) -> bool:
@@ -273,10 +392,18 @@ def patch_megatron_training(training_module=None, get_args: Callable | None = No
     if getattr(original, "_canzona_patched", False):
         return original._canzona_original
 
-    def get_megatron_optimizer(model, *a, **k):
+    def get_megatron_optimizer(model, no_weight_decay_cond=None, scale_lr_cond=None, lr_mult=1.0):
         ds_config = _load_ds_config(get_args())
         if (ds_config.get("optimizer") or {}).get("type") not in OPTIMIZER_TYPES:
-            return original(model, *a, **k)
+            return original(model, no_weight_decay_cond, scale_lr_cond, lr_mult)
+        # Megatron's own param-group rule (megatron/optimizer/__init__.py: get_param_groups), where
+        # the module that defined get_megatron_optimizer has it
+        param_groups = getattr(sys.modules.get(getattr(original, "__module__", ""), None), "get_param_groups", None)
+        chunks = model if isinstance(model, (list, tuple)) else [model]
+        if param_groups is not None:
+            tag_megatron_param_groups(param_groups(chunks, no_weight_decay_cond, scale_lr_cond, lr_mult))
+        if hasattr(get_args(), "kv_channels"):  # Megatron's args (a stand-in's may lack them)
+            tag_megatron_tp_blocks(chunks, get_args())
         if _zero_stage(ds_config) in (1, 2):
             config_from_ds_config(ds_config)  # fail early on bad keys
             return DeferredCanzona(ds_config, mpu)

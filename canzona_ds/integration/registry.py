@@ -58,8 +58,10 @@ SCHEDULER_LR_KEYS: dict[str, tuple[str, ...]] = {
 
 
 def group_lr_ratios(optimizer: CanzonaOptimizer) -> list[float]:
-    """Per param group, its lr relative to the matrix lr (1 for the matrix group)."""
-    return [1.0 if g["canzona_role"] == MATRIX else optimizer.config.adam_lr_ratio for g in optimizer.param_groups]
+    """Per param group, its lr relative to the matrix lr (1 for the matrix group, ``adam_lr / lr`` for
+    AdamW), times the group's own multiplier where it has one (``param_lr_mult``, optimizer.py)."""
+    return [(1.0 if g["canzona_role"] == MATRIX else optimizer.config.adam_lr_ratio) * g.get("param_lr_mult", 1.0)
+            for g in optimizer.param_groups]
 
 
 def scale_scheduler_params(name: str, params: dict, optimizer: CanzonaOptimizer) -> dict:

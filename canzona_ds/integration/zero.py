@@ -231,7 +231,7 @@ def _make_zero_class():
             tensor-parallel layout of every TP-split parameter.  canzona-ds wrote this record into
             every ZeRO file before the checkpoint index (integration/ckpt_legacy.py adapts such tags)."""
             from ..tp.layout import tp_blocks
-            from ..tp.runtime import TPMatrix
+            from ..tp.runtime import TPMatrix, tp_split
 
             opt, layout = self._canzona, self.canzona_layout
             if not self.canzona_layouts:
@@ -262,10 +262,9 @@ def _make_zero_class():
             tp_params = {}
             for group in self.bit16_groups:
                 for p in group:
-                    if TPMatrix.is_split(p, opt.tp_size):
-                        m = TPMatrix.from_param(self.param_names[p], p, opt.tp_size)
-                        tp_params[m.name] = [m.partition_dim, list(m.shard_sizes),
-                                             list(tp_blocks(p, m.full_shape[m.partition_dim]))]
+                    if TPMatrix.is_split(p, opt.tp_size):  # a matrix or a 1-D bias
+                        dim, sizes, full = tp_split(self.param_names[p], p, opt.tp_size)
+                        tp_params[self.param_names[p]] = [dim, list(sizes), list(tp_blocks(p, full[dim]))]
             tp_rank = dist.get_rank(group=opt.tp_group) if opt.tp_size > 1 else 0
             return {"fingerprint": hashlib.sha256(json.dumps(payload).encode()).hexdigest()[:16],
                     "world_size": layout.world_size, "planner": self._canzona_plan(first).planner,

@@ -61,6 +61,28 @@ from ..planning.tp import MicroGroup, MicroGroupPlan, plan_tp
 from .async_tasks import Task, run_blocking, run_pipelined
 
 
+def tp_split(name: str, param: Tensor, tp_size: int) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """``(partition_dim, every TP rank's size along it, the whole (TP=1) shape)`` of a TP-split
+    parameter of any rank (a matrix, or a 1-D bias split with its layer), from Megatron attributes
+    (``tensor_model_parallel``, ``partition_dim``) or DeepSpeed AutoTP's
+    (``tensor_model_parallel`` + ``ds_autotp_universal_checkpoint_meta``)."""
+    shape = tuple(param.shape)
+    meta = getattr(param, "ds_autotp_universal_checkpoint_meta", None)
+    if hasattr(param, "partition_dim"):
+        dim = int(param.partition_dim)
+        sizes: tuple[int, ...] = (shape[dim],) * tp_size
+    elif isinstance(meta, dict) and meta.get("partition_dim") is not None:
+        dim = int(meta["partition_dim"])
+        sizes = tuple(int(s) for s in (meta.get("partition_sizes") or (shape[dim],) * tp_size))
+    else:
+        raise ValueError(f"{name!r} is tagged tensor_model_parallel but carries no partition_dim")
+    if not 0 <= dim < len(shape):
+        raise ValueError(f"{name!r}: partition_dim={dim} outside its shape {list(shape)}")
+    full = list(shape)
+    full[dim] = sum(sizes)
+    return dim, sizes, tuple(full)
+
+
 @dataclass(frozen=True)
 class TPMatrix:
     """One TP-split matrix as every TP rank of the group sees it."""
@@ -119,23 +141,12 @@ class TPMatrix:
     def from_param(cls, name: str, param: Tensor, tp_size: int) -> "TPMatrix":
         """From Megatron attributes (``tensor_model_parallel``, ``partition_dim``) or
         DeepSpeed AutoTP's (``tensor_model_parallel`` + ``ds_autotp_universal_checkpoint_meta``)."""
-        shape = tuple(param.shape)
-        meta = getattr(param, "ds_autotp_universal_checkpoint_meta", None)
-        if hasattr(param, "partition_dim"):
-            dim = int(param.partition_dim)
-            sizes: tuple[int, ...] = (shape[dim],) * tp_size
-        elif isinstance(meta, dict) and meta.get("partition_dim") is not None:
-            dim = int(meta["partition_dim"])
-            sizes = tuple(int(s) for s in (meta.get("partition_sizes") or (shape[dim],) * tp_size))
-        else:
-            raise ValueError(f"{name!r} is tagged tensor_model_parallel but carries no partition_dim")
-        full = list(shape)
-        full[dim] = sum(sizes)
+        dim, sizes, full = tp_split(name, param, tp_size)
         heads = getattr(param, "muon_num_heads", None)
         head_dim = getattr(param, "muon_head_dim", None)
         if heads is not None:
             heads = full[0] // head_dim if head_dim else (heads * tp_size if dim == 0 else heads)
-        return cls(name, tuple(full), dim, sizes, heads)
+        return cls(name, full, dim, sizes, heads)
 
 
 @dataclass(frozen=True)
