@@ -277,27 +277,33 @@ def build_optimizer(named: list, cfg: CanzonaConfig, groups: ParallelGroups, set
 
         # names relative to each module, as ``named`` (one module: the engine's)
         opt.enable_qk_clip(attach([(m, "") for m, _ in modules or ()]), groups.dp_group)
-    announce(opt, settings)
+    announce(opt, settings.optimizer_type, settings.zero_stage)
     return opt
 
 
-def startup_line(opt: CanzonaOptimizer, settings: RunSettings) -> str:
+def startup_line(opt: CanzonaOptimizer, optimizer_type: str, zero_stage: int) -> str:
     """What runs, in one line: the Canzona type and rule, its two lrs, the ZeRO stage and sizes,
-    the DP ownership plan's balance (max / mean of the planner's load over the ranks)."""
+    the DP ownership plans' and the TP hosts' balance (max / mean of the planner's load over the
+    ranks), and what a client's own settings mean here (the HF Trainer's ``"auto"`` lr,
+    Megatron-DeepSpeed's ``--optimizer``)."""
     cfg, g = opt.config, opt.groups
-    line = (f"canzona_ds: {settings.optimizer_type} ({opt.rule.name} on {len(opt.matrix_names)} matrices, AdamW on "
+    line = (f"canzona_ds: {optimizer_type} ({opt.rule.name} on {len(opt.matrix_names)} matrices, AdamW on "
             f"{len(opt.aux_names)} parameters): matrix lr {cfg.lr:g}, AdamW lr {cfg.adam_lr:g}; ZeRO stage "
-            f"{settings.zero_stage}, DP {g.dp_size} TP {g.tp_size} PP {g.pp_size}; ")
-    plans = []
-    for key, plan in opt.plans.items():
-        loads = list(plan.rank_load)
+            f"{zero_stage}, DP {g.dp_size} TP {g.tp_size} PP {g.pp_size}; ")
+
+    def balance(loads) -> float:
         mean = sum(loads) / len(loads) if loads else 0.0
-        balance = max(loads) / mean if mean else 1.0
-        plans.append(f"{'' if key is None else key + ' '}plan {plan.planner} over {plan.world_size} ranks, "
-                     f"load max/mean {balance:.3f} ({plan.cost_model})")
+        return max(loads) / mean if mean else 1.0
+
+    plans = [f"{'' if key is None else key + ' '}plan {plan.planner} over {plan.world_size} ranks, "
+             f"load max/mean {balance(list(plan.rank_load)):.3f} ({plan.cost_model})" for key, plan in opt.plans.items()]
+    tp_plan = getattr(getattr(opt, "tp_runtime", None), "plan", None)
+    if tp_plan is not None and list(getattr(tp_plan, "rank_load", None) or []):
+        loads = list(tp_plan.rank_load)
+        plans.append(f"TP hosts over {len(loads)} ranks, load max/mean {balance(loads):.3f}")
     if plans:
         line += "; ".join(plans)
-    elif settings.zero_stage == 3:
+    elif zero_stage == 3:
         line += "matrices hosted over the DP group by the micro-group runtime (no ownership plan)"
     else:
         line += "every rank updates every matrix it holds (no DP ownership plan)"
@@ -305,10 +311,13 @@ def startup_line(opt: CanzonaOptimizer, settings: RunSettings) -> str:
     if hf is not None and getattr(hf, "deepspeed_config", lambda: None)() is not None:
         line += ('. HF Trainer: a ds_config "lr": "auto" is TrainingArguments.learning_rate, so that lr is the '
                  "matrix (Muon) lr too (set optimizer.params lr and adam_lr to choose them)")
+    if "megatron.training" in sys.modules:
+        line += (". Megatron-DeepSpeed: this optimizer replaces the one --optimizer names; --lr is the matrix lr, "
+                 "adam_lr / lr scales the AdamW groups")
     return line
 
 
-def announce(opt: CanzonaOptimizer, settings: RunSettings) -> None:
+def announce(opt: CanzonaOptimizer, optimizer_type: str, zero_stage: int) -> None:
     """:func:`startup_line` once per build, on global rank 0: through the ``canzona_ds`` logger
     at INFO where logging is set up to show it, else printed (the HF Trainer and DeepSpeed show
     no INFO record at their default levels, so a user would otherwise see nothing)."""
@@ -318,7 +327,7 @@ def announce(opt: CanzonaOptimizer, settings: RunSettings) -> None:
 
     if tdist.is_available() and tdist.is_initialized() and tdist.get_rank() != 0:
         return
-    line = startup_line(opt, settings)
+    line = startup_line(opt, optimizer_type, zero_stage)
     log = logging.getLogger("canzona_ds")
     if log.isEnabledFor(logging.INFO) and log.hasHandlers():
         log.info(line)

@@ -36,7 +36,8 @@
    ``no_weight_decay_cond`` / ``scale_lr_cond`` / ``lr_mult``) and marks every parameter with its
    group's multipliers (:func:`tag_megatron_param_groups`): biases and norms get no weight decay,
    as with Megatron's own optimizer.  After ``deepspeed.initialize`` rank 0 prints one line naming
-   the Canzona type, ZeRO stage, DP/TP/PP sizes and the plans' balance (:func:`start_line`).
+   the Canzona type, its lrs, ZeRO stage, DP/TP/PP sizes and the plans' balance (the builder's one
+   start-up line, ``integration/builder.py`` :func:`startup_line`).
 
    ``launch/megatron_pretrain_gpt.py`` applies the patch before running pretrain_gpt.py.
 
@@ -58,7 +59,7 @@ from .groups import groups_from_deepspeed, groups_from_mpu
 from .registry import DS_CONFIG_TP_KEY
 
 __all__ = ["DeferredCanzona", "MegatronSchedulerTarget", "build_tp_optimizer", "config_from_ds_config",
-           "groups_from_deepspeed", "groups_from_mpu", "patch_megatron_training", "start_line",
+           "groups_from_deepspeed", "groups_from_mpu", "patch_megatron_training",
            "tag_megatron_param_groups", "tag_megatron_tp_blocks"]
 
 
@@ -295,7 +296,7 @@ def _wrap_deepspeed_initialize(deepspeed_module) -> None:
         if not isinstance(placeholder, DeferredCanzona):
             out = original(*args, **kwargs)
             if isinstance(placeholder, CanzonaOptimizer):  # stage 0: the client optimizer is ours
-                _log_start(out[0], placeholder, _zero_stage(_engine_config(kwargs)))
+                _log_start(placeholder, _zero_stage(_engine_config(kwargs)))
             return out
         if args:
             raise TypeError("patched deepspeed.initialize: pass arguments by keyword (as Megatron-DeepSpeed does)")
@@ -311,11 +312,7 @@ def _wrap_deepspeed_initialize(deepspeed_module) -> None:
         scheduler = kwargs.get("lr_scheduler")
         if scheduler is not None:
             kwargs["lr_scheduler"] = _retarget_scheduler(scheduler)
-        out = original(**kwargs)
-        basic = getattr(out[0], "basic_optimizer", None)
-        if isinstance(basic, CanzonaOptimizer):
-            _log_start(out[0], basic, _zero_stage(placeholder.ds_config))
-        return out
+        return original(**kwargs)  # (DeepSpeed builds the optimizer through the builder: its start-up line)
 
     initialize._canzona_patched = True
     initialize._canzona_original = original
@@ -330,30 +327,13 @@ def _engine_config(kwargs) -> dict:
     return dict(cfg)
 
 
-def start_line(optimizer: CanzonaOptimizer, zero_stage: int) -> str:
-    """The one line that says Canzona runs: its type, ZeRO stage, DP/TP/PP sizes and the plans'
-    balance (busiest rank's load / mean; 1.00 is perfect) -- the DP ownership plan's and the TP
-    hosts' plan's, where the optimizer has them."""
+def _log_start(optimizer: CanzonaOptimizer, zero_stage: int) -> None:
+    """At ZeRO stage 0 the client optimizer is built here, not by DeepSpeed through the builder:
+    the builder's one start-up line (integration/builder.py ``announce``) is printed from here."""
+    from .builder import announce
+
     kind = next((t for t, r in OPTIMIZER_TYPES.items() if r == optimizer.rule.name), optimizer.rule.name)
-    g = optimizer.groups
-
-    def balance(plan) -> str:
-        loads = list(getattr(plan, "rank_load", None) or [])
-        mean = sum(loads) / len(loads) if loads else 0.0
-        return f"{max(loads) / mean:.2f} over {len(loads)} ranks" if mean > 0 else "n/a"
-
-    tp_plan = getattr(optimizer.tp_runtime, "plan", None)
-    return (f"canzona-ds: {kind} (CanzonaOptimizer, not Megatron's --optimizer) at ZeRO stage {zero_stage}, "
-            f"DP={g.dp_size} TP={g.tp_size} PP={g.pp_size}; DP plan balance {balance(optimizer.plan)}, "
-            f"TP hosts balance {balance(tp_plan)}")
-
-
-def _log_start(engine, optimizer: CanzonaOptimizer, zero_stage: int) -> None:
-    """:func:`start_line`, printed once by global rank 0 (stdout: shown at any log level)."""
-    from deepspeed import comm as dist
-
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(start_line(optimizer, zero_stage), flush=True)
+    announce(optimizer, kind, zero_stage)
 
 
 def _is_pipeline_module(model) -> bool:
