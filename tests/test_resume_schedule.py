@@ -182,3 +182,19 @@ def test_param_group_hyper_parameters_follow_role_and_partition_across_layouts()
     assert here[2]["lr"] is tensor_lr and float(tensor_lr) == torch.tensor(lr).item()
     assert here[2]["initial_lr"] == 0.3 and here[2]["weight_decay"] == 0.01 and here[2]["step"] == 0  # (step: the state's)
     assert here[3]["lr"] == lr  # another expert partition than the save's: its role's values
+
+
+def test_param_group_multiplier_classes_keep_their_own_hyper_parameters():
+    """Megatron-DeepSpeed's groups (optimizer.py: one AdamW group per wd_mult / param_lr_mult
+    class) share role and partition: each class takes back its own weight decay, not the first
+    AdamW group's (biases and norms stay undecayed after a resume)."""
+    from canzona_ds.integration.param_groups import describe, restore
+
+    saved = [{"params": [], "canzona_role": "aux", "lr": 0.02, "weight_decay": 0.01},
+             {"params": [], "canzona_role": "aux", "wd_mult": 0.0, "param_lr_mult": 1.0, "lr": 0.02, "weight_decay": 0.0},
+             {"params": [], "canzona_role": "aux", "wd_mult": 1.0, "param_lr_mult": 2.0, "lr": 0.04, "weight_decay": 0.01}]
+    here = [{"params": [], "canzona_role": "aux", "wd_mult": 1.0, "param_lr_mult": 2.0, "lr": 0.0, "weight_decay": 0.1},
+            {"params": [], "canzona_role": "aux", "wd_mult": 0.0, "param_lr_mult": 1.0, "lr": 0.0, "weight_decay": 0.1},
+            {"params": [], "canzona_role": "aux", "lr": 0.0, "weight_decay": 0.1}]
+    assert restore(here, describe(saved)) == 3
+    assert [(g["lr"], g["weight_decay"]) for g in here] == [(0.04, 0.01), (0.02, 0.0), (0.02, 0.01)]

@@ -294,10 +294,7 @@ def _wrap_deepspeed_initialize(deepspeed_module) -> None:
     def initialize(*args, **kwargs):
         placeholder = kwargs.get("optimizer")
         if not isinstance(placeholder, DeferredCanzona):
-            out = original(*args, **kwargs)
-            if isinstance(placeholder, CanzonaOptimizer):  # stage 0: the client optimizer is ours
-                _log_start(placeholder, _zero_stage(_engine_config(kwargs)))
-            return out
+            return original(*args, **kwargs)
         if args:
             raise TypeError("patched deepspeed.initialize: pass arguments by keyword (as Megatron-DeepSpeed does)")
         if kwargs.get("mpu") is None and not _is_pipeline_module(kwargs.get("model")):
@@ -317,23 +314,6 @@ def _wrap_deepspeed_initialize(deepspeed_module) -> None:
     initialize._canzona_patched = True
     initialize._canzona_original = original
     deepspeed_module.initialize = initialize
-
-
-def _engine_config(kwargs) -> dict:
-    cfg = kwargs.get("config") or kwargs.get("config_params") or {}
-    if isinstance(cfg, str):
-        with open(cfg) as f:
-            return json.load(f)
-    return dict(cfg)
-
-
-def _log_start(optimizer: CanzonaOptimizer, zero_stage: int) -> None:
-    """At ZeRO stage 0 the client optimizer is built here, not by DeepSpeed through the builder:
-    the builder's one start-up line (integration/builder.py ``announce``) is printed from here."""
-    from .builder import announce
-
-    kind = next((t for t, r in OPTIMIZER_TYPES.items() if r == optimizer.rule.name), optimizer.rule.name)
-    announce(optimizer, kind, zero_stage)
 
 
 def _is_pipeline_module(model) -> bool:

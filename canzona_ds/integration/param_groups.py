@@ -10,9 +10,11 @@ the checkpoint index (:func:`describe`, ``meta["param_groups"]``), and every loa
 the optimizer state -- DeepSpeed's stock load and the index loop alike -- puts them back into the
 live groups afterwards (:func:`restore`, called once from registry.py's ``load_checkpoint``).
 
-Groups are matched by role and partition (``canzona_role``, ``canzona_partition``: a DeepSpeed
-MoE expert group), which do not depend on the layout: DP, TP, PP, ZeRO stage and ep_size change
-which parameters a group holds on a rank, not which groups exist or what they are set to.
+Groups are matched by role, partition (``canzona_role``, ``canzona_partition``: a DeepSpeed
+MoE expert group) and multiplier class (``wd_mult``/``param_lr_mult``: Megatron's no-weight-decay
+and lr-scaled groups, optimizer.py), which do not depend on the layout: DP, TP, PP, ZeRO stage and
+ep_size change which parameters a group holds on a rank, not which groups exist or what they are
+set to.
 """
 from __future__ import annotations
 
@@ -27,7 +29,10 @@ STRUCTURE = ("params", "step", "canzona_role", "canzona_partition", "moe", "name
 
 
 def group_key(group: dict) -> str:
-    return f"{group.get('canzona_role')}:{group.get('canzona_partition') or ''}"
+    key = f"{group.get('canzona_role')}:{group.get('canzona_partition') or ''}"
+    if "wd_mult" in group or "param_lr_mult" in group:  # a multiplier class (Megatron's groups)
+        key += f":wd_mult={group.get('wd_mult', 1.0)!r}:param_lr_mult={group.get('param_lr_mult', 1.0)!r}"
+    return key
 
 
 def _plain(value: Any):
