@@ -53,7 +53,7 @@ def test_supported_range_is_setup_cfgs():
     cfg.read(Path(__file__).resolve().parents[1] / "setup.cfg")
     assert f"deepspeed{ds_compat.SUPPORTED_RANGE}" in cfg["options"]["install_requires"].split()
     assert [ds_compat.in_range(v) for v in ("0.19.6", "0.19.7", "0.19.8+cpu", "0.19.12", "0.20.0rc1", "1.0.0")] == \
-        [False, True, True, True, False, False]
+        [False, False, True, True, False, False]
 
 
 def test_deepspeed_outside_the_range_is_a_clear_error(monkeypatch):
@@ -62,9 +62,9 @@ def test_deepspeed_outside_the_range_is_a_clear_error(monkeypatch):
 
     from canzona_ds.integration import ds_compat
 
-    for version in ("0.20.0", "0.19.6"):
+    for version in ("0.20.0", "0.19.7"):
         monkeypatch.setattr(deepspeed, "__version__", version)
-        with pytest.raises(RuntimeError, match=rf"supports deepspeed>=0\.19\.7,<0\.20 but deepspeed=={version} is"):
+        with pytest.raises(RuntimeError, match=rf"supports deepspeed>=0\.19\.8,<0\.20 but deepspeed=={version} is"):
             ds_compat.check_deepspeed()
 
 
@@ -77,7 +77,7 @@ deepspeed.__version__ = "0.20.0"
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     import canzona_ds
-print("WARNED", any("supports deepspeed>=0.19.7,<0.20" in str(w.message) for w in caught))
+print("WARNED", any("supports deepspeed>=0.19.8,<0.20" in str(w.message) for w in caught))
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
 for opt in ("AdamW", "CanzonaMuon"):
@@ -102,8 +102,8 @@ def test_outside_the_range_deepspeed_works_and_canzona_refuses_in_one_line():
     lines = out.stdout.splitlines()
     assert "WARNED True" in lines and "AdamW BUILT" in lines, out.stdout + out.stderr[-3000:]
     refused = [ln for ln in lines if ln.startswith("CanzonaMuon")]
-    assert refused == ["CanzonaMuon REFUSED canzona_ds supports deepspeed>=0.19.7,<0.20 but deepspeed==0.20.0 is "
-                       "installed; install a release in that range (pip install 'deepspeed>=0.19.7,<0.20')."], out.stdout
+    assert refused == ["CanzonaMuon REFUSED canzona_ds supports deepspeed>=0.19.8,<0.20 but deepspeed==0.20.0 is "
+                       "installed; install a release in that range (pip install 'deepspeed>=0.19.8,<0.20')."], out.stdout
 
 
 def test_missing_internal_is_named(monkeypatch):
