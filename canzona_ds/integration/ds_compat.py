@@ -6,8 +6,9 @@ per-parameter padding (``parameter_alignment``: ``flatten_dense_tensors_aligned(
 param_padding=)``, ``round_robin_bit16_padding`` and ``round_robin_bit16_offsets``), which
 DeepSpeed added in 0.19.7; before it a ZeRO partition is one contiguous run of parameters, and the
 release's own ``zero_to_fp32.py`` (copied into every checkpoint folder) would misread a padded
-buffer.  0.19.7 itself ran the integration tier (``.ci/ds_range``) but is not supported yet: one
-intermittent ZeRO-3 ``zero_to_fp32`` mismatch there is undiagnosed (docs/support.md).  The ceiling is the next minor release: its
+buffer.  0.19.7 has it, but its ZeRO-3 ``GatheredParameters`` over several parameters races on
+gloo (``Init._allgather_params_coalesced`` waits on the last all-gather only; 0.19.8 waits on
+each), which no attribute tells apart: the floor is 0.19.8 (docs/support.md).  The ceiling is the next minor release: its
 private internals are unknown, so it is refused until a release of canzona-ds is tested on it.
 
 Inside the range nothing branches on the version string: :data:`CLASS_MEMBERS` (and
