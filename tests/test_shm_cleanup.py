@@ -237,11 +237,14 @@ def test_session_end_check(tmp_path, leak_process):
     """A whole pytest session with this conftest: a file a test leaves unmapped is removed at
     the end (exit 0); a process the suite started that still maps a file fails the run."""
     (tmp_path / "conftest.py").write_text((REPO / "tests" / "conftest.py").read_text())
+    (tmp_path / "ds_range_tier.txt").write_text((REPO / "tests" / "ds_range_tier.txt").read_text())  # (it reads)
     (tmp_path / "test_inner.py").write_text(INNER_TESTS)
     name = f"canzona_selftest_{os.getpid()}_{time.time_ns()}"
     pid_file = tmp_path / "pid"
     env = {**os.environ, "SELFTEST_NAME": name, "SELFTEST_LEAK_PROCESS": "1" if leak_process else "0",
-           "SELFTEST_PID_FILE": str(pid_file), "CANZONA_SHM_SETTLE_S": "1"}
+           "SELFTEST_PID_FILE": str(pid_file), "CANZONA_SHM_SETTLE_S": "1",
+           # the copied conftest imports the test kit, which sits beside canzona_ds at the repository root
+           "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO), os.environ.get("PYTHONPATH"))))}
     env.pop(conftest.SESSION_ENV, None)  # the inner session is a session of its own
     try:
         r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
