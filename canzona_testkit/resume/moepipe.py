@@ -18,7 +18,9 @@ micro-batch (DP 2: 2 micro-batches per rank; DP 1: all 4, in the same order).  T
   (``MatrixStepRecorder``, the reference of tests/test_moe_pipeline.py);
 * the first step's gradients within ``GRAD_TOL`` of the saving run's (the same sums in another
   order: micro-batch accumulation vs the DP all-reduce, experts' tokens by all-to-all vs the
-  expert-DP all-reduce); Muon: every matrix after the first step bit for bit;
+  expert-DP all-reduce); Muon: every matrix after the first step within one step's bf16
+  Newton-Schulz flip bound (``muon_reordered_sum_tolerance(1)``: reordered sums, not the same
+  operations);
 * every parameter after ``AFTER`` steps within ``TOL`` (and below a tenth of how far the steps
   moved them).
 """
@@ -28,6 +30,7 @@ import os
 
 import numpy as np
 
+from ..models import muon_reordered_sum_tolerance
 from . import AFTER, BEFORE, CLIP, MICRO, Layout, assert_same_state, assert_steps, index_route_only
 
 #: the largest |gradient - the saving run's| in the first continued step (gradients ~3e-3;
@@ -200,8 +203,11 @@ def check(model, opt_type, saved, running, ckpt, out, results, index=None):
     grad_dev = max(float(np.abs(have[n][0] - want[n][0]).max()) for n in want)
     first_dev = max(float(np.abs(have[n][1] - want[n][1]).max()) for n in want)
     if opt_type == "CanzonaMuon":
-        for n in want:
-            np.testing.assert_array_equal(have[n][1], want[n][1], err_msg=f"{n} after the first step")
+        # the first step's gradients are the saving run's sums in another order (GRAD_TOL above), so
+        # Muon's bf16 Newton-Schulz may round them to other bf16 values: within one step's flip
+        # bound (muon_reordered_sum_tolerance's derivation), bit for bit only by luck (it was on
+        # AVX-512 Xeons, 3.3e-4 off under the AVX2 kernels); the replays above are the exact part
+        assert first_dev <= muon_reordered_sum_tolerance(1), (first_dev, muon_reordered_sum_tolerance(1))
     ref = {n: w for s in saving for n, w in s["after"].items()}
     got = {n: w for r in results for n, w in r["params"].items()}
     assert sorted(got) == sorted(ref)
