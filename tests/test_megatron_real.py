@@ -8,23 +8,31 @@ naming what to set.  Every run is the documented launch (``deepspeed --num_gpus 
 launch/megatron_pretrain_gpt.py <meg>/pretrain_gpt.py ...``), over gloo on CPU, a tiny GPT (2
 layers, hidden 64, 4 heads, sequence 64, byte tokens), dropout off, 4 iterations saving at 2 and 4.
 
-Rows (one launch each; ``resume`` rows a second launch that loads iteration 2 and trains to 4):
+Rows (one launch each, saving at 2 and 4; every resume a second launch that loads iteration 2
+and trains to 4):
 
-    row      DP x TP x PP  ZeRO  dtype  optimizer        model         checks
-    tp2      1 x 2 x 1     0     fp32   CanzonaMuon      default GPT   step exact, AdamW exact, weight decay,
-                                                                       start line, save, resume
-    dp2tp2   2 x 2 x 1     1     fp32   CanzonaMuon      --swiglu      step exact, save, resume
-    tp2z2    1 x 2 x 1     2     bf16   CanzonaMuon      --swiglu      save
-    pp2      1 x 1 x 2     1     fp32   CanzonaShampoo   default GPT   save
-    pp2tp2   1 x 2 x 2     1     bf16   CanzonaSOAP      --swiglu      save (TP-split biases at ZeRO 1)
+    row      DP x TP x PP  ZeRO  dtype  optimizer        model         resumes
+    tp2      1 x 2 x 1     0     fp32   CanzonaMuon      default GPT   same; TP 2 -> 1; a padded vocabulary
+                                                                       that differs (refused by name)
+    dp2tp2   2 x 2 x 1     1     fp32   CanzonaMuon      --swiglu      same
+    tp2z2    1 x 2 x 1     2     bf16   CanzonaMuon      --swiglu      same; ZeRO 2 -> 1
+    pp2      1 x 1 x 2     1     fp32   CanzonaMuon      default GPT   same; PP 2 -> 1
+    pp2tp2   1 x 2 x 2     1     bf16   CanzonaMuon      --swiglu      same
+    tp1      1 x 1 x 1     0     fp32   CanzonaMuon      --swiglu      TP 1 -> 2, after the save at 4 failed
+    shampoo  1 x 2 x 1     1     fp32   CanzonaShampoo   default GPT   same
+    soap     1 x 1 x 2     1     bf16   CanzonaSOAP      --swiglu      same
 
-Default GPT has linear biases and the fused QKV; the TP rows save TP-split 1-D biases (issue 35
-item 4).  Step exact: the first step of the TP-split matrices, recorded in the real run's TP
-runtime (canzona_testkit/megatron_capture), is :class:`canzona_ds.reference.ReferenceOptimizer`
-(one process, whole matrices) on the TP ranks' gradient shards concatenated, with the step's lr
-and weight decay, bit for bit.  Resume: the lr / weight decay the resumed run steps with equal
-the uninterrupted run's, and
-Megatron's iteration-4 model files equal the uninterrupted run's bit for bit.
+Default GPT has linear biases and the fused QKV (``[Q_r; K_r; V_r]`` on TP rank r); ``--swiglu``
+fuses ``[gate_r; up_r]`` too; the TP rows save TP-split 1-D biases (issue 35 item 4).  A TP or PP
+change passes Megatron's ``--universal-checkpoint`` (Megatron refuses the change without it;
+canzona-ds loads its own tag through the index either way).  Step exact (tp2, dp2tp2): the first
+step of the TP-split matrices, recorded in the real run's TP runtime
+(canzona_testkit/megatron_capture), is :class:`canzona_ds.reference.ReferenceOptimizer` (one
+process, whole matrices) on the TP ranks' gradient shards concatenated, with the step's lr and
+weight decay, bit for bit; tp2's AdamW parameters are ``torch.optim.AdamW``'s bit for bit.
+Resume at the same layout: the losses, the lr and weight decay of every param group at every
+step, and Megatron's iteration-4 model files equal the uninterrupted run's bit for bit; at
+another layout the lrs are equal and the losses within :data:`RESUMED_LOSS_RTOL`.
 """
 from __future__ import annotations
 
@@ -45,9 +53,12 @@ from canzona_testkit import megatron_real as mr
 pytestmark = [pytest.mark.megatron_real, pytest.mark.dist, pytest.mark.slow]
 
 ITERS, SAVE_AT = 4, 2
+#: ``--make-vocab-size-divisible-by 256``: Megatron pads the vocabulary (257 byte tokens) to a
+#: multiple of this times TP, 512 at TP 1 and 2 alike, so the TP-change rows keep its shape
+#: (with Megatron's default 128 it is 384 at TP=1, 512 at TP=2: the ``vocab`` refusal row)
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
          "--max-position-embeddings", "64", "--micro-batch-size", "1", "--hidden-dropout", "0",
-         "--attention-dropout", "0", "--seed", "1234"]
+         "--attention-dropout", "0", "--seed", "1234", "--make-vocab-size-divisible-by", "256"]
 SCHEDULE = ["--lr", "0.02", "--min-lr", "0.002", "--lr-decay-style", "cosine", "--lr-warmup-iters", "0",
             "--train-iters", str(ITERS), "--save-interval", str(SAVE_AT), "--log-interval", "1",
             "--eval-iters", "0", "--eval-interval", "1000", "--tokenizer-type", "NullTokenizer",
@@ -59,15 +70,34 @@ PARAMS = {
                        "start_preconditioning_step": 2},
     "CanzonaSOAP": {"lr": 0.02, "adam_lr": 0.02, "weight_decay": 0.1, "precondition_frequency": 2},
 }
+#: A row's ``resumes``: name -> what the resumed launch changes.  ``same``: nothing (DeepSpeed's
+#: stock load; continues bit for bit); another TP or PP size passes Megatron's
+#: ``--universal-checkpoint`` (``universal``), without which Megatron refuses a TP/PP change
+#: itself; ``refused``: the launch must stop with that text before training.
 ROWS: dict[str, dict[str, Any]] = {
-    "tp2": dict(dp=1, tp=2, pp=1, zero=0, bf16=False, opt="CanzonaMuon", swiglu=False, resume=True, capture=True),
+    "tp2": dict(dp=1, tp=2, pp=1, zero=0, bf16=False, opt="CanzonaMuon", swiglu=False,
+                resumes={"same": {}, "tp1": dict(tp=1, universal=True),
+                         "vocab": dict(tp=1, universal=True, vocab_div=128,
+                                       refused="'language_model.embedding.word_embeddings.weight' is (512, 64) in the "
+                                               "checkpoint, (384, 64) here")}),
     # the owned layout: the TP-split matrices' step is the TP runtime's (the exactness check reads it)
-    "dp2tp2": dict(dp=2, tp=2, pp=1, zero=1, bf16=False, opt="CanzonaMuon", swiglu=True, resume=True, capture=True,
-                   params={"layout": "owned"}),
-    "tp2z2": dict(dp=1, tp=2, pp=1, zero=2, bf16=True, opt="CanzonaMuon", swiglu=True),
-    "pp2": dict(dp=1, tp=1, pp=2, zero=1, bf16=False, opt="CanzonaShampoo", swiglu=False),
-    "pp2tp2": dict(dp=1, tp=2, pp=2, zero=1, bf16=True, opt="CanzonaSOAP", swiglu=True),
+    "dp2tp2": dict(dp=2, tp=2, pp=1, zero=1, bf16=False, opt="CanzonaMuon", swiglu=True, params={"layout": "owned"},
+                   resumes={"same": {}}),
+    "tp2z2": dict(dp=1, tp=2, pp=1, zero=2, bf16=True, opt="CanzonaMuon", swiglu=True,
+                  resumes={"same": {}, "z1": dict(zero=1)}),
+    "pp2": dict(dp=1, tp=1, pp=2, zero=1, bf16=False, opt="CanzonaMuon", swiglu=False,
+                resumes={"same": {}, "pp1": dict(pp=1, pipe=True, universal=True)}),
+    "pp2tp2": dict(dp=1, tp=2, pp=2, zero=1, bf16=True, opt="CanzonaMuon", swiglu=True, resumes={"same": {}}),
+    # the save at ITERS fails (a folder where its model file goes): `latest` stays at SAVE_AT,
+    # which the TP 1 -> 2 resume then loads from the same folder
+    "tp1": dict(dp=1, tp=1, pp=1, zero=0, bf16=False, opt="CanzonaMuon", swiglu=True, fail_last_save=True,
+                resumes={"tp2": dict(tp=2, universal=True)}),
+    "shampoo": dict(dp=1, tp=2, pp=1, zero=1, bf16=False, opt="CanzonaShampoo", swiglu=False, resumes={"same": {}}),
+    "soap": dict(dp=1, tp=1, pp=2, zero=1, bf16=True, opt="CanzonaSOAP", swiglu=True, resumes={"same": {}}),
 }
+#: the TP-split matrices' first step is checked against the whole-matrix rule (fp32, ZeRO 0 and 1)
+STEP_EXACT = ("tp2", "dp2tp2")
+RESUMES = [(n, r) for n, row in ROWS.items() for r in row["resumes"]]
 
 
 @lru_cache(maxsize=None)
@@ -79,60 +109,88 @@ def megatron() -> Path:
 
 
 def ds_config(row: dict[str, Any]) -> dict[str, Any]:
-    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1 if row["pp"] == 1 else 2,
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": micro_batches(row),
             "gradient_clipping": 1.0, "zero_optimization": {"stage": row["zero"]},
             "bf16": {"enabled": row["bf16"]}, "optimizer": {"type": row["opt"], "params": {**PARAMS[row["opt"]], **row.get("params", {})}},
             "steps_per_print": 1000, "wall_clock_breakdown": False}
 
 
-def launch(name: str, run: str, work: Path, extra: list[str], capture: Path | None = None,
+def pipelined(row: dict[str, Any]) -> bool:
+    """Megatron-DeepSpeed's pipeline engine (GPTModelPipe), which PP > 1 needs and PP = 1 may use."""
+    return row["pp"] > 1 or bool(row.get("pipe"))
+
+
+def micro_batches(row: dict[str, Any]) -> int:
+    return 2 if pipelined(row) else 1
+
+
+def launch(name: str, run: str, work: Path, extra: list[str], fails: bool = False,
            **override: Any) -> dict[str, Any]:
-    """One documented launch of row ``name`` (``override``: other sizes); returns its log, parsed
-    iterations and wall time."""
+    """One documented launch of row ``name`` (``override``: what a resume changes), its optimizer
+    steps recorded (canzona_testkit/megatron_capture) in ``work/capture/<run>``; returns its log,
+    parsed iterations and wall time.  ``fails``: the launch is expected to exit non-zero."""
     row, meg = {**ROWS[name], **override}, megatron()
-    cfg = work / f"{name}.json"
+    cfg = work / f"{name}-{run}.json"
     cfg.write_text(json.dumps(ds_config(row)))
+    capture = work / "capture" / run
+    capture.mkdir(parents=True)
     args = [*MODEL, *SCHEDULE, "--tensor-model-parallel-size", str(row["tp"]),
             "--pipeline-model-parallel-size", str(row["pp"]),
-            "--global-batch-size", str(row["dp"] * (1 if row["pp"] == 1 else 2)),
+            "--global-batch-size", str(row["dp"] * micro_batches(row)),
             "--data-path", mr.data_prefix(meg), "--data-cache-path", str(work / "index-cache"), *extra]
-    if row["pp"] == 1:
+    if "vocab_div" in row:
+        args += ["--make-vocab-size-divisible-by", str(row["vocab_div"])]
+    if not pipelined(row):
         args.append("--no-pipeline-parallel")
     if row["swiglu"]:
         args.append("--swiglu")
     if row["bf16"]:
         args.append("--bf16")
+    if row.get("universal"):
+        args.append("--universal-checkpoint")
     nprocs = row["dp"] * row["tp"] * row["pp"]
     t0 = time.monotonic()
-    proc = subprocess.run(mr.command(meg, nprocs, args, str(cfg)), cwd=work, env=mr.env(capture and str(capture)),
+    proc = subprocess.run(mr.command(meg, nprocs, args, str(cfg)), cwd=work, env=mr.env(str(capture)),
                           capture_output=True, text=True, timeout=900)
     log = proc.stdout + proc.stderr
     (work / f"{name}-{run}.log").write_text(log)
-    if proc.returncode != 0:
-        pytest.fail(f"{name} {run}: the launch failed (rc {proc.returncode}):\n{log[-6000:]}")
-    return {"log": log, "iters": mr.iterations(log), "seconds": time.monotonic() - t0}
+    if (proc.returncode != 0) != fails:
+        pytest.fail(f"{name} {run}: the launch {'failed' if proc.returncode else 'succeeded'} (rc {proc.returncode}):\n"
+                    f"{log[-6000:]}")
+    return {"log": log, "iters": mr.iterations(log), "seconds": time.monotonic() - t0, "capture": capture}
 
 
 @lru_cache(maxsize=None)
 def trained(name: str) -> dict[str, Any]:
-    """Row ``name``'s uninterrupted run (and, for resume rows, the resumed one)."""
+    """Row ``name``'s uninterrupted run, saving at SAVE_AT and ITERS in ``work/full``."""
     work = Path(_tmp()) / name
     work.mkdir(parents=True)
     row = ROWS[name]
-    capture = work / "capture" if row.get("capture") else None
-    if capture:
-        (capture / "full").mkdir(parents=True)
-        (capture / "resumed").mkdir()
-    out = {"work": work, "full": launch(name, "full", work, ["--save", str(work / "full")], capture and capture / "full")}
-    if row.get("resume"):
-        # the uninterrupted run's checkpoint at SAVE_AT, as the latest one of its folder
+    if row.get("fail_last_save"):
+        (work / "full" / f"global_step{ITERS}" / "mp_rank_00_model_states.pt").mkdir(parents=True)
+    run = launch(name, "full", work, ["--save", str(work / "full")], fails=bool(row.get("fail_last_save")))
+    return {"work": work, "full": run}
+
+
+@lru_cache(maxsize=None)
+def resumed(name: str, how: str) -> dict[str, Any]:
+    """Row ``name``'s checkpoint at SAVE_AT resumed the way ``how`` names, training to ITERS
+    (saving in ``work/<how>``).  It loads the uninterrupted run's folder with only that tag in it,
+    as the latest; a row whose last save failed loads its own folder, whose ``latest`` the
+    failed save left at SAVE_AT."""
+    out = trained(name)
+    work, change = out["work"], dict(ROWS[name]["resumes"][how])
+    if ROWS[name].get("fail_last_save"):
+        start = work / "full"
+    else:
         start = work / "start"
-        shutil.copytree(work / "full" / f"global_step{SAVE_AT}", start / f"global_step{SAVE_AT}")
-        (start / "latest").write_text(f"global_step{SAVE_AT}")
-        (start / "latest_checkpointed_iteration.txt").write_text(str(SAVE_AT))
-        out["resumed"] = launch(name, "resumed", work, ["--load", str(start), "--save", str(work / "resumed")],
-                                capture and capture / "resumed")
-    return out
+        if not start.exists():
+            shutil.copytree(work / "full" / f"global_step{SAVE_AT}", start / f"global_step{SAVE_AT}")
+            (start / "latest").write_text(f"global_step{SAVE_AT}")
+            (start / "latest_checkpointed_iteration.txt").write_text(str(SAVE_AT))
+    refused = change.pop("refused", None)
+    run = launch(name, how, work, ["--load", str(start), "--save", str(work / how)], fails=refused is not None, **change)
+    return {**run, "refused": refused}
 
 
 _TMP: list[str] = []
@@ -180,19 +238,34 @@ def test_trains_and_saves(name: str) -> None:
     assert sorted(iters) == list(range(1, ITERS + 1)), f"{name}: Megatron logged iterations {sorted(iters)}"
     assert iters[ITERS][1] < iters[1][1], f"{name}: lm loss {iters[1][1]} -> {iters[ITERS][1]}"
     work = trained(name)["work"]
-    for step in (SAVE_AT, ITERS):
+    saved = (SAVE_AT,) if ROWS[name].get("fail_last_save") else (SAVE_AT, ITERS)
+    for step in saved:
         assert model_tensors(work / "full" / f"global_step{step}"), f"{name}: no model files at step {step}"
-    assert (work / "full" / "latest").read_text().strip() == f"global_step{ITERS}"
+    assert (work / "full" / "latest").read_text().strip() == f"global_step{saved[-1]}"
 
 
-def tp_captures(name: str, run: str) -> list[dict[str, Any]]:
-    """The TP runtime records of one launch (canzona_testkit/megatron_capture), every rank that has one."""
-    files = sorted((trained(name)["work"] / "capture" / run).glob("tp*.pt"))
-    assert files, f"{name} {run}: no TP runtime step was recorded"
+def test_a_failed_save_leaves_the_previous_checkpoint_the_latest() -> None:
+    """Row ``tp1``: the save at ITERS cannot write its model file.  The run stops with the
+    error naming the file; ``latest`` still names SAVE_AT (which ``tp1``'s resume then loads from
+    this folder), and the failed tag keeps the record of the save that names why."""
+    work, log = trained("tp1")["work"], trained("tp1")["full"]["log"]
+    folder = work / "full" / f"global_step{ITERS}"
+    assert f"saving checkpoint {folder} failed" in log and "mp_rank_00_model_states.pt" in log, log[-3000:]
+    assert (work / "full" / "latest").read_text().strip() == f"global_step{SAVE_AT}"
+    record = json.loads((folder / "canzona_saving.json").read_text())
+    assert "mp_rank_00_model_states.pt" in record["error"], record
+    assert not (folder / "canzona_manifest.json").exists() and not (folder / "canzona_index.json").exists()
+
+
+def captured(run: dict[str, Any], kind: str) -> list[Any]:
+    """The records of one launch (canzona_testkit/megatron_capture) of ``kind`` (``tp``: the TP
+    runtime's, ``steps``: every optimizer step's group lrs), one per rank that wrote one."""
+    files = sorted(run["capture"].glob(f"{kind}*.pt"))
+    assert files, f"{run['capture']}: no {kind} record"
     return [torch.load(f, weights_only=False) for f in files]
 
 
-@pytest.mark.parametrize("name", [n for n, r in ROWS.items() if r.get("capture")])
+@pytest.mark.parametrize("name", STEP_EXACT)
 def test_tp_step_is_the_full_matrix_rule_on_the_captured_gradients(name: str) -> None:
     """ZeRO 0 (tp2) and ZeRO 1 (dp2tp2): the first step of every TP-split matrix, on the TP ranks
     that hold it (its DP owner's at ZeRO 1), is the whole-matrix rule bit for bit."""
@@ -200,7 +273,7 @@ def test_tp_step_is_the_full_matrix_rule_on_the_captured_gradients(name: str) ->
     from canzona_ds.reference import ReferenceOptimizer
 
     shards: dict[str, dict[int, dict[str, Any]]] = {}
-    for c in tp_captures(name, "full"):
+    for c in captured(trained(name)["full"], "tp"):
         for n, m in c["matrices"].items():
             assert c["tp_rank"] not in shards.setdefault(n, {}), f"{n}: two records of TP rank {c['tp_rank']}"
             shards[n][c["tp_rank"]] = m
@@ -232,9 +305,8 @@ def test_tp2_adamw_params_and_weight_decay_as_megatron() -> None:
     from canzona_ds.integration.megatron import config_from_ds_config
 
     cfg = config_from_ds_config(ds_config(ROWS["tp2"]))
-    work = trained("tp2")["work"]
-    ranks = sorted((torch.load(work / "capture" / "full" / f"opt{r}.pt", weights_only=False) for r in range(2)),
-                   key=lambda c: c["tp_rank"])
+    ranks = sorted(captured(trained("tp2")["full"], "opt"), key=lambda c: c["tp_rank"])
+    assert len(ranks) == 2
     meta = ranks[0]["meta"]
     wd = {n: m["weight_decay"] for n, m in meta.items()}
     no_decay = {n for n in meta if n.endswith(".bias") or ranks[0]["before"][n].dim() == 1}
@@ -266,22 +338,52 @@ def test_start_line_names_canzona() -> None:
     assert "Megatron-DeepSpeed: this optimizer replaces the one --optimizer names" in lines[0], lines[0]
 
 
-@pytest.mark.parametrize("name", [n for n, r in ROWS.items() if r.get("resume")])
-def test_resume_continues_bit_for_bit(name: str) -> None:
-    out = trained(name)
-    full, resumed = out["full"]["iters"], out["resumed"]["iters"]
-    assert sorted(resumed) == list(range(SAVE_AT + 1, ITERS + 1)), sorted(resumed)
-    got = model_tensors(out["work"] / "resumed" / f"global_step{ITERS}")
-    want = model_tensors(out["work"] / "full" / f"global_step{ITERS}")
-    assert set(got) == set(want)
-    if ROWS[name].get("capture"):
-        # the lr and weight decay the TP runtime was handed at each step, uninterrupted vs resumed
-        want_calls = tp_captures(name, "full")[0]["calls"][SAVE_AT:]
-        got_calls = tp_captures(name, "resumed")[0]["calls"]
-        assert got_calls == want_calls, f"{name}: after the load the optimizer steps with (step, lr, wd) " \
-            f"{got_calls}, the uninterrupted run with {want_calls}"
-    for i in resumed:
-        assert resumed[i] == full[i], f"{name} iteration {i}: resumed {resumed[i]}, uninterrupted {full[i]}"
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=lambda s, k=k: f"{name} {k}: {s}")
+def group_lrs(run: dict[str, Any]) -> list[list[tuple[float, float]]]:
+    """Per optimizer step, the distinct (lr, weight decay) of the param groups it stepped with,
+    over every rank (a group's lr is Megatron's schedule times its lr_mult)."""
+    per_rank = captured(run, "steps")
+    steps = {len(s) for s in per_rank}
+    assert len(steps) == 1, f"ranks took {sorted(steps)} optimizer steps"
+    return [sorted({pair for s in per_rank for pair in s[i]}) for i in range(steps.pop())]
 
+
+#: A resume at another TP or PP size (or ZeRO stage) runs other fp32 sums (TP-split products,
+#: another reduction order), so it continues as the uninterrupted run would up to rounding that
+#: Muon's bf16 Newton-Schulz may turn into a bf16 flip per step: the first resumed iteration's
+#: loss is the loaded weights' (a forward in another summation order: ~1e-7 relative), the next
+#: ones move by at most one flipped step's effect.  1e-4 relative is far above both (measured:
+#: 3e-7) and far below a wrongly regrouped model (TP 2 -> 1 with QKV joined end to end: 4.861
+#: instead of 4.717, 3%).
+RESUMED_LOSS_RTOL = 1e-4
+
+
+@pytest.mark.parametrize("name,how", RESUMES, ids=[f"{n}-{h}" for n, h in RESUMES])
+def test_resume(name: str, how: str) -> None:
+    """Iterations SAVE_AT+1..ITERS of a resumed run against the uninterrupted one: with the
+    same layout bit for bit (losses, the lr and weight decay of every group at every step, and
+    Megatron's model files at ITERS); at another TP or PP size or ZeRO stage the same lrs and
+    the losses to RESUMED_LOSS_RTOL; a layout that cannot be honoured stops before training,
+    naming why."""
+    full, run = trained(name)["full"], resumed(name, how)
+    if run["refused"] is not None:
+        assert run["refused"] in run["log"] and "CheckpointIndexError" in run["log"], run["log"][-3000:]
+        assert not run["iters"], f"{name} {how}: trained {sorted(run['iters'])} after a refused load"
+        return
+    assert sorted(run["iters"]) == list(range(SAVE_AT + 1, ITERS + 1)), sorted(run["iters"])
+    want_lrs, got_lrs = group_lrs(full)[SAVE_AT:], group_lrs(run)
+    assert got_lrs == want_lrs, f"{name} {how}: after the load the optimizer steps with (lr, wd) {got_lrs}, " \
+        f"the uninterrupted run with {want_lrs}"
+    for i in run["iters"]:
+        (lr, loss), (want_lr, want_loss) = run["iters"][i], full["iters"][i]
+        assert lr == want_lr, f"{name} {how} iteration {i}: Megatron's lr {lr}, uninterrupted {want_lr}"
+        if how == "same":
+            assert loss == want_loss, f"{name} {how} iteration {i}: lm loss {loss}, uninterrupted {want_loss}"
+        else:
+            assert loss == pytest.approx(want_loss, rel=RESUMED_LOSS_RTOL), f"{name} {how} iteration {i}"
+    if how == "same":
+        work = trained(name)["work"]
+        got = model_tensors(work / how / f"global_step{ITERS}")
+        want = model_tensors(work / "full" / f"global_step{ITERS}")
+        assert set(got) == set(want)
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=lambda s, k=k: f"{name} {k}: {s}")

@@ -29,10 +29,12 @@ Use ``checkpoint.save`` for saves that are atomic per tag.
 Not covered (saved without a manifest, rank 0 says why): a decoupled (asynchronous)
 DeepSpeed checkpoint engine, whose files may still be in flight when ``save_checkpoint``
 returns, and ``use_node_local_storage``, where no rank sees every file.  DeepSpeed's
-universal checkpoints (``load_universal_checkpoint``) load as before.
+universal checkpoints (``load_universal_checkpoint``) load as before; a canzona-ds tag loaded with
+that flag set (Megatron-DeepSpeed's ``--universal-checkpoint``) loads through its index.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -183,8 +185,40 @@ def load_checkpoint(engine, load, load_dir, tag=None, **load_kwargs):
     """Verify, then ``load(engine, load_dir, tag, **load_kwargs)`` (DeepSpeed's load or the
     checkpoint-index one); returns its ``(load_path, client_state)``."""
     cfg = checkpoint_config(engine)
-    if cfg.verify == "off" or engine.load_universal_checkpoint():
-        return load(engine, load_dir, tag, **load_kwargs)
-    res = ck.load(engine, load_dir, tag=tag, fallback=cfg.fallback, verify=cfg.verify, unverified="load",
-                  loader=lambda e, d, t, manifest, **kw: load(e, d, t, **kw), **load_kwargs)
-    return res.path, res.client_state
+    with _canzona_tag_is_universal(engine, load_dir, tag):
+        if cfg.verify == "off" or engine.load_universal_checkpoint():
+            return load(engine, load_dir, tag, **load_kwargs)
+        res = ck.load(engine, load_dir, tag=tag, fallback=cfg.fallback, verify=cfg.verify, unverified="load",
+                      loader=lambda e, d, t, manifest, **kw: load(e, d, t, **kw), **load_kwargs)
+        return res.path, res.client_state
+
+
+@contextlib.contextmanager
+def _canzona_tag_is_universal(engine, load_dir, tag):
+    """DeepSpeed's ``checkpoint.load_universal`` (Megatron-DeepSpeed's ``--universal-checkpoint``,
+    which is also what lets Megatron resume at another TP or PP size) says the folder is a
+    ``ds_to_universal`` conversion.  A canzona-ds tag needs none: its index resumes into any
+    layout.  So while a tag with an index loads, the flag is off and the tag takes the one
+    comparison like any other (DeepSpeed's stock load at the same layout, else the index loop);
+    a folder without an index (a real universal checkpoint) keeps the flag, and the Canzona ZeRO
+    optimizers refuse it by name (integration/zero.py)."""
+    from ..ckpt.index import INDEX
+    from .ckpt_index import latest_tag
+
+    if not engine.load_universal_checkpoint():
+        yield
+        return
+    name = latest_tag(load_dir) if tag is None else tag
+    if name is None or not os.path.isfile(os.path.join(str(load_dir), str(name), INDEX)):
+        yield
+        return
+    if ck._rank_world()[0] == 0:
+        logger.warning("canzona_ds: checkpoint.load_universal (Megatron-DeepSpeed: --universal-checkpoint) with %s: a "
+                       "canzona-ds tag, which its index resumes into any layout; loaded through it, no ds_to_universal "
+                       "conversion", os.path.join(str(load_dir), str(name)))
+    config = engine._config
+    config.load_universal_checkpoint = False
+    try:
+        yield
+    finally:
+        config.load_universal_checkpoint = True

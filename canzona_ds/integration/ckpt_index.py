@@ -238,6 +238,30 @@ def _pipe_layer_files(engine) -> dict[int, tuple[str, tuple]] | None:
     return where
 
 
+def _module_keys(engine) -> dict[int, tuple]:
+    """Where DeepSpeed's save put each parameter in the model file: ``id(p)`` -> its key path in
+    that file (``("module", ...)``), read from what ``engine.module_state_dict()`` returns, the
+    dict DeepSpeed writes under ``module``.  A client may shape that dict its own way:
+    Megatron-DeepSpeed saves ``state_dict_for_save_checkpoint()``, nested
+    (``{"language_model": {"encoder": {"layers.0...weight": ...}}}``).  Each stored tensor is
+    matched to its parameter by storage (the dict holds the parameters' tensors, detached), so
+    the index describes what was written, whatever the nesting."""
+    at = {(p.data_ptr(), tuple(p.shape), p.dtype): id(p) for p in engine.module.parameters() if p.numel()}
+    out: dict[int, tuple] = {}
+
+    def walk(obj, path: tuple) -> None:
+        if torch.is_tensor(obj):
+            found = at.get((obj.data_ptr(), tuple(obj.shape), obj.dtype)) if obj.numel() else None
+            if found is not None:
+                out.setdefault(found, path)
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, path + (k,))
+
+    walk(engine.module_state_dict(), ("module",))
+    return out
+
+
 def _emit_stage0(engine, opt, rank: int) -> list[Chunk]:
     if not engine.save_non_zero_checkpoint:
         return []  # another rank writes the (replicated) file
@@ -246,13 +270,15 @@ def _emit_stage0(engine, opt, rank: int) -> list[Chunk]:
     names = {id(p): n for n, p in engine.module.named_parameters()}
     layers = _pipe_layer_files(engine)  # (a PipelineModule, at any PP size: the module is in per-layer files)
     tp = _tp_frames(engine, opt)  # (a TP-split parameter: this TP rank's shard, in its frame)
+    keys = _module_keys(engine) if layers is None else {}
     out: list[Chunk] = []
     for g in opt.param_groups:
         for p in g["params"]:
             name = names[id(p)]
             shape, frame = (tp[name][1], tp[name][0].to_json()) if name in tp else (tuple(p.shape), None)
             if layers is None:
-                out.append(Chunk(name, MASTER, shape, 0, p.numel(), file, ("module", name), 0, frame, rank))
+                out.append(Chunk(name, MASTER, shape, 0, p.numel(), file, keys.get(id(p), ("module", name)), 0,
+                                 frame, rank))
             elif id(p) in layers:
                 out.append(Chunk(name, MASTER, shape, 0, p.numel(), *layers[id(p)], 0, frame, rank))
             st = opt.state.get(p) or {}
@@ -309,8 +335,9 @@ def _emit_stage0_moe(engine, opt, rank: int) -> list[Chunk]:
     out: list[Chunk] = []
     # (a PipelineModule too: DeepSpeed's MoE save writes the module with DeepSpeedEngine's
     # module_state_dict, not the pipeline's per-layer files)
+    keys = _module_keys(engine)
     for n, p in engine.module.named_parameters():
-        file, key = where.get(n, (model_file, ("module", n)))
+        file, key = where.get(n, (model_file, keys.get(id(p), ("module", n))))
         shape, frame = shape_frame(n, p)
         out.append(Chunk(glob(n), MASTER, shape, 0, p.numel(), file, key, 0, frame, rank))
     for g in opt.param_groups:
@@ -969,7 +996,10 @@ def load(engine, load_dir: str, tag: str | None, index: Index, load_module_stric
         for n, p in engine.module.named_parameters():
             shape, g = tp_full.get(n, tuple(getattr(p, "ds_shape", p.shape))), opt.global_name(n)
             if tuple(src.full_shape(g)) != shape:
-                raise CheckpointIndexError(f"{folder}: {g!r} is {tuple(src.full_shape(g))} in the checkpoint, {shape} here.")
+                raise CheckpointIndexError(
+                    f"{folder}: {g!r} is {tuple(src.full_shape(g))} in the checkpoint, {shape} here; a resume needs "
+                    "the model's shapes as saved (Megatron-DeepSpeed pads the vocabulary to a multiple of "
+                    "--make-vocab-size-divisible-by x TP: at another TP size choose it so that both pad to one size).")
         src.changed, src.running_rule = changed, opt.rule
         tp_layouts = _tp_layouts(engine, opt)[0]
         local_of = {opt.global_name(n): n for n in opt.state_infos}  # (a DeepSpeed MoE expert's local name)

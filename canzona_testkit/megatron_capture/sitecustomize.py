@@ -12,7 +12,11 @@ methods, which still run unchanged:
 * ``MicroGroupRuntime.step`` (the TP-split matrices' step at ZeRO 0, 1 and 2): its first call
   writes each matrix's shard before, gradient shard and shard after, with the lr, weight decay
   and step count it was given; every call appends its (step, lr, weight decay) -- to
-  ``$CANZONA_CAPTURE_DIR/tp<global rank>.pt``.
+  ``$CANZONA_CAPTURE_DIR/tp<global rank>.pt``;
+* ``DeepSpeedEngine._take_model_step`` (every engine's optimizer step, the pipeline engine's
+  too): every call appends the (lr, weight decay) of each param group it steps with, read on
+  entry (Megatron's scheduler sets them after the previous step, or the load), to
+  ``$CANZONA_CAPTURE_DIR/steps<global rank>.pt``.
 
 Without ``CANZONA_CAPTURE_DIR`` this module does nothing.
 """
@@ -78,5 +82,16 @@ if os.environ.get("CANZONA_CAPTURE_DIR") and any(a.endswith("megatron_pretrain_g
             torch.save(_tp_record, _out("tp"))
         return out
 
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    _take_step = DeepSpeedEngine._take_model_step
+    _steps: list = []
+
+    def take_step(self, *args, **kwargs):
+        _steps.append([(float(g["lr"]), float(g["weight_decay"])) for g in self.optimizer.param_groups])
+        torch.save(_steps, _out("steps"))
+        return _take_step(self, *args, **kwargs)
+
     CanzonaOptimizer.step = opt_step
     MicroGroupRuntime.step = tp_step
+    DeepSpeedEngine._take_model_step = take_step
