@@ -323,3 +323,59 @@ def _bad_section(rank, world):
 def test_bad_checkpoint_section_refused_at_initialize():
     msg = run_distributed(_bad_section, 1)[0]
     assert msg is not None and "canzona_checkpoint.verify='md5'" in msg, msg
+
+
+def _nested(seed: int):
+    """The tiny model saving its state dict nested, as Megatron-DeepSpeed does
+    (``state_dict_for_save_checkpoint()``: ``{"language_model": {"encoder": {...}}}``), with the
+    matching ``load_state_dict`` DeepSpeed's stock load calls."""
+    import torch
+
+    class Nested(type(make_model(seed))):
+        def state_dict(self, *args, **kwargs):
+            return {"outer": {"inner": dict(torch.nn.Module.state_dict(self, *args, **kwargs))}}
+
+        def load_state_dict(self, state_dict, strict=True):
+            return torch.nn.Module.load_state_dict(self, state_dict["outer"]["inner"], strict)
+
+    model = make_model(seed)
+    model.__class__ = Nested
+    return model
+
+
+def _nested_resume(rank, world, root):
+    import canzona_ds  # noqa: F401
+    import deepspeed
+
+    records = _Records()
+    logging.getLogger("canzona_ds").addHandler(records)
+    a_model = _nested(0)
+    a, *_ = deepspeed.initialize(model=a_model, model_parameters=a_model.parameters(),
+                                 config=ds_config(world, micro=MICRO, stage=0))
+    x, y = batches(1, MICRO * world)[0]
+    _step(a, rank, x, y)
+    a.save_checkpoint(root, tag="t1")
+    b_model = _nested(1)  # other weights: the load must replace every one
+    b, *_ = deepspeed.initialize(model=b_model, model_parameters=b_model.parameters(),
+                                 config=ds_config(world, micro=MICRO, stage=1, checkpoint={"load_universal": True}))
+    path, _ = b.load_checkpoint(root)
+    index = json.loads((Path(root) / "t1" / ck.INDEX).read_text())
+    keys = sorted({tuple(c["key"][:3]) for c in index["chunks"] if c["state"] == "param"})
+    return dict(saved=params_of(a.module), loaded=params_of(b.module), path=path, log=records.messages, keys=keys,
+                universal=b.load_universal_checkpoint())
+
+
+def test_nested_module_state_dict_resumes_at_another_stage_under_load_universal(tmp_path):
+    """A client whose module state dict is nested (Megatron-DeepSpeed) saved at ZeRO 0 resumes at
+    ZeRO 1 (the index loop), with DeepSpeed's ``checkpoint.load_universal`` set (Megatron's
+    ``--universal-checkpoint``): the index records where each weight was written in the nested
+    dict, the canzona-ds tag loads through it, and every weight is the saved one bit for bit."""
+    res = run_distributed(_nested_resume, 2, str(tmp_path / "ckpt"), timeout=300)
+    for r in res:
+        assert r["path"].endswith("t1") and r["universal"], r["path"]  # the flag is back after the load
+        assert r["keys"] == [("module", "outer", "inner")], r["keys"]
+        assert set(r["loaded"]) == set(r["saved"])
+        for n in r["saved"]:
+            assert not np.array_equal(r["loaded"][n], make_model(1).state_dict()[n].numpy()) or n.endswith("bias")
+            np.testing.assert_array_equal(r["loaded"][n], r["saved"][n], err_msg=n)
+    assert any("load_universal" in m and "loaded through it" in m for m in res[0]["log"]), res[0]["log"]
