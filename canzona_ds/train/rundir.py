@@ -101,6 +101,15 @@ class Layout:
         return f"ZeRO {self.zero_stage}, pp={self.pp}, {ranks}"
 
 
+def saved_pipeline_stages(ckpt_dir: str | Path) -> int:
+    """Pipeline stages of a checkpoint: a PipelineEngine writes ``layer_XX-model_states.pt``
+    and one ``mp_rank_XX_model_states.pt`` per stage; anything else counts as 1."""
+    d = Path(ckpt_dir)
+    if not any(d.glob("layer_*-model_states.pt")):
+        return 1
+    return max(1, len(list(d.glob("mp_rank_*_model_states.pt"))))
+
+
 def saved_layout(ckpt_dir: str | Path) -> tuple[str, Layout] | None:
     """(tag, layout) of the checkpoint ``--resume`` would load first from ``ckpt_dir`` (the one
     ``latest`` names, else the newest published tag); None when there is none.  Reads the
@@ -109,7 +118,6 @@ def saved_layout(ckpt_dir: str | Path) -> tuple[str, Layout] | None:
     from canzona_ds import checkpoint
     from canzona_ds.ckpt.safe_load import UnsafeCheckpointError
     from canzona_ds.integration.ckpt_safe import read
-    from canzona_ds.train.trainer import saved_pipeline_stages
 
     ckpt_dir = Path(ckpt_dir)
     tags = checkpoint.published_tags(str(ckpt_dir))
