@@ -234,18 +234,34 @@ def _nearest_existing(path: Path) -> Path:
     return path
 
 
-def check_writable(cfg: RunConfig) -> list[tuple[str, str]]:
+def planned_checkpoint_dir(cfg: RunConfig, resumed_run: Path | None = None) -> str | None:
+    """The folder :func:`resolve` will give the run's checkpoints, decided without creating
+    anything: ``checkpoint_dir``; else ``<log_dir>/checkpoints``; else, where ``--resume``
+    continues an earlier run (``resumed_run``: :func:`choose_resume_run`'s choice), that run's
+    ``checkpoints/``.  None: a new run folder under ``runs_dir`` (whose own check covers it)."""
+    if cfg.checkpoint_dir is not None:
+        return cfg.checkpoint_dir
+    log_dir = cfg.log_dir if cfg.log_dir is not None else resumed_run
+    return None if log_dir is None else str(Path(log_dir) / "checkpoints")
+
+
+def check_writable(cfg: RunConfig, resumed_run: Path | None = None) -> list[tuple[str, str]]:
     """(run-config key, problem) for each folder the run will write that it cannot: the folder,
     or the nearest existing folder above it, must be a writable directory.  Checked without
-    creating anything."""
+    creating anything.  The checkpoint folder is the one the run will use
+    (:func:`planned_checkpoint_dir`: named, derived from ``log_dir``, or the resumed run's), so
+    that no run finds it at its first save."""
     wanted = [("log_dir", cfg.log_dir) if cfg.log_dir is not None else ("runs_dir", cfg.runs_dir)]
-    if cfg.checkpoint_every and cfg.checkpoint_dir is not None:
-        wanted.append(("checkpoint_dir", cfg.checkpoint_dir))
+    ckpt = planned_checkpoint_dir(cfg, resumed_run)
+    if cfg.checkpoint_every and ckpt is not None:
+        wanted.append(("checkpoint_dir", ckpt))
     problems = []
     for key, value in wanted:
         base = _nearest_existing(Path(value))
         if not base.is_dir():
-            problems.append((key, f"{key}={value!r}: {str(base)!r} is not a directory"))
+            kind = " (a file)" if base.is_file() else ""
+            made = ":" if base == Path(value).absolute() else " cannot be created:"
+            problems.append((key, f"{key}={value!r}{made} {str(base)!r} is not a directory{kind}"))
         elif not os.access(base, os.W_OK | os.X_OK):
             where = "" if base == Path(value).absolute() else f" (its nearest existing folder {str(base)!r})"
             problems.append((key, f"{key}={value!r}{where} is not writable"))
