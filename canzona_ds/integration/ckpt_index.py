@@ -530,7 +530,7 @@ def unindexed(engine, opt, folder: str) -> None:
 
     listing = sorted(os.listdir(folder))
     optim = [f for f in listing if _OPTIM_FILE.match(f)] or [f for f in listing if _EXPP_FILE.match(f)]
-    probe = optim[0] if optim else next((f for f in listing if f.endswith("model_states.pt")), None)
+    probe = optim[0] if optim else next((f for f in ("mp_rank_00_model_states.pt",) if f in listing), None)
     if probe is None or not _holds_canzona_state(read(os.path.join(folder, probe), mmap=True)):
         return None
     stage = engine.zero_optimization_stage()
