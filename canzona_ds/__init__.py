@@ -22,7 +22,7 @@ import importlib.abc
 import os
 import sys
 
-__version__ = "0.1.0"
+from .version import __version__  # noqa: F401  (canzona_ds.__version__)
 
 
 def op_cache_dir() -> str:

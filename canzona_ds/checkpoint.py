@@ -320,7 +320,7 @@ def write_manifest(engine, directory: str, tag: str, files: list[dict]) -> dict:
     import deepspeed
     import torch
 
-    from canzona_ds import __version__
+    from .version import __version__
 
     manifest = {
         "format": FORMAT, "tag": str(tag), "created_unix_ns": time.time_ns(),

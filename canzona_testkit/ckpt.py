@@ -3,7 +3,7 @@
 ``read(dir, tag)`` -> :class:`Whole`: every parameter's fp32 master weight, the AdamW moments
 of the AdamW parameters, every matrix's rule state (an expert stack's per expert, ``W[e]``),
 the step counts and the engine's counters, lr scheduler and client state, whatever layout
-wrote the tag (ZeRO 0-3, TP, PP, MoE; a tag from before the index through its adapter).
+wrote the tag (ZeRO 0-3, TP, PP, MoE).
 Every tensor is a copy (the files are memory-mapped).
 """
 from __future__ import annotations
@@ -35,15 +35,14 @@ class Whole:
 def open_source(ckpt_dir: str, tag: str | None = None):
     """The tag's :class:`~canzona_ds.integration.ckpt_index.IndexSource` (``latest`` by default)."""
     from canzona_ds.integration import ckpt_index
-    from canzona_ds.integration.ckpt_legacy import legacy_index
 
     if tag is None:
         with open(os.path.join(ckpt_dir, "latest"), encoding="utf-8") as f:
             tag = f.read().strip()
     folder = os.path.join(ckpt_dir, str(tag))
-    index = ckpt_index.read_index(folder) or legacy_index(folder)
+    index = ckpt_index.read_index(folder)
     if index is None:
-        raise FileNotFoundError(f"{folder}: no checkpoint index, and not a tag the adapter reads.")
+        raise FileNotFoundError(f"{folder}: no checkpoint index.")
     return ckpt_index.IndexSource(folder, index)
 
 
@@ -70,7 +69,8 @@ def pre_index_records():
     """Inside: saves also write the records canzona-ds wrote before the checkpoint index (a ZeRO
     file's ``canzona_layout``, the optimizer state's ``param_names`` / ``global_names``), from the
     same producers; a tag so written, its index and manifest removed, is a pre-index tag
-    (``integration/ckpt_legacy.py`` adapts it).  Call inside the saving worker."""
+    (``ckpt_index.unindexed``: the stock load at its saved layout, else refused by name).  Call
+    inside the saving worker."""
     from canzona_ds.integration.zero import zero_optimizer_class
     from canzona_ds.integration.zero3 import zero3_optimizer_class
     from canzona_ds.optimizer import STATE_KEY, CanzonaOptimizer

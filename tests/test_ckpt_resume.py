@@ -145,7 +145,7 @@ def saved(tmp_path_factory):
     return get
 
 
-def _resume_and_check(ckpt, tmp_path, model, opt_type, a, b, index=None):
+def _resume_and_check(ckpt, tmp_path, model, opt_type, a, b):
     """Resume ``ckpt`` (saved at layout ``a``) at layout ``b`` through the index loop only; check
     the state bit for bit against ``ckpt``'s index (or ``index``) and the continuation."""
     fam, sa, sb = family(model), Layout.parse(a), Layout.parse(b)
@@ -153,7 +153,7 @@ def _resume_and_check(ckpt, tmp_path, model, opt_type, a, b, index=None):
     res = run_distributed(scheduled, sb.world, fam.resume, model, sb, opt_type, ckpt, out)
     # every resumed step ran at the schedule's lr in every param group (the saving run's did too)
     check_lrs(res, range(BEFORE, BEFORE + AFTER))
-    fam.check(model, opt_type, sa, sb, ckpt, out, res, index)
+    fam.check(model, opt_type, sa, sb, ckpt, out, res)
 
 
 @pytest.mark.parametrize("model,opt_type,a,b", SCENARIOS, ids=[_id(r) for r in SCENARIOS])
@@ -206,35 +206,6 @@ def test_moe_pipeline_checkpoint_into_another_model_is_refused(saved):
         assert msg is not None and "parameters differ from the model's" in msg and "1.moe." in msg, (rank, msg)
 
 
-#: pre-index tags (the save's files without index and manifest, _pre_index) resumed at another
-#: layout through the index built from their records
-PRE_INDEX_RESUMES = [("dense", M, "z1 dp2", "z1 dp1"), ("dense", SO, "z2 dp2", "z3 dp2"),
-                     ("moe", SO, "z1 dp2 ep2", "z1 dp2 ep1"), ("moe", SH, "z0 dp2 ep2", "z0 dp2 ep1"),
-                     ("dense", M, "z2 dp2 mixed", "z1 dp1")]
-PRE_INDEX_RESUMES += [("pipe", SO, "z1 pp2 dp1", "z1 pp1 dp1"), ("pipe", SO, "z0 pp2 dp1", "z0 pp1 dp1")]
-
-
-@pytest.mark.parametrize("model,opt_type,a,b", PRE_INDEX_RESUMES, ids=[_id(r) for r in PRE_INDEX_RESUMES])
-def test_pre_index_tag_resumes_through_the_index(saved, tmp_path, model, opt_type, a, b):
-    from canzona_ds.integration.ckpt_legacy import legacy_index
-
-    ckpt = _pre_index(saved(model, opt_type, a, old=True), str(tmp_path / "old"))
-    adapted = legacy_index(os.path.join(ckpt, "saved"))
-    assert adapted is not None and adapted.chunks is not None
-    _resume_and_check(ckpt, tmp_path, model, opt_type, a, b, adapted)
-
-
-def test_zero3_tag_written_before_the_index_is_adapted(saved, tmp_path):
-    """A ZeRO-3 tag without an index (as canzona-ds wrote it before the index) resumes at another
-    DP size through an index built from its layout records, bit for bit."""
-    from canzona_ds.integration.ckpt_legacy import legacy_zero3_index
-
-    ckpt = _pre_index(saved("dense", SO, "z3 dp2", old=True), str(tmp_path / "old"))
-    adapted = legacy_zero3_index(os.path.join(ckpt, "saved"))
-    assert adapted is not None and adapted.meta["adapted_from"]
-    _resume_and_check(ckpt, tmp_path, "dense", SO, "z3 dp2", "z3 dp1", adapted)
-
-
 def _pre_index(src: str, dst: str) -> str:
     """A copy of tag ``src/saved`` (saved with ``old=True``: the records canzona-ds wrote before
     the index too) as canzona-ds wrote it before the index: the same files, no index, no manifest."""
@@ -246,66 +217,6 @@ def _pre_index(src: str, dst: str) -> str:
     for name in (ck.INDEX, ck.MANIFEST):
         os.remove(os.path.join(dst, "saved", name))
     return dst
-
-
-#: saved layouts (model, optimizer, layout) whose pre-index copies are adapted
-PRE_INDEX = [("dense", M, "z1 dp2"), ("dense", SH, "z2 dp2"), ("dense", M, "z0 dp2"), ("stacks", M, "z1 dp2"),
-             ("moe", SO, "z1 dp2 ep2"), ("moe", M, "z2 dp2 ep2"), ("moe", SH, "z0 dp2 ep2"), ("dense", SO, "z3 dp2"),
-             ("dense", M, "z2 dp2 mixed")]
-PRE_INDEX += [("pipe", SO, "z1 pp2 dp1"), ("pipe", SO, "z0 pp2 dp1")]
-
-
-@pytest.mark.parametrize("model,opt_type,spec", PRE_INDEX,
-                         ids=[f"{m}-{t[7:]}-{s.replace(' ', '')}" for m, t, s in PRE_INDEX])
-def test_pre_index_tag_is_adapted_to_the_index_it_would_have_had(saved, tmp_path, model, opt_type, spec):
-    """The index built from a pre-index tag's records (ckpt_legacy.legacy_index) describes every
-    (name, state) the save's own index does, with the same values, shapes and meta."""
-    src = saved(model, opt_type, spec, old=True)
-    adapted = _assert_faithful(os.path.join(src, "saved"), os.path.join(_pre_index(src, str(tmp_path / "old")), "saved"))
-    from safetensors.torch import load_file
-
-    from canzona_ds.ckpt import Index, Reader
-    from canzona_ds.cli.ckpt import main
-
-    conv = str(tmp_path / "conv")  # canzona-ckpt convert reads the pre-index tag through the adapted index
-    assert main(["convert", str(tmp_path / "old"), conv, "--tag", "saved"]) == 0
-    real = Index.read(os.path.join(src, "saved"))
-    weights, reader = load_file(os.path.join(conv, "model.safetensors")), Reader(os.path.join(src, "saved"), real)
-    assert sorted(weights) == sorted(real.names)
-    assert all(torch.equal(w, reader.whole(n)) for n, w in weights.items())
-    if Layout.parse(spec).mixed:  # a hosted matrix: its master and element-wise state in pieces over the ranks
-        hosted = {c.name for c in adapted.chunks if "piece_state" in c.key}
-        assert hosted and all(len({c.file for c in adapted.by_key()[n, "param"]}) == 2 for n in hosted), hosted
-
-
-def test_pre_index_tag_with_unreadable_records_is_refused_by_name(saved, tmp_path):
-    from canzona_ds.ckpt import CheckpointIndexError
-    from canzona_ds.integration.ckpt_legacy import legacy_index
-
-    old = os.path.join(_pre_index(saved("dense", M, "z1 dp2", old=True), str(tmp_path / "old")), "saved")
-    path = os.path.join(old, "zero_pp_rank_0_mp_rank_00_optim_states.pt")
-    sd = torch.load(path, weights_only=False)
-    del sd["optimizer_state_dict"]["canzona_layout"]["roles"]  # a record no release wrote
-    torch.save(sd, path)
-    with pytest.raises(CheckpointIndexError, match=r"records cannot be read \(KeyError: 'roles'\).*load_module_only"):
-        legacy_index(old)
-
-
-def _assert_faithful(folder: str, old: str):
-    """``old`` (``folder`` without its index) adapts to what ``folder``'s index says."""
-    from canzona_ds.ckpt import Index, Reader
-    from canzona_ds.integration.ckpt_legacy import legacy_index
-
-    adapted, real = legacy_index(old), Index.read(folder)
-    assert adapted is not None and adapted.chunks is not None and adapted.meta["adapted_from"]
-    assert set(adapted.by_key()) == set(real.by_key()), sorted(set(adapted.by_key()) ^ set(real.by_key()))[:5]
-    ra, rb = Reader(old, adapted), Reader(folder, real)
-    for name, state in real.by_key():
-        assert torch.equal(ra.whole(name, state), rb.whole(name, state)), (name, state)
-    for key in ("stage", "dp", "tp", "pp", "ep", "world_size", "rule", "roles", "matrix_step", "adam_step",
-                "engine_file", "expert_stacks", "fingerprints"):
-        assert adapted.meta.get(key, {} if key == "expert_stacks" else None) == real.meta.get(key), key
-    return adapted
 
 
 def _engine(dp: int, stage: int, opt_type: str, cfg: dict | None = None):
@@ -524,7 +435,7 @@ def _load_other_stage(rank, dp, ckpt):
 def test_a_save_writes_the_index_and_no_layout_records(saved, spec):
     """The index is the one description of a tag: the ZeRO files carry no ``canzona_layout``
     record and the optimizer state no parameter-name lists (what canzona-ds wrote before the
-    index, and what ckpt_legacy.py still adapts)."""
+    index)."""
     from canzona_ds import checkpoint as ck
 
     folder = os.path.join(saved("dense", SO if spec.startswith("z3") else M, spec), "saved")
@@ -721,18 +632,21 @@ def test_tp_change_refuses_state_that_cannot_follow(saved):
         assert msg is not None and "tensor-parallel size" in msg and ("'qkv.weight'" in msg or "'fc1.weight'" in msg), msg
 
 
-def test_pre_index_tp_tag_resumes_at_its_size_and_refuses_another_by_name(saved, tmp_path):
-    """A TP=2 tag as written before the checkpoint index (no index, no manifest): the index built
-    from its records (integration/ckpt_legacy.py) does not describe TP layouts, so the same
-    sizes take DeepSpeed's stock load and another TP size is refused by name on every rank."""
+def test_pre_index_tag_resumes_at_its_layout_and_refuses_another_by_name(saved, tmp_path):
+    """A TP=2 tag as canzona-ds wrote it before the checkpoint index (its files with the layout
+    records of then, no index, no manifest): at its saved layout DeepSpeed's stock load takes it
+    (the layout records agree with this run's); at another layout it is refused by name on every
+    rank, saying that it predates the index, the saved and running sizes, and how to continue."""
     from canzona_testkit.resume import tp
 
     ckpt = _pre_index(saved("tp", M, "z1 tp2 dp1", old=True), str(tmp_path / "old"))
     for same, msg in run_distributed(tp.try_loads, 2, "tp", [Layout.parse(s) for s in ("z1 tp2 dp1", "z1 tp1 dp2")],
                                      M, ckpt):
         assert same is None, same
-        assert msg is not None and "tensor parallelism (TP=2), written before the checkpoint index" in msg, msg
-        assert "This run has ZeRO stage 1, DP=2, TP=1" in msg, msg
+        assert msg is not None and "has no canzona_index.json: a Canzona tag written before the checkpoint index" \
+            in msg, msg
+        assert "saved at ZeRO stage 1, DP=1, model-parallel size 2" in msg and "ZeRO stage 1, DP=2, TP=1" in msg, msg
+        assert "resume it at the layout it was saved at" in msg and "save once" in msg, msg
 
 
 def test_mixed_tp_checkpoint_with_other_grid_tp_hosts_resumes_exactly(tmp_path):

@@ -95,3 +95,102 @@ def test_the_check_sees_relative_and_lazy_imports(tmp_path: Path) -> None:
     assert imports_of(probe, tmp_path / "canzona_ds") == {
         "canzona_ds.placement", "canzona_ds.placement.HostedSet", "canzona_ds.optim", "canzona_ds.optim.rule",
         "deepspeed.moe"}
+
+
+def import_graph(pkg: Path = PKG) -> dict[str, set[str]]:
+    """canzona_ds's modules -> the canzona_ds modules each imports (any statement, module level or
+    inside a function, relative ones resolved): ``from a import b`` is an arrow to ``a.b`` where
+    that is a module, else to ``a``; ``import a.b`` an arrow to ``a.b`` (a parent package's
+    ``__init__``, run first by Python, is not counted as an arrow)."""
+    own = {_module_name(p, pkg) for p in pkg.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for path in sorted(pkg.rglob("*.py")):
+        name = _module_name(path, pkg)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        arrows: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                arrows.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                module = node.module
+                if node.level:
+                    base = package.split(".")
+                    module = ".".join(base[:len(base) - node.level + 1] + ([node.module] if node.module else []))
+                arrows.update(f"{module}.{alias.name}" if f"{module}.{alias.name}" in own else module
+                              for alias in node.names)
+        graph[name] = {m for m in arrows if m in own and m != name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle (``a -> b -> ... -> a``) through each strongly connected group of modules that
+    import each other (Tarjan's algorithm, then a shortest way back to its first module)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    groups: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    cycles = []
+    for group in groups:
+        start, members = group[0], set(group)
+        back = {start: None}
+        frontier = [start]
+        while frontier and start not in [w for v in frontier for w in graph[v]]:
+            nxt = []
+            for v in frontier:
+                for w in sorted(graph[v] & members):
+                    if w not in back:
+                        back[w] = v
+                        nxt.append(w)
+            frontier = nxt
+        last = next(v for v in frontier if start in graph[v])
+        path = [last]
+        while back[path[-1]] is not None:
+            path.append(back[path[-1]])
+        cycles.append(path[::-1] + [start])
+    return cycles
+
+
+def test_no_import_cycles() -> None:
+    """No two modules of canzona_ds import each other, directly or round a circle, lazily or not:
+    what is shared lives in the module that owns it."""
+    cycles = import_cycles(import_graph())
+    assert not cycles, f"{len(cycles)} import circle(s) in canzona_ds:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_finds_a_lazy_circle(tmp_path: Path) -> None:
+    """The check itself: a circle closed by a function-local relative import is found."""
+    pkg = tmp_path / "canzona_ds"
+    (pkg / "a").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a" / "__init__.py").write_text("")
+    (pkg / "a" / "x.py").write_text("from .y import f\n")
+    (pkg / "a" / "y.py").write_text("def f():\n    from . import x\n")
+    (pkg / "b.py").write_text("from .a import x\n")
+    cycles = import_cycles(import_graph(pkg))
+    assert [sorted(c[:-1]) for c in cycles] == [["canzona_ds.a.x", "canzona_ds.a.y"]], cycles

@@ -181,3 +181,46 @@ def test_a_file_in_the_way_is_found(tmp_path):
     assert check_writable(RunConfig(runs_dir=str(tmp_path / "new" / "runs"))) == []
     assert check_writable(RunConfig(log_dir=str(tmp_path), checkpoint_dir=str(tmp_path / "f" / "x"),
                                     checkpoint_every=0)) == []  # no checkpoints written: not checked
+
+
+def test_the_checkpoint_folder_the_run_will_use_is_checked_before_launch(tmp_path, capsys):
+    """The pre-launch check (canzona_ds.cli.train.precheck: the launcher's, before any rank
+    starts) checks the folder the checkpoints will go to even where the run config does not name
+    it: ``<log_dir>/checkpoints`` with a file in the way (binds root too) is one line, exit 4,
+    naming the folder and why; before, the first save found it, after the first training steps."""
+    from canzona_ds.cli.train import precheck
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoints").write_text("")
+    argv = ["--config", "configs/run_tiny.yaml", "--set", f"log_dir={tmp_path / 'run'}"]
+    assert precheck(argv, 2) == 4
+    (line,) = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert line.startswith("canzona_ds.cli.train: checkpoint error: checkpoint_dir=") and \
+        f"{str(tmp_path / 'run' / 'checkpoints')!r} is not a directory (a file)" in line, line
+    (tmp_path / "run" / "checkpoints").unlink()
+    assert precheck(argv, 2) == 0 and not (tmp_path / "run" / "checkpoints").exists()  # (nothing created)
+
+
+def test_the_resumed_runs_checkpoint_folder_is_checked_before_launch(tmp_path, capsys):
+    """``--resume`` without a log_dir continues an earlier run (resolve, on the ranks): the
+    pre-launch check finds the run the ranks will continue and checks its checkpoints/ folder
+    (an unwritable one: not under root, whom the permission bits do not bind)."""
+    from canzona_ds.cli.train import _resumed_run, check_config, parse_args, precheck
+
+    runs = tmp_path / "runs"
+    run, _ = resolve(RunConfig(runs_dir=str(runs)), "configs/run_tiny.yaml", "CanzonaMuon", resume=False, now=T0)
+    fake_checkpoint(run.checkpoint_dir)
+    args = parse_args(["--config", "configs/run_tiny.yaml", "--resume", "--set", f"runs_dir={runs}"])
+    cfg = check_config(args, 2)
+    ranks, _ = resolve(cfg, "configs/run_tiny.yaml", "CanzonaMuon", resume=True, now=T0 + 60,
+                       layout=Layout(1, 1, 2, True))
+    assert _resumed_run(cfg, args, 2) == Path(ranks.log_dir) == Path(run.log_dir)
+    if os.geteuid() == 0:
+        pytest.skip("root writes anywhere: the permission bits do not bind it (the run it finds is checked above)")
+    os.chmod(run.checkpoint_dir, 0o555)
+    try:
+        assert precheck(["--config", "configs/run_tiny.yaml", "--resume", "--set", f"runs_dir={runs}"], 2) == 4
+        (line,) = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+        assert f"checkpoint_dir={run.checkpoint_dir!r} is not writable" in line, line
+    finally:
+        os.chmod(run.checkpoint_dir, 0o755)

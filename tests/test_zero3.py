@@ -299,12 +299,13 @@ def _refusals(rank, dp):
 
 def _saved_matrix_state(path, tag):
     """Every matrix's rule state in a checkpoint (the union of the hosts' files)."""
-    from canzona_ds.integration.ckpt_legacy import OPTIM_FILE, _load
+    from canzona_ds.integration.ckpt_index import _OPTIM_FILE
+    from canzona_ds.integration.ckpt_safe import read
 
     out = {}
     for f in os.listdir(os.path.join(path, tag)):
-        if OPTIM_FILE.search(f):
-            sd = _load(os.path.join(path, tag, f))["optimizer_state_dict"]["optimizer_state_dict"]
+        if _OPTIM_FILE.match(f):
+            sd = read(os.path.join(path, tag, f), mmap=True)["optimizer_state_dict"]["optimizer_state_dict"]
             out.update(sd["canzona"]["matrix_state"])
     return out
 

@@ -12,9 +12,9 @@ Every read unpickles only data (canzona_ds/ckpt/safe_load.py): ``verify`` and ``
 check that every ``.pt`` file of the tag names no type but tensors' and the few DeepSpeed
 writes, and refuse a file that does by name, unpickling nothing (docs/checkpoints.md).
 ``--tag`` defaults to the one ``DIR/latest`` names.  Exit status: 0 ok, 2 a problem (the
-message names it).  ``convert`` reads through the checkpoint index (for a tag written before
-the index, the one built from its records: integration/ckpt_legacy.py); a tag whose index
-describes no chunks (tensor parallelism at ZeRO stage 0) is refused by name.
+message names it).  ``convert`` reads through the checkpoint index; a tag without one (written
+before the index) or whose index describes no chunks (tensor parallelism at ZeRO stage 0) is
+refused by name.
 """
 from __future__ import annotations
 
@@ -119,31 +119,28 @@ def verify(folder: str, tag: str | None, mode: str, out=None) -> int:
 
 def _consolidated(path: str) -> tuple[dict, dict, dict]:
     """(name -> fp32 weight, name -> {state: tensor}, info), every tensor whole."""
-    from ..ckpt.index import INDEX, MASTER, Index, Reader
+    from ..ckpt.index import INDEX, MASTER, Index
 
-    if os.path.isfile(os.path.join(path, INDEX)):
-        index = Index.read(path)
-    else:  # written before the index: the index built from its records
-        from ..integration.ckpt_legacy import legacy_index
+    if not os.path.isfile(os.path.join(path, INDEX)):
+        raise ValueError(f"{path} has no {INDEX}: written before the checkpoint index, so it cannot be consolidated. "
+                         "Resume it at the layout it was saved at and save once: that save writes the index.")
+    index = Index.read(path)
+    if index.chunks is None:
+        raise ValueError(f"{path}: its index describes no chunks ({index.meta.get('no_chunks')}), so it cannot be "
+                         "consolidated.")
+    from ..integration.ckpt_index import IndexSource
 
-        index = legacy_index(path)
-    if index is not None:
-        if index.chunks is not None:
-            from ..integration.ckpt_index import IndexSource
-
-            src = IndexSource(path, index)  # (a TP host's state: to TP=1 through its rule's state_axes)
-            reader = src.reader
-            weights = {n: reader.whole(n, MASTER).detach().clone() for n in index.names}  # (views of the files otherwise)
-            state: dict[str, dict] = defaultdict(dict)
-            for name, key in index.by_key():
-                if key != MASTER:
-                    tp1 = src.state_of(name)[key] if reader.frame_of(name, key) is not None else reader.whole(name, key)
-                    state[name][key] = tp1.detach().clone()
-            info = {k: index.meta.get(k) for k in ("stage", "dp", "tp", "pp", "rule", "roles", "matrix_step",
-                                                   "adam_step")}
-            return weights, dict(state), info
-    why = (index.meta.get("refusal") or index.meta.get("no_chunks")) if index is not None else "no index, no records"
-    raise ValueError(f"{path}: its index describes no chunks ({why}), so it cannot be consolidated.")
+    src = IndexSource(path, index)  # (a TP host's state: to TP=1 through its rule's state_axes)
+    reader = src.reader
+    weights = {n: reader.whole(n, MASTER).detach().clone() for n in index.names}  # (views of the files otherwise)
+    state: dict[str, dict] = defaultdict(dict)
+    for name, key in index.by_key():
+        if key != MASTER:
+            tp1 = src.state_of(name)[key] if reader.frame_of(name, key) is not None else reader.whole(name, key)
+            state[name][key] = tp1.detach().clone()
+    info = {k: index.meta.get(k) for k in ("stage", "dp", "tp", "pp", "rule", "roles", "matrix_step",
+                                           "adam_step")}
+    return weights, dict(state), info
 
 
 def convert(folder: str, tag: str | None, out_dir: str, out=None) -> int:

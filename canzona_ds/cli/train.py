@@ -141,7 +141,7 @@ def precheck(argv: list[str], world: int) -> int:
         cfg = check_config(args, world, deep=True)
         from canzona_ds.train.rundir import check_writable
 
-        problems = check_writable(cfg)
+        problems = check_writable(cfg, _resumed_run(cfg, args, world))
     except (ValueError, TypeError) as e:
         return _fail(2, f"config error: {_one_line(e)}")
     for key, problem in problems:
@@ -156,6 +156,23 @@ def precheck(argv: list[str], world: int) -> int:
         except CheckpointError as e:
             return _fail(4, f"checkpoint error: {_one_line(e)}")
     return 0
+
+
+def _resumed_run(cfg, args, world: int):
+    """The earlier run folder ``--resume`` (without a log_dir) will continue, as the ranks'
+    :func:`_run_dirs` will choose it (canzona_ds/train/rundir.py), or None: a new run."""
+    if not cfg.resume or args.compare or cfg.log_dir is not None or cfg.checkpoint_dir is not None:
+        return None
+    from pathlib import Path
+
+    from canzona_ds.optim import OPTIMIZER_TYPES
+    from canzona_ds.train.rundir import Layout, choose_resume_run, run_prefix
+    from canzona_ds.train.trainer import load_ds_config, zero_stage
+
+    ds = load_ds_config(cfg.ds_config)
+    optimizer = str(ds["optimizer"]["type"])
+    layout = Layout(zero_stage(ds), cfg.pp, world, optimizer in OPTIMIZER_TYPES)
+    return choose_resume_run(Path(cfg.runs_dir), run_prefix(args.config, optimizer), layout)[0]
 
 
 #: :func:`precheck`'s status after printing ``--help`` (the launcher exits 0 without starting ranks)

@@ -14,7 +14,6 @@
     checkpoint_hooks.py  engine.save/load_checkpoint: index and manifest written, verified before loading
     ckpt_index.py   each layout's chunks emitted at save; the one comparison and the index loop at load
     ckpt_fill.py    the loop's ZeRO 1/2 fill and the rule-state permutations of a TP layout change
-    ckpt_legacy.py  the index of a tag written before the index, built from its records
     accelerator.py  asking (and, for tests, widening) the CPU accelerator's capabilities
     stage0.py       ZeRO stage 0, fp32: a step with a non-finite gradient skipped, as at stages 1-3
     config_check.py pre-launch checks: the optimizer types DeepSpeed builds, its ds_config parse

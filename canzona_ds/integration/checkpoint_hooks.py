@@ -39,16 +39,9 @@ import logging
 import os
 
 from .. import checkpoint as ck
-from ..config import CheckpointConfig
-
-#: top-level ds_config section read by :func:`checkpoint_config`
-DS_CONFIG_CHECKPOINT_KEY = "canzona_checkpoint"
+from .ckpt_index import checkpoint_config
 
 logger = logging.getLogger(__name__)
-
-
-def checkpoint_config(engine) -> CheckpointConfig:
-    return CheckpointConfig.from_section(engine._config._param_dict.get(DS_CONFIG_CHECKPOINT_KEY))
 
 
 def _no_manifest_reason(engine) -> str | None:

@@ -36,10 +36,9 @@ and each stage's optimizer in its ``mp_rank_<stage>_model_states.pt``: each stag
 own parameters there, by the pipeline's names (the same at every PP size).
 A tag whose weights DeepSpeed saved in no file (its stage-0 MoE writer rule under TP) writes
 the index with ``chunks: null`` and the reason.
-A tag written before the index gets one built from the records its files carry
-(integration/ckpt_legacy.py, ``legacy_index``); where those records cannot describe it (TP,
-older MoE records) that index has no chunks and a ``refusal``: the same layout resumes by
-DeepSpeed's stock load, any other is refused by name.
+A Canzona tag without an index (written by a development version before the index existed;
+no release wrote one) resumes only at the layout it was saved at, through DeepSpeed's stock load;
+any other layout is refused by name (:func:`unindexed`).
 
 Load (:func:`load`; :func:`index_route` is the one comparison: the same stage, DP, TP, PP,
 ep_size, world size, every rank's layout fingerprint and every role -> DeepSpeed's stock load;
@@ -60,6 +59,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 from typing import Any
 
 import torch
@@ -75,6 +75,16 @@ logger = logging.getLogger(__name__)
 
 ADAM = "adamw"
 MATRIX = "matrix"
+
+#: top-level ds_config section read by :func:`checkpoint_config`
+DS_CONFIG_CHECKPOINT_KEY = "canzona_checkpoint"
+
+
+def checkpoint_config(engine):
+    """The engine's ``canzona_checkpoint`` section (config.CheckpointConfig)."""
+    from ..config import CheckpointConfig
+
+    return CheckpointConfig.from_section(engine._config._param_dict.get(DS_CONFIG_CHECKPOINT_KEY))
 
 
 # ---------------------------------------------------------------------------------------- emit
@@ -514,6 +524,83 @@ def read_index(folder: str) -> Index | None:
     return Index.read(folder)
 
 
+#: a DeepSpeed optimizer-states file of a ZeRO stage (1-3), or of DeepSpeed MoE at stage 0
+_OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt$")
+_EXPP_FILE = re.compile(r"^expp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$")
+
+
+def _holds_canzona_state(sd: Any) -> bool:
+    """Whether a DeepSpeed file's optimizer state is a Canzona optimizer's (its ``canzona`` entry:
+    stage 0 ``optimizer``, ZeRO 1/2 ``base_optimizer_state``, ZeRO 3 the inner state dict)."""
+    from ..optimizer import STATE_KEY
+
+    if not isinstance(sd, dict):
+        return False
+    top = [sd.get("optimizer"), sd.get("optimizer_state_dict")]
+    inner = [t.get(k) for t in top if isinstance(t, dict) for k in ("base_optimizer_state", "optimizer_state_dict")]
+    return any(isinstance(d, dict) and STATE_KEY in d for d in top + inner)
+
+
+def unindexed(engine, opt, folder: str) -> None:
+    """A tag without an index.  Not a Canzona optimizer's (DeepSpeed's own AdamW wrote it): None,
+    DeepSpeed's stock load, whose Canzona side refuses its optimizer state by name
+    (integration/zero.py).  A Canzona tag: canzona-ds wrote such a tag only before the index
+    existed (development versions, no release); it takes DeepSpeed's stock load where every rank
+    runs the layout it was saved at (the ZeRO stage, DP and model-parallel sizes DeepSpeed
+    recorded; at ZeRO 1-3 this rank's layout fingerprint against the ``canzona_layout`` record
+    those versions wrote into its file; at stage 0 the expert-parallel size of its files), and
+    raises :class:`CheckpointIndexError` on every rank for any other.  Reads the structure of at
+    most three files per rank (memory-mapped), no tensor data."""
+    import torch.distributed as tdist
+
+    from .ckpt_safe import read
+
+    listing = sorted(os.listdir(folder))
+    optim = [f for f in listing if _OPTIM_FILE.match(f)] or [f for f in listing if _EXPP_FILE.match(f)]
+    probe = optim[0] if optim else next((f for f in ("mp_rank_00_model_states.pt",) if f in listing), None)
+    if probe is None or not _holds_canzona_state(read(os.path.join(folder, probe), mmap=True)):
+        return None
+    stage = engine.zero_optimization_stage()
+    here = (stage, int(engine.seq_dp_world_size), int(engine.mp_world_size))
+    saved, same = None, False
+    model = os.path.join(folder, _engine_files(engine)[0])
+    for f in (model, *(os.path.join(folder, n) for n in ("mp_rank_00_model_states.pt",
+                                                         "zero_pp_rank_0_mp_rank_00_model_states.pt"))):
+        if os.path.isfile(f):  # (the saved sizes DeepSpeed recorded; this stage's own file first)
+            sd = read(f, mmap=True)
+            zero = ((sd.get("ds_config") or {}).get("zero_optimization") or {}).get("stage", 0)
+            saved = (int(zero), sd.get("dp_world_size"), sd.get("mp_world_size"))
+            same = f == model and saved == here
+            break
+    if same and stage > 0:
+        zfile = os.path.join(folder, os.path.basename(engine._get_zero_ckpt_name("", "")))
+        record = (read(zfile, mmap=True).get("optimizer_state_dict") or {}).get("canzona_layout") \
+            if os.path.isfile(zfile) else None
+        same = isinstance(record, dict) and record_fingerprint(record) == layout_fingerprint(engine)
+    elif same:
+        ep = len({m.group(1) for f in listing if (m := _EXPP_FILE.match(f))}) or 1
+        same = ep == _ep(opt)
+    verdict = (same, saved)
+    if tdist.is_initialized():
+        verdicts: list = [None] * tdist.get_world_size()
+        tdist.all_gather_object(verdicts, verdict)
+    else:
+        verdicts = [verdict]
+    if all(v[0] for v in verdicts):
+        return None  # the layout it was saved at: DeepSpeed's stock load
+    saved = verdicts[0][1]
+    was = "at an unknown layout" if saved is None else \
+        f"at ZeRO stage {saved[0]}, DP={saved[1]}, model-parallel size {saved[2]}"
+    raise CheckpointIndexError(
+        f"{folder} has no {INDEX}: a Canzona tag written before the checkpoint index (by a development version of "
+        f"canzona-ds; no release writes one), saved {was}. Without the index only the layout it was saved at loads "
+        f"it (DeepSpeed's stock load), and this run's is another: ZeRO stage {stage}, DP={opt.groups.dp_size}, "
+        f"TP={opt.tp_size}, PP={opt.groups.pp_size}, ep_size={_ep(opt)}"
+        f"{' (the layout records differ)' if saved == here else ''}. To continue from it, resume it at the layout "
+        "it was saved at (the version that wrote it, or this one) and save once with this version: that save writes "
+        "the index, and the new tag resumes at any layout.")
+
+
 class IndexSource:
     """What ``ckpt_fill.fill_zero12`` (and the stage-0 and ZeRO-3 fills here) read through, answered
     from the index: regions by whole-model name, rule state whole, scalars."""
@@ -847,10 +934,6 @@ def _saved_groups_from_files(folder: str, index: Index | None) -> list[dict] | N
     file's ``optimizer``; ZeRO 1/2: ``base_optimizer_state``; ZeRO 3: ``optimizer_state_dict``)."""
     from .param_groups import describe
 
-    if index is None:
-        from .ckpt_legacy import legacy_index
-
-        index = legacy_index(folder)
     if index is None or index.chunks is None:  # (no chunks: only the stock load took it, groups and all)
         return None
     reader, m = Reader(folder, index), index.meta
@@ -875,8 +958,8 @@ def index_route(engine, load_dir: str, tag: str | None) -> Index | None:
     TP, PP and expert-parallel size, world size, every rank's layout fingerprint and every
     parameter's role -> None (DeepSpeed's stock load); anything else -> the index, for the index loop, where the
     index describes its chunks and the loop fills this run's layout, or where a role or the
-    ZeRO stage changed (the loop then refuses by name what it cannot do), or where the tag was
-    written before the index (an index built from its records: filled, or refused by name).
+    ZeRO stage changed (the loop then refuses by name what it cannot do).  A tag without an index
+    (written before the index existed): :func:`unindexed` (the stock load at its saved layout, else refused by name).
     A tag whose chunks are not described (weights DeepSpeed wrote in no file) resumes at another DP size through
     DeepSpeed's stock load (stage 0 replicates everything; None), and is refused by name in
     :func:`load` for any other change.  The verdicts are all-gathered, so every rank takes the
@@ -893,13 +976,8 @@ def index_route(engine, load_dir: str, tag: str | None) -> Index | None:
         return None
     folder = os.path.join(load_dir, str(tag))
     index = read_index(folder)
-    adapted = index is None
-    if adapted:  # a tag written before the index: an index built from its records
-        from .ckpt_legacy import legacy_index
-
-        index = legacy_index(folder)
-    if index is None:
-        return None
+    if index is None:  # no index: DeepSpeed's stock load at the saved layout, else refused by name
+        return unindexed(engine, opt, folder)
     missing = sorted(f for f in index.files if not os.path.isfile(os.path.join(folder, f)))
     if missing:  # (every rank reads the same directory: every rank refuses)
         raise CheckpointIndexError(f"{folder} lacks {missing[:6]}{' ...' if len(missing) > 6 else ''}, which its "
@@ -924,7 +1002,7 @@ def index_route(engine, load_dir: str, tag: str | None) -> Index | None:
     ep = max(v[2] for v in verdicts)  # (a pipeline stage without MoE layers has ep 1)
     if all(v[0] for v in verdicts) and not any(v[1] for v in verdicts) and ep == m.get("ep", 1):
         return None  # the same fingerprint: DeepSpeed's stock load
-    if adapted or any(v[1] for v in verdicts) or m.get("stage") != engine.zero_optimization_stage():
+    if any(v[1] for v in verdicts) or m.get("stage") != engine.zero_optimization_stage():
         return index  # the loop fills it, or refuses by name (DeepSpeed's load would crash)
     if index.chunks is None and here[0] == m.get("stage") == 0 and (here[2], here[3], ep) == (
             m.get("tp"), m.get("pp"), m.get("ep", 1)):
@@ -943,7 +1021,6 @@ def _roles_here(opt) -> dict[str, str]:
 def load(engine, load_dir: str, tag: str | None, index: Index, load_module_strict: bool = True,
          load_lr_scheduler_states: bool = True) -> tuple[str, dict]:
     """Fill ``engine`` from any saved layout the index describes (module docstring)."""
-    from .checkpoint_hooks import checkpoint_config
     from .ckpt_fill import fill_zero12
     from .runtime_info import canzona_optimizer
 
@@ -957,9 +1034,6 @@ def load(engine, load_dir: str, tag: str | None, index: Index, load_module_stric
         f"ZeRO stage {index.meta.get('stage')} -> {stage}" if index.meta.get("stage") != stage else "",
         f"PP {index.meta.get('pp')} -> {opt.groups.pp_size}" if index.meta.get("pp") != opt.groups.pp_size else "",
         f"re-initialising {sorted(changed)[:4]}" if changed else "") if t) or "another layout"
-    if index.chunks is None and index.meta.get("refusal"):  # a tag from before the index (ckpt_legacy.py)
-        raise CheckpointIndexError(f"{index.meta['refusal']}. This run has ZeRO stage {stage}, DP={opt.groups.dp_size}, "
-                                   f"TP={opt.tp_size}, PP={opt.groups.pp_size}, ep_size={_ep(opt)}.")
     if index.chunks is None:
         m = index.meta
         raise CheckpointIndexError(

@@ -205,7 +205,7 @@ def install() -> None:
     from deepspeed.runtime.config import DeepSpeedConfig
 
     from ..checkpoint import engine_hooks_on
-    from . import checkpoint_hooks
+    from . import checkpoint_hooks, ckpt_index
     from .runtime_info import canzona_optimizer
     from .zero import zero_optimizer_class
 
@@ -217,8 +217,8 @@ def install() -> None:
     def _do_sanity_check(self):
         if self.optimizer_name in OPTIMIZER_TYPES:
             CanzonaConfig.from_ds(self.optimizer_name, self.optimizer_params, self._param_dict.get(DS_CONFIG_TP_KEY))
-        if checkpoint_hooks.DS_CONFIG_CHECKPOINT_KEY in self._param_dict:
-            CheckpointConfig.from_section(self._param_dict[checkpoint_hooks.DS_CONFIG_CHECKPOINT_KEY])
+        if ckpt_index.DS_CONFIG_CHECKPOINT_KEY in self._param_dict:
+            CheckpointConfig.from_section(self._param_dict[ckpt_index.DS_CONFIG_CHECKPOINT_KEY])
         return stock_sanity(self)
 
     DeepSpeedConfig._do_sanity_check = _do_sanity_check
@@ -336,11 +336,9 @@ def install() -> None:
         if canzona_optimizer(self) is not None:
             from .ckpt_safe import engine_reads
 
-            reads = engine_reads(self, load_dir, tag, checkpoint_hooks.checkpoint_config(self).allow_unsafe_pickle)
+            reads = engine_reads(self, load_dir, tag, ckpt_index.checkpoint_config(self).allow_unsafe_pickle)
         with reads:
             if load_optimizer_states and not load_module_only and custom_load_fn is None:
-                from . import ckpt_index
-
                 index = ckpt_index.index_route(self, load_dir, tag)
                 if index is not None:
                     out = ckpt_index.load(self, load_dir, tag, index, load_module_strict, load_lr_scheduler_states)

@@ -229,7 +229,7 @@ def _make_zero_class():
         def canzona_layout_meta(self) -> dict:
             """What the layout depends on (its fingerprint: ckpt_index.layout_fingerprint), with the
             tensor-parallel layout of every TP-split parameter.  canzona-ds wrote this record into
-            every ZeRO file before the checkpoint index (integration/ckpt_legacy.py adapts such tags)."""
+            every ZeRO file before the checkpoint index (ckpt_index.unindexed compares it with this run's)."""
             from ..tp.layout import tp_blocks
             from ..tp.runtime import TPMatrix, tp_split
 

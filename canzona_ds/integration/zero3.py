@@ -35,8 +35,7 @@ offload and the loss scaler are DeepSpeed's.  Further overrides, each small:
 A checkpoint written at another DP size, plan or ZeRO stage resumes through the checkpoint
 index (integration/ckpt_index.py): this rank's new piece of every fp32 parameter and AdamW
 moment read from the saved chunks it overlaps, every matrix's rule state handed to its new host
-by name (a tag written before the index gets one built from the layout records canzona-ds
-wrote then, ``canzona_layout_meta``'s).
+by name (a tag written before the index resumes only at the layout it was saved at).
 """
 from __future__ import annotations
 
@@ -141,7 +140,7 @@ def _make_zero3_class():
         def canzona_layout_meta(self) -> dict:
             """What the rule state's placement depends on (its fingerprint:
             ckpt_index.layout_fingerprint); written into every ZeRO-3 file before the checkpoint
-            index (integration/ckpt_legacy.py adapts such tags)."""
+            index (ckpt_index.unindexed compares it with this run's)."""
             opt = self._canzona
             runtime = opt.tp_runtime
             payload = {"dp": self.partition_count, "runtime": None if runtime is None else runtime.fingerprint(),

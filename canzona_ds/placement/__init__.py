@@ -1,5 +1,6 @@
 """Where a matrix's update happens: one strategy per file, one small interface (base.py).
 
+    context.py  StepContext: what one step of the matrix group hands every placement
     local.py    replicated (one process, ZeRO stage 0): every rank updates every matrix it holds
     owned.py    ZeRO stage 1/2: the planned owner updates its whole matrices inside its flat
                 fp32 partition; no collective
@@ -15,7 +16,8 @@ through :func:`~canzona_ds.optim.rule.rule_step`.  A new placement (experts) is 
 """
 from __future__ import annotations
 
-from .base import Placement, StepContext
+from .base import Placement
+from .context import StepContext
 from .hosted import HostedPlacement, HostedSet, describe_matrix
 from .local import LocalPlacement
 from .owned import FlatView, OwnedPlacement

@@ -18,32 +18,16 @@ ZeRO's flat fp32 partition), so the update lands in place.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar, Mapping
+from typing import TYPE_CHECKING, ClassVar
 
 from torch import Tensor
 
 from ..optim.qk_clip import apply_row_scale
-from ..optim.rule import MatrixInfo, MatrixRule, rule_steps
+from ..optim.rule import rule_steps
+from .context import StepContext
 
 if TYPE_CHECKING:
     from .hosted import HostedPlacement, HostedSet
-
-
-@dataclass
-class StepContext:
-    """What one step of the matrix group needs besides the matrices."""
-
-    rule: MatrixRule
-    infos: Mapping[str, MatrixInfo]
-    #: rule state by matrix name (created on first use by rule_step / the host)
-    states: dict[str, dict[str, Tensor]]
-    step: int
-    lr: float
-    weight_decay: float
-    #: QK-clip (optim/qk_clip.py): per-row factors of the q/k matrices that clip this step,
-    #: applied right after their rule update on the same tensor (the whole matrix)
-    qk_scales: Mapping[str, Tensor] = field(default_factory=dict)
 
 
 class Placement(ABC):

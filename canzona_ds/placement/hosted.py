@@ -29,7 +29,7 @@ from ..config import TPConfig
 from ..optim.rule import MatrixInfo, MatrixRule
 from ..planning.params import ParamSpec
 from ..tp.runtime import FlatSplit, GridSplit, MicroGroupRuntime, StepStats, TPMatrix
-from .base import StepContext
+from .context import StepContext
 
 
 def describe_matrix(name: str, param: Tensor, tp_size: int, per_head: bool, num_experts: int | None = None

@@ -101,6 +101,15 @@ class Layout:
         return f"ZeRO {self.zero_stage}, pp={self.pp}, {ranks}"
 
 
+def saved_pipeline_stages(ckpt_dir: str | Path) -> int:
+    """Pipeline stages of a checkpoint: a PipelineEngine writes ``layer_XX-model_states.pt``
+    and one ``mp_rank_XX_model_states.pt`` per stage; anything else counts as 1."""
+    d = Path(ckpt_dir)
+    if not any(d.glob("layer_*-model_states.pt")):
+        return 1
+    return max(1, len(list(d.glob("mp_rank_*_model_states.pt"))))
+
+
 def saved_layout(ckpt_dir: str | Path) -> tuple[str, Layout] | None:
     """(tag, layout) of the checkpoint ``--resume`` would load first from ``ckpt_dir`` (the one
     ``latest`` names, else the newest published tag); None when there is none.  Reads the
@@ -109,7 +118,6 @@ def saved_layout(ckpt_dir: str | Path) -> tuple[str, Layout] | None:
     from canzona_ds import checkpoint
     from canzona_ds.ckpt.safe_load import UnsafeCheckpointError
     from canzona_ds.integration.ckpt_safe import read
-    from canzona_ds.train.trainer import saved_pipeline_stages
 
     ckpt_dir = Path(ckpt_dir)
     tags = checkpoint.published_tags(str(ckpt_dir))
@@ -226,18 +234,34 @@ def _nearest_existing(path: Path) -> Path:
     return path
 
 
-def check_writable(cfg: RunConfig) -> list[tuple[str, str]]:
+def planned_checkpoint_dir(cfg: RunConfig, resumed_run: Path | None = None) -> str | None:
+    """The folder :func:`resolve` will give the run's checkpoints, decided without creating
+    anything: ``checkpoint_dir``; else ``<log_dir>/checkpoints``; else, where ``--resume``
+    continues an earlier run (``resumed_run``: :func:`choose_resume_run`'s choice), that run's
+    ``checkpoints/``.  None: a new run folder under ``runs_dir`` (whose own check covers it)."""
+    if cfg.checkpoint_dir is not None:
+        return cfg.checkpoint_dir
+    log_dir = cfg.log_dir if cfg.log_dir is not None else resumed_run
+    return None if log_dir is None else str(Path(log_dir) / "checkpoints")
+
+
+def check_writable(cfg: RunConfig, resumed_run: Path | None = None) -> list[tuple[str, str]]:
     """(run-config key, problem) for each folder the run will write that it cannot: the folder,
     or the nearest existing folder above it, must be a writable directory.  Checked without
-    creating anything."""
+    creating anything.  The checkpoint folder is the one the run will use
+    (:func:`planned_checkpoint_dir`: named, derived from ``log_dir``, or the resumed run's), so
+    that no run finds it at its first save."""
     wanted = [("log_dir", cfg.log_dir) if cfg.log_dir is not None else ("runs_dir", cfg.runs_dir)]
-    if cfg.checkpoint_every and cfg.checkpoint_dir is not None:
-        wanted.append(("checkpoint_dir", cfg.checkpoint_dir))
+    ckpt = planned_checkpoint_dir(cfg, resumed_run)
+    if cfg.checkpoint_every and ckpt is not None:
+        wanted.append(("checkpoint_dir", ckpt))
     problems = []
     for key, value in wanted:
         base = _nearest_existing(Path(value))
         if not base.is_dir():
-            problems.append((key, f"{key}={value!r}: {str(base)!r} is not a directory"))
+            kind = " (a file)" if base.is_file() else ""
+            made = ":" if base == Path(value).absolute() else " cannot be created:"
+            problems.append((key, f"{key}={value!r}{made} {str(base)!r} is not a directory{kind}"))
         elif not os.access(base, os.W_OK | os.X_OK):
             where = "" if base == Path(value).absolute() else f" (its nearest existing folder {str(base)!r})"
             problems.append((key, f"{key}={value!r}{where} is not writable"))

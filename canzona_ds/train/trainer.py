@@ -39,6 +39,7 @@ from canzona_ds import checkpoint
 from canzona_ds.data import BatchSampler, DataConfig
 from canzona_ds.models.qwen3 import build_model
 from canzona_ds.train.config import RunConfig
+from canzona_ds.train.rundir import resolve_collective, saved_pipeline_stages
 from canzona_ds.train.metrics import MetricsWriter, read_metrics, summarize_steps
 from canzona_ds.train.plan_summary import format_plan, summarize
 from canzona_ds.train.schedule import lr_multiplier
@@ -289,8 +290,6 @@ def train(cfg: RunConfig, name: str | None = None, progress: bool = True) -> Run
     opt_type = str(ds["optimizer"]["type"])
     name = name or opt_type
     if cfg.log_dir is None or cfg.checkpoint_dir is None:  # called without the CLI's resolution
-        from canzona_ds.train.rundir import resolve_collective
-
         cfg = resolve_collective(cfg, None, opt_type, cfg.resume)
     log_dir = Path(cfg.log_dir)
 
@@ -446,15 +445,6 @@ def saved_optimizer_type(ckpt_dir: str | Path) -> str | None:
         raise
     except Exception:  # noqa: BLE001 - not knowable: DeepSpeed's own load decides
         return None
-
-
-def saved_pipeline_stages(ckpt_dir: str | Path) -> int:
-    """Pipeline stages of a checkpoint: a PipelineEngine writes ``layer_XX-model_states.pt``
-    and one ``mp_rank_XX_model_states.pt`` per stage; anything else counts as 1."""
-    d = Path(ckpt_dir)
-    if not any(d.glob("layer_*-model_states.pt")):
-        return 1
-    return max(1, len(list(d.glob("mp_rank_*_model_states.pt"))))
 
 
 def _loader_for(opt_type: str, pp: int = 1, world: int | None = None):

@@ -100,13 +100,12 @@ def index_route_only() -> None:
     record_routes(index_only=True)
 
 
-def assert_same_state(a_dir: str, b_dir: str, a=None) -> int:
-    """Every (name, state) of checkpoint ``a_dir``'s index (or ``a``) equals ``b_dir``'s, bit for
-    bit, read through each one's own index (whatever layout wrote it); returns how many were
-    compared."""
+def assert_same_state(a_dir: str, b_dir: str) -> int:
+    """Every (name, state) of checkpoint ``a_dir``'s index equals ``b_dir``'s, bit for bit, read
+    through each one's own index (whatever layout wrote it); returns how many were compared."""
     from canzona_ds.ckpt import Index, Reader
 
-    a, b = Index.read(a_dir) if a is None else a, Index.read(b_dir)
+    a, b = Index.read(a_dir), Index.read(b_dir)
     ra, rb = Reader(a_dir, a), Reader(b_dir, b)
     assert set(a.by_key()) == set(b.by_key()), sorted(set(a.by_key()) ^ set(b.by_key()))[:5]
     for name, state in a.by_key():

@@ -87,19 +87,17 @@ def reference(model: str, lay: Layout, opt_type: str, start) -> dict:
                          clip=CLIP, num_experts=_experts(model), ep2=lay.epb, before=lay.before, schedule=True, **kw)
 
 
-def check(model, opt_type, saved, running, ckpt, out, results, index=None):
+def check(model, opt_type, saved, running, ckpt, out, results):
     from canzona_testkit.moe import whole_names
 
-    compared = assert_same_state(os.path.join(ckpt, "saved"), os.path.join(out, "reloaded"), index)
+    compared = assert_same_state(os.path.join(ckpt, "saved"), os.path.join(out, "reloaded"))
     # every expert (weight and bias of 2 layers, of each MoE layer) by its whole-model name
     assert compared >= len(whole_names(_experts(model), two=running.epb is not None))
     assert_steps(results)
     assert all(r["steps_at_load"] == BEFORE for r in results)
     if running.mixed and model == "moe-e2" and running.dp > running.ep:
         assert all(r["mixed"] for r in results), "the running mixed layout hosts no matrix"
-    # the saved state (an adapted pre-index tag's as reloaded: checked equal above)
-    ref = reference(model, running, opt_type,
-                    start_of(os.path.join(ckpt, "saved") if index is None else os.path.join(out, "reloaded")))
+    ref = reference(model, running, opt_type, start_of(os.path.join(ckpt, "saved")))
     if running.dp <= 2:
         for r in results:
             for k, v in r["params"].items():

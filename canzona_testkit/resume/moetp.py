@@ -124,7 +124,7 @@ def reference(lay: Layout, opt_type: str, start, steps: int = AFTER) -> dict:
                          data=data(lay.dp, AFTER, 2), start=start, tp_mlp=True, schedule=True)
 
 
-def check(model, opt_type, saved, running, ckpt, out, results, index=None):
+def check(model, opt_type, saved, running, ckpt, out, results):
     import torch
 
     from canzona_ds.ckpt import Index

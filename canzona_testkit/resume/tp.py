@@ -249,10 +249,7 @@ def check_state(model, opt_type, saved, running, ckpt, out, results):
                                           err_msg=f"dp {d} {n}")
 
 
-def check(model, opt_type, saved, running, ckpt, out, results, index=None):
-    if index is not None:
-        raise ValueError("family 'tp' has no pre-index resume: such a tag is refused at another TP size "
-                         "(test_pre_index_tp_tag_resumes_at_its_size_and_refuses_another_by_name)")
+def check(model, opt_type, saved, running, ckpt, out, results):
     want = "stock" if saved == running else "index"
     for r in results:
         assert r["route"] == [want], (r["route"], want)
