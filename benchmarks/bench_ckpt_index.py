@@ -129,7 +129,7 @@ def _load(rank, world, ckpt, tag, stage, path, size):
     before = _status_kib("VmRSS")
     t0 = time.perf_counter()
     if path == "index":
-        from canzona_ds.integration import ckpt_index
+        from canzona_ds.integration.ckpt import route as ckpt_index
 
         index = ckpt_index.index_route(engine, ckpt, tag)
         assert index is not None, "the index loop was not chosen"

@@ -36,7 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from canzona_ds import checkpoint as ck  # noqa: E402
+from canzona_ds.ckpt import tag as ck  # noqa: E402
 
 MODEL = "mp_rank_00_model_states.pt"
 OPT = "zero_pp_rank_{}_mp_rank_00_optim_states.pt"

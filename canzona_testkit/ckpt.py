@@ -33,8 +33,9 @@ class Whole:
 
 
 def open_source(ckpt_dir: str, tag: str | None = None):
-    """The tag's :class:`~canzona_ds.integration.ckpt_index.IndexSource` (``latest`` by default)."""
-    from canzona_ds.integration import ckpt_index
+    """The tag's :class:`~canzona_ds.integration.ckpt.fill.IndexSource` (``latest`` by default)."""
+    from canzona_ds.integration.ckpt import fill as ckpt_fill
+    from canzona_ds.integration.ckpt import route as ckpt_index
 
     if tag is None:
         with open(os.path.join(ckpt_dir, "latest"), encoding="utf-8") as f:
@@ -43,7 +44,7 @@ def open_source(ckpt_dir: str, tag: str | None = None):
     index = ckpt_index.read_index(folder)
     if index is None:
         raise FileNotFoundError(f"{folder}: no checkpoint index.")
-    return ckpt_index.IndexSource(folder, index)
+    return ckpt_fill.IndexSource(folder, index)
 
 
 def read(ckpt_dir: str, tag: str | None = None) -> Whole:
@@ -69,7 +70,7 @@ def pre_index_records():
     """Inside: saves also write the records canzona-ds wrote before the checkpoint index (a ZeRO
     file's ``canzona_layout``, the optimizer state's ``param_names`` / ``global_names``), from the
     same producers; a tag so written, its index and manifest removed, is a pre-index tag
-    (``ckpt_index.unindexed``: the stock load at its saved layout, else refused by name).  Call
+    (``ckpt/route.unindexed``: the stock load at its saved layout, else refused by name).  Call
     inside the saving worker."""
     from canzona_ds.integration.zero import zero_optimizer_class
     from canzona_ds.integration.zero3 import zero3_optimizer_class
@@ -139,7 +140,7 @@ def plant(src_tag: str, dst_tag: str, file: str, marker: str) -> str:
 
     import torch
 
-    from canzona_ds import checkpoint as ck
+    from canzona_ds.ckpt import tag as ck
 
     shutil.copytree(src_tag, dst_tag)
     path = os.path.join(dst_tag, file)

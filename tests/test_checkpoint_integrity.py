@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from canzona_ds import checkpoint as ck
+from canzona_ds.ckpt import tag as ck
 from canzona_testkit.dist import free_port, run_distributed
 from canzona_testkit.models import batches, ds_config, make_model, params_of
 

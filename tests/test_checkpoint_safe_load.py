@@ -1,4 +1,4 @@
-"""Reading a checkpoint never runs code from it (canzona_ds/ckpt/safe_load.py, integration/ckpt_safe.py).
+"""Reading a checkpoint never runs code from it (canzona_ds/ckpt/safe_load.py, integration/ckpt/safe.py).
 
 A planted object (``canzona_testkit.ckpt.Planted``: its unpickling creates a marker file, as an
 attacker's ``os.system`` would run a command) is added to one file of a copy of a real tag, and
@@ -72,7 +72,7 @@ def test_allowed_types_load_and_the_allowlist_does_not_leak(tmp_path):
 
 # ------------------------------------------------------------------------------ real tags
 def _load_each(engine, root: str, tags: list[str]) -> dict:
-    from canzona_ds import checkpoint as ck
+    from canzona_ds.ckpt import tag as ck
 
     out = {}
     for tag in tags:

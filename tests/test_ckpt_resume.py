@@ -211,7 +211,7 @@ def _pre_index(src: str, dst: str) -> str:
     the index too) as canzona-ds wrote it before the index: the same files, no index, no manifest."""
     import shutil
 
-    from canzona_ds import checkpoint as ck
+    from canzona_ds.ckpt import tag as ck
 
     shutil.copytree(src, dst)
     for name in (ck.INDEX, ck.MANIFEST):
@@ -276,7 +276,7 @@ def _save_failing(rank, dp, ckpt, fail_rank):
     """Save 'good'; one more step; save 'bad' with ``fail_rank``'s torch.save hitting a full disk."""
     import errno
 
-    from canzona_ds import checkpoint as ck
+    from canzona_ds.ckpt import tag as ck
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
     engine = _engine(dp, 1, "CanzonaMuon")
@@ -303,7 +303,7 @@ def _save_failing(rank, dp, ckpt, fail_rank):
 
 
 def test_full_disk_is_named_on_every_rank_and_keeps_the_previous_tag(tmp_path):
-    from canzona_ds import checkpoint as ck
+    from canzona_ds.ckpt import tag as ck
 
     ckpt = str(tmp_path / "ckpt")
     msgs = run_distributed(_save_failing, 2, ckpt, 1)
@@ -361,7 +361,7 @@ def test_save_killed_mid_write_is_reported_incomplete(tmp_path):
     import subprocess
     import sys
 
-    from canzona_ds import checkpoint as ck
+    from canzona_ds.ckpt import tag as ck
     from canzona_testkit.dist import free_port
 
     ckpt = str(tmp_path / "ckpt")
@@ -384,7 +384,7 @@ def test_save_killed_mid_write_is_reported_incomplete(tmp_path):
 
 
 def _load_refused(rank, dp, ckpt, tag):
-    from canzona_ds import checkpoint as ck
+    from canzona_ds.ckpt import tag as ck
 
     engine = _engine(dp, 1, "CanzonaMuon")
     try:
@@ -397,7 +397,7 @@ def _load_refused(rank, dp, ckpt, tag):
 def test_damaged_index_is_refused_by_name(saved, tmp_path):
     import shutil
 
-    from canzona_ds import checkpoint as ck
+    from canzona_ds.ckpt import tag as ck
 
     src = saved("dense", M, "z1 dp2")
     ckpt = str(tmp_path / "ckpt")
@@ -436,7 +436,7 @@ def test_a_save_writes_the_index_and_no_layout_records(saved, spec):
     """The index is the one description of a tag: the ZeRO files carry no ``canzona_layout``
     record and the optimizer state no parameter-name lists (what canzona-ds wrote before the
     index)."""
-    from canzona_ds import checkpoint as ck
+    from canzona_ds.ckpt import tag as ck
 
     folder = os.path.join(saved("dense", SO if spec.startswith("z3") else M, spec), "saved")
     assert os.path.isfile(os.path.join(folder, ck.INDEX))
@@ -486,12 +486,13 @@ def test_canzona_ckpt_inspect_verify_convert(saved, tmp_path, capsys):
 # ------------------------------------------------------------------------------ memory
 def _resume_counting(rank, dp, ckpt):
     """Load through the checkpoint index and count what this rank copied out of the files."""
-    from canzona_ds.integration import ckpt_fill, ckpt_index
+    from canzona_ds.integration.ckpt import fill as ckpt_fill
+    from canzona_ds.integration.ckpt import route as ckpt_index
     from canzona_ds.integration.runtime_info import canzona_optimizer
 
     engine = _engine(dp, 1, M)
     folder = os.path.join(ckpt, "saved")
-    src = ckpt_index.IndexSource(folder, ckpt_index.read_index(folder))
+    src = ckpt_fill.IndexSource(folder, ckpt_index.read_index(folder))
     opened = src.reader.elements_read
     ckpt_fill.fill_zero12(engine, src)
     zopt, opt = engine.optimizer, canzona_optimizer(engine)

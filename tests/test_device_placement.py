@@ -129,6 +129,6 @@ def test_step_code_has_no_host_round_trip():
                # (at construction, once: whether any pipeline stage found an attention layer)
                "optimizer.py: found = int(count.item())",
                # (at a save, once per param group: a tensor lr written into the index as a number)
-               "integration/param_groups.py: return float(value.item()) if value.numel() == 1 else None"}
+               "integration/ckpt/param_groups.py: return float(value.item()) if value.numel() == 1 else None"}
     found = [f for f in found if re.sub(r":\d+:", ":", f, count=1) not in allowed]
     assert not found, "host round trips in the step's code:\n" + "\n".join(found)

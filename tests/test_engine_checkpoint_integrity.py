@@ -1,6 +1,6 @@
 """``engine.save_checkpoint`` / ``engine.load_checkpoint`` of a Canzona engine (what HF Trainer,
 Megatron-DeepSpeed and most scripts call) carry and check the manifest
-(integration/checkpoint_hooks.py).
+(integration/ckpt/hooks.py).
 
 Each scenario is its own run of 2 gloo ranks: train, ``engine.save_checkpoint`` at step 1 and
 step 2, train a third step, damage step2 for real (rank 0, then a barrier), then
@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from canzona_ds import checkpoint as ck
+from canzona_ds.ckpt import tag as ck
 from canzona_ds.config import CheckpointConfig
 from canzona_testkit.dist import run_distributed
 from canzona_testkit.models import batches, ds_config, make_model, params_of, run_engine

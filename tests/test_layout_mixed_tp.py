@@ -9,7 +9,7 @@ keep the TP runtime: three runtimes, stepped in that order on every rank.
 * pure: GridSplit's pieces and assembly equal TPMatrix's layout; the TP host choice, seeded with
   the owned TP runtime's load on each (dp, tp) cell (planning/mixed.tp_cells: a constructed plan
   where ignoring it gives a worse cell, and Qwen3-8B at TP=8); a layout record whose grid hosts
-  sit at other TP ranks is another layout (its fingerprint, integration/ckpt_index.record_fingerprint); the plan refuses a
+  sit at other TP ranks is another layout (its fingerprint, integration/ckpt/emit.record_fingerprint); the plan refuses a
   mixed layout of TP-split matrices only where no grid group exists;
 * real processes (gloo, the Megatron stand-in of tests/test_zero_tp.py, DP2 x TP2 = 4 ranks,
   ``layout: "mixed"``): Muon, Shampoo and SOAP at ZeRO-1 (Muon and SOAP at ZeRO-2 too) are
@@ -144,7 +144,7 @@ def test_tp_cells_on_qwen3_at_tp8_lower_the_worst_cell():
 
 
 def test_layout_fingerprint_covers_the_grid_hosts_tp_ranks():
-    from canzona_ds.integration.ckpt_index import record_fingerprint as fp
+    from canzona_ds.integration.ckpt.emit import record_fingerprint as fp
 
     rec = {"fingerprint": "f", "hosted": {"w": {"host": 0, "tp_host": 1}, "m": {"host": 1}}}
     assert fp(rec) == fp(dict(rec))

@@ -201,7 +201,7 @@ def _roundtrip(rank: int, world: int, root: str) -> dict:
     """ZeRO 2 Shampoo with D + E: 2 steps, save, 2 more; a fresh engine loads and takes the same 2."""
     import torch
 
-    from canzona_ds.integration.ckpt_index import index_route
+    from canzona_ds.integration.ckpt.route import index_route
     from canzona_testkit.models import batches
     from canzona_testkit.moe import run_moe_engine
 

@@ -199,7 +199,7 @@ def _train(rank, world, stage, opt_type, options, ckpt=None):
 
         out.update(resumed=resumed, same_state=same(state, opt2.matrix_state),
                    same_pieces=same(pieces, opt2.piece_state))
-        from canzona_ds.integration import ckpt_index
+        from canzona_ds.integration.ckpt import route as ckpt_index
 
         try:  # the index loop (what a resize or another plan takes) at the same size: the state
             index = ckpt_index.read_index(os.path.join(ckpt, "two"))  # DeepSpeed's own same-size load restored

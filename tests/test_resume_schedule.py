@@ -155,7 +155,7 @@ def test_schedule_continues_after_resume(tmp_path, kind):
 
 
 def test_param_group_hyper_parameters_follow_role_and_partition_across_layouts():
-    """The record a save keeps (integration/param_groups.py) goes back by role and expert
+    """The record a save keeps (integration/ckpt/param_groups.py) goes back by role and expert
     partition, whatever the order and number of groups here: JSON keeps every float exactly, a
     tuple stays a tuple, a tensor lr is written in place (the tensor a compiled step captured),
     and a group this layout has that the save had not takes its role's values."""
@@ -163,7 +163,7 @@ def test_param_group_hyper_parameters_follow_role_and_partition_across_layouts()
 
     import torch
 
-    from canzona_ds.integration.param_groups import describe, restore
+    from canzona_ds.integration.ckpt.param_groups import describe, restore
 
     lr = 0.1 + 0.2  # (not a short decimal: JSON must keep its bits)
     saved = [{"params": [], "canzona_role": "matrix", "lr": lr, "initial_lr": 0.3, "weight_decay": 0.01, "step": 7},
@@ -188,7 +188,7 @@ def test_param_group_multiplier_classes_keep_their_own_hyper_parameters():
     """Megatron-DeepSpeed's groups (optimizer.py: one AdamW group per wd_mult / param_lr_mult
     class) share role and partition: each class takes back its own weight decay, not the first
     AdamW group's (biases and norms stay undecayed after a resume)."""
-    from canzona_ds.integration.param_groups import describe, restore
+    from canzona_ds.integration.ckpt.param_groups import describe, restore
 
     saved = [{"params": [], "canzona_role": "aux", "lr": 0.02, "weight_decay": 0.01},
              {"params": [], "canzona_role": "aux", "wd_mult": 0.0, "param_lr_mult": 1.0, "lr": 0.02, "weight_decay": 0.0},

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from canzona_ds.checkpoint import CheckpointError
+from canzona_ds.ckpt.tag import CheckpointError
 from canzona_ds.train.config import RunConfig
 from canzona_ds.train.rundir import (Layout, check_named_checkpoint, check_writable, point_latest, resolve,
                                      run_prefix, runs_of, saved_layout)

@@ -299,8 +299,8 @@ def _refusals(rank, dp):
 
 def _saved_matrix_state(path, tag):
     """Every matrix's rule state in a checkpoint (the union of the hosts' files)."""
-    from canzona_ds.integration.ckpt_index import _OPTIM_FILE
-    from canzona_ds.integration.ckpt_safe import read
+    from canzona_ds.integration.ckpt.route import _OPTIM_FILE
+    from canzona_ds.integration.ckpt.safe import read
 
     out = {}
     for f in os.listdir(os.path.join(path, tag)):

@@ -14,7 +14,7 @@ permutation of the TP=1 tensor along ``dim``::
 :func:`to_global` is that arithmetic (the global flat positions of a frame's flat range);
 :func:`assemble` fills a whole global tensor from chunks in any shard frames.  A frame without
 ``"rank"`` is a TP host's rule state, kept in the concatenated TP layout: mapping it to TP=1
-takes the rule's ``state_axes`` (integration/ckpt_index.IndexSource), not this module.
+takes the rule's ``state_axes`` (integration/ckpt/fill.IndexSource), not this module.
 
 Plain torch (and canzona_ds/tp/layout.py, plain torch); no DeepSpeed.
 """

@@ -28,7 +28,7 @@ host's rule state in the concatenated TP layout (no ``rank``; ``shape`` is the s
 :meth:`Reader.region` reads a region of the global frame or of any shard frame: straight from
 the chunks where they are in that frame, else through the whole tensor rebuilt from its shards
 (one parameter at a time).  A host's concatenated-layout state is read in its own frame only
-(mapping it to TP=1 needs the rule's ``state_axes``: integration/ckpt_index.IndexSource).
+(mapping it to TP=1 needs the rule's ``state_axes``: integration/ckpt/fill.IndexSource).
 
 This module imports no DeepSpeed (torch for :class:`Reader`'s memory-mapped reads and the frame
 arithmetic).
@@ -312,7 +312,7 @@ class Reader:
 
     ``read(path, mmap=True)`` opens a file: :func:`canzona_ds.ckpt.safe_load.load` by default,
     which unpickles only data (tensors and the few types DeepSpeed's files hold); canzona-ds
-    passes integration/ckpt_safe.read, the same plus the ds_config opt-in."""
+    passes integration/ckpt/safe.read, the same plus the ds_config opt-in."""
 
     def __init__(self, folder: str, index: Index, read: Callable[..., Any] | None = None) -> None:
         if index.chunks is None:
@@ -394,7 +394,7 @@ class Reader:
                 raise CheckpointIndexError(
                     f"{self.folder}: {name!r} {state} is stored in the concatenated TP layout "
                     f"{next(iter(fams)).to_json()} only; it reads in that frame (mapping it to TP=1 takes the rule's "
-                    "state_axes: integration/ckpt_index.IndexSource).")
+                    "state_axes: integration/ckpt/fill.IndexSource).")
             pieces = [(c.tp, c.offset, self.stored(c)[c.at:c.at + c.length]) for c in fams[ranked[0]]]
             self.elements_read += sum(c.length for c in fams[ranked[0]])
             flat = assemble(pieces, cs[0].shape).reshape(-1)

@@ -25,7 +25,7 @@ names them.  :data:`DATA_GLOBALS` are the plain-data types outside torch that ch
 (argparse's ``Namespace``, which Megatron-DeepSpeed stores as ``args``; numpy's RNG state);
 :data:`DEEPSPEED_GLOBALS` are DeepSpeed's own (its loss scalers, ``ZeroStageEnum``,
 ``fragment_address``), :data:`MEGATRON_GLOBALS` Megatron-DeepSpeed's; together
-:data:`CHECKPOINT_GLOBALS`, the default.  integration/ckpt_safe.py routes DeepSpeed's own reads
+:data:`CHECKPOINT_GLOBALS`, the default.  integration/ckpt/safe.py routes DeepSpeed's own reads
 (its checkpoint engine) through :func:`load` and carries the user's opt-in.  ``unsafe=True`` is today's
 ``weights_only=False``: for a file whose origin the user trusts and that holds other objects
 (ds_config ``canzona_checkpoint.allow_unsafe_pickle``; docs/checkpoints.md).
@@ -39,7 +39,7 @@ import pickle
 import re
 from typing import Any, Iterable
 
-from ..checkpoint import CheckpointError
+from .tag import CheckpointError
 
 #: plain-data types outside torch that checkpoint files hold ("module.QualName")
 DATA_GLOBALS = (

@@ -28,7 +28,7 @@ PROG = "canzona-ckpt"
 
 
 def _tag(folder: str, tag: str | None) -> str:
-    from ..checkpoint import LATEST
+    from ..ckpt.tag import LATEST
 
     if tag is not None:
         return tag
@@ -40,7 +40,7 @@ def _tag(folder: str, tag: str | None) -> str:
 
 
 def _integrity(folder: str, tag: str, mode: str) -> str:
-    from .. import checkpoint as ck
+    from ..ckpt import tag as ck
 
     try:
         ck.verify(folder, tag, mode)
@@ -91,14 +91,14 @@ def inspect(folder: str, tag: str | None, out=None) -> int:
 
 def verify(folder: str, tag: str | None, mode: str, out=None) -> int:
     out = sys.stdout if out is None else out  # (the stream at call time, not at import)
-    from .. import checkpoint as ck
+    from ..ckpt import tag as ck
     from ..ckpt.index import INDEX, Index, Reader
 
     tag = _tag(folder, tag)
     path = os.path.join(folder, tag)
     ck.verify(folder, tag, mode)
     print(f"{path}: manifest: every file's {mode} matches", file=out)
-    from ..integration.ckpt_safe import check_tag
+    from ..integration.ckpt.safe import check_tag
 
     check_tag(path)  # a manifest proves a tag whole, not harmless: every file holds only data
     print(f"{path}: pickles: every file holds only data (tensors and the types DeepSpeed writes)", file=out)
@@ -107,7 +107,7 @@ def verify(folder: str, tag: str | None, mode: str, out=None) -> int:
         return 0
     index = Index.read(path)
     if index.chunks is not None:
-        from ..integration.ckpt_safe import read
+        from ..integration.ckpt.safe import read
 
         reader = Reader(path, index, read)  # (only data unpickled: ckpt/safe_load.py)
         for c in index.chunks:
@@ -128,7 +128,7 @@ def _consolidated(path: str) -> tuple[dict, dict, dict]:
     if index.chunks is None:
         raise ValueError(f"{path}: its index describes no chunks ({index.meta.get('no_chunks')}), so it cannot be "
                          "consolidated.")
-    from ..integration.ckpt_index import IndexSource
+    from ..integration.ckpt.fill import IndexSource
 
     src = IndexSource(path, index)  # (a TP host's state: to TP=1 through its rule's state_axes)
     reader = src.reader
@@ -152,7 +152,7 @@ def convert(folder: str, tag: str | None, out_dir: str, out=None) -> int:
     path = os.path.join(folder, tag)
     if not os.path.isdir(path):
         raise ValueError(f"{path} does not exist.")
-    from ..integration.ckpt_safe import check_tag
+    from ..integration.ckpt.safe import check_tag
 
     check_tag(path)  # every file holds only data before any is read
     weights, state, info = _consolidated(path)
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         if name == "verify":
             p.add_argument("--mode", choices=["sha256", "size"], default="sha256")
     args = ap.parse_args(argv)
-    from .. import checkpoint as ck
+    from ..ckpt import tag as ck
     from ..ckpt.index import CheckpointIndexError
 
     try:

@@ -148,7 +148,7 @@ def precheck(argv: list[str], world: int) -> int:
         return _fail(4 if key == "checkpoint_dir" else 2,
                      f"{'checkpoint' if key == 'checkpoint_dir' else 'config'} error: {problem}")
     if not args.compare:
-        from canzona_ds.checkpoint import CheckpointError
+        from canzona_ds.ckpt.tag import CheckpointError
         from canzona_ds.train.rundir import check_named_checkpoint
 
         try:
@@ -197,7 +197,7 @@ def _main(argv: list[str] | None) -> int:
         return _fail(2, f"config error: {_one_line(e)}")
 
     import canzona_ds  # noqa: F401 - registers the Canzona optimizer types with DeepSpeed (when available)
-    from canzona_ds.checkpoint import CheckpointError
+    from canzona_ds.ckpt.tag import CheckpointError
     from canzona_ds.integration.runtime_info import release_shm_buffer
     from canzona_ds.train.trainer import (ConfigError, OptimizerUnavailable, is_rank0, setup_process,
                                           shutdown_distributed, train)

@@ -11,9 +11,8 @@
     heads.py        per_head_muon: DeepSpeed's own attention-head resolution
     megatron.py     the Megatron-DeepSpeed hook (stage-0 client optimizer, ZeRO x TP routing)
     runtime_info.py what the main job reads from an engine (timers, groups, plans)
-    checkpoint_hooks.py  engine.save/load_checkpoint: index and manifest written, verified before loading
-    ckpt_index.py   each layout's chunks emitted at save; the one comparison and the index loop at load
-    ckpt_fill.py    the loop's ZeRO 1/2 fill and the rule-state permutations of a TP layout change
+    ckpt/           a Canzona engine's checkpoints: the engine hooks, the index emitted at save, the
+                    one comparison and the index loop at load (its __init__ draws the path)
     accelerator.py  asking (and, for tests, widening) the CPU accelerator's capabilities
     stage0.py       ZeRO stage 0, fp32: a step with a non-finite gradient skipped, as at stages 1-3
     config_check.py pre-launch checks: the optimizer types DeepSpeed builds, its ds_config parse

@@ -15,7 +15,7 @@ optimizer is one of ``OPTIMIZER_TYPES`` ("CanzonaMuon", "CanzonaShampoo", "Canzo
   ``load_checkpoint``: the manifest verified first (a bad file is a CheckpointError naming
   it, or the newest intact tag with ``canzona_checkpoint.fallback``), then one comparison: the
   same layout -> DeepSpeed's own load, anything else -> the checkpoint index's loop
-  (integration/checkpoint_hooks.py, integration/ckpt_index.py);
+  (integration/ckpt/hooks.py, integration/ckpt/);
 
 ``_take_model_step`` at ZeRO stage 0 in fp32 skips and reports a step with a non-finite
 gradient, as DeepSpeed's ZeRO 1-3 do (integration/stage0.py); and
@@ -80,7 +80,7 @@ def _refuse_foreign_optimizer(engine, load_dir, tag) -> None:
     engine running another optimizer: DeepSpeed would fail with a misleading layout or
     param-group error; refused by name with the way out instead."""
     from ..ckpt.index import INDEX
-    from .ckpt_index import latest_tag
+    from .ckpt.route import latest_tag
 
     tag = latest_tag(load_dir) if tag is None else tag
     if tag is None or not os.path.isfile(os.path.join(str(load_dir), str(tag), INDEX)):
@@ -204,8 +204,10 @@ def install() -> None:
 
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    from ..checkpoint import engine_hooks_on
-    from . import checkpoint_hooks, ckpt_index
+    from ..ckpt.tag import engine_hooks_on
+    from .ckpt import emit as ckpt_emit
+    from .ckpt import hooks as checkpoint_hooks
+    from .ckpt import route as ckpt_route
     from .runtime_info import canzona_optimizer
     from .zero import zero_optimizer_class
 
@@ -217,8 +219,8 @@ def install() -> None:
     def _do_sanity_check(self):
         if self.optimizer_name in OPTIMIZER_TYPES:
             CanzonaConfig.from_ds(self.optimizer_name, self.optimizer_params, self._param_dict.get(DS_CONFIG_TP_KEY))
-        if ckpt_index.DS_CONFIG_CHECKPOINT_KEY in self._param_dict:
-            CheckpointConfig.from_section(self._param_dict[ckpt_index.DS_CONFIG_CHECKPOINT_KEY])
+        if ckpt_emit.DS_CONFIG_CHECKPOINT_KEY in self._param_dict:
+            CheckpointConfig.from_section(self._param_dict[ckpt_emit.DS_CONFIG_CHECKPOINT_KEY])
         return stock_sanity(self)
 
     DeepSpeedConfig._do_sanity_check = _do_sanity_check
@@ -329,26 +331,26 @@ def install() -> None:
 
     def load_unverified(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
-        # the one comparison (integration/ckpt_index.py): the same layout -> DeepSpeed's own load;
+        # the one comparison (integration/ckpt/): the same layout -> DeepSpeed's own load;
         # anything else -> the index loop, which fills this run's layout or refuses by name.
-        # A Canzona engine's reads (DeepSpeed's and the index's) unpickle only data (ckpt_safe.py)
+        # A Canzona engine's reads (DeepSpeed's and the index's) unpickle only data (ckpt/safe.py)
         reads = contextlib.nullcontext()
         if canzona_optimizer(self) is not None:
-            from .ckpt_safe import engine_reads
+            from .ckpt.safe import engine_reads
 
-            reads = engine_reads(self, load_dir, tag, ckpt_index.checkpoint_config(self).allow_unsafe_pickle)
+            reads = engine_reads(self, load_dir, tag, ckpt_emit.checkpoint_config(self).allow_unsafe_pickle)
         with reads:
             if load_optimizer_states and not load_module_only and custom_load_fn is None:
-                index = ckpt_index.index_route(self, load_dir, tag)
+                index = ckpt_route.index_route(self, load_dir, tag)
                 if index is not None:
-                    out = ckpt_index.load(self, load_dir, tag, index, load_module_strict, load_lr_scheduler_states)
+                    out = ckpt_route.load(self, load_dir, tag, index, load_module_strict, load_lr_scheduler_states)
                 else:
                     out = stock_load(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                      load_lr_scheduler_states, load_module_only, custom_load_fn)
                 # either route: the param groups' hyper-parameters as saved (the schedule's last lr,
-                # betas, ...), which no scheduler's load_state_dict writes (integration/param_groups.py)
+                # betas, ...), which no scheduler's load_state_dict writes (integration/ckpt/param_groups.py)
                 if out[0] is not None:
-                    ckpt_index.restore_param_groups(self, load_dir, tag)
+                    ckpt_route.restore_param_groups(self, load_dir, tag)
                 return out
             return stock_load(self, load_dir, tag, load_module_strict, load_optimizer_states,
                               load_lr_scheduler_states, load_module_only, custom_load_fn)

@@ -24,7 +24,7 @@ slicing.  Our overrides, each small:
   matrix group, once, at construction;
 * ``_load_legacy_checkpoint`` - DeepSpeed's own load, reached only where the checkpoint index's
   fingerprints equal this run's (engine.load_checkpoint takes any other layout through the
-  checkpoint index, canzona_ds/integration/ckpt_index.py); a file without Canzona optimizer
+  checkpoint index, canzona_ds/integration/ckpt/); a file without Canzona optimizer
   state is refused by name;
 * ``_load_universal_checkpoint`` - refused with a message;
 * ``scaled_global_norm`` / ``unscale_and_clip_grads`` - gradient clipping with
@@ -227,9 +227,9 @@ def _make_zero_class():
             verify_same_across_group(f"dp_rank={dp_rank}", opt.tp_group, what="DP rank within the TP group (mpu)")
 
         def canzona_layout_meta(self) -> dict:
-            """What the layout depends on (its fingerprint: ckpt_index.layout_fingerprint), with the
+            """What the layout depends on (its fingerprint: ckpt/emit.layout_fingerprint), with the
             tensor-parallel layout of every TP-split parameter.  canzona-ds wrote this record into
-            every ZeRO file before the checkpoint index (ckpt_index.unindexed compares it with this run's)."""
+            every ZeRO file before the checkpoint index (ckpt/route.unindexed compares it with this run's)."""
             from ..tp.layout import tp_blocks
             from ..tp.runtime import TPMatrix, tp_split
 
@@ -358,7 +358,7 @@ def _make_zero_class():
         # -- checkpoints --------------------------------------------------------------
         def _load_legacy_checkpoint(self, state_dict_list, load_optimizer_states=True, load_from_fp32_weights=False):
             # DeepSpeed's stock load: engine.load_checkpoint takes it only where the checkpoint
-            # index's fingerprints equal this run's (integration/ckpt_index.index_route); what is
+            # index's fingerprints equal this run's (integration/ckpt/route.index_route); what is
             # left to refuse is a file no Canzona optimizer wrote
             if load_optimizer_states and not all(STATE_KEY in (sd.get("base_optimizer_state") or {})
                                                  for sd in state_dict_list if sd is not None):

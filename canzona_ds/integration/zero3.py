@@ -33,7 +33,7 @@ offload and the loss scaler are DeepSpeed's.  Further overrides, each small:
   fingerprints equal this run's; a file without Canzona optimizer state is refused by name.
 
 A checkpoint written at another DP size, plan or ZeRO stage resumes through the checkpoint
-index (integration/ckpt_index.py): this rank's new piece of every fp32 parameter and AdamW
+index (integration/ckpt/): this rank's new piece of every fp32 parameter and AdamW
 moment read from the saved chunks it overlaps, every matrix's rule state handed to its new host
 by name (a tag written before the index resumes only at the layout it was saved at).
 """
@@ -139,8 +139,8 @@ def _make_zero3_class():
 
         def canzona_layout_meta(self) -> dict:
             """What the rule state's placement depends on (its fingerprint:
-            ckpt_index.layout_fingerprint); written into every ZeRO-3 file before the checkpoint
-            index (ckpt_index.unindexed compares it with this run's)."""
+            ckpt/emit.layout_fingerprint); written into every ZeRO-3 file before the checkpoint
+            index (ckpt/route.unindexed compares it with this run's)."""
             opt = self._canzona
             runtime = opt.tp_runtime
             payload = {"dp": self.partition_count, "runtime": None if runtime is None else runtime.fingerprint(),
@@ -188,7 +188,7 @@ def _make_zero3_class():
         def load_state_dict(self, state_dict_list, load_optimizer_states=True, load_from_fp32_weights=False,
                             checkpoint_folder=None, load_serial=None, param_shapes=None):
             # DeepSpeed's stock load: engine.load_checkpoint takes it only where the checkpoint
-            # index's fingerprints equal this run's (integration/ckpt_index.index_route)
+            # index's fingerprints equal this run's (integration/ckpt/route.index_route)
             if checkpoint_folder:
                 raise ValueError("Canzona optimizers do not load DeepSpeed universal checkpoints (ds_to_universal "
                                  "drops per-matrix optimizer state); engine.load_checkpoint() of a Canzona checkpoint "

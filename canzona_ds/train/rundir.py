@@ -115,9 +115,9 @@ def saved_layout(ckpt_dir: str | Path) -> tuple[str, Layout] | None:
     ``latest`` names, else the newest published tag); None when there is none.  Reads the
     manifest and the model-states file's stored ds_config (memory-mapped, no tensor data; a file
     that holds anything but data raises the loader's UnsafeCheckpointError naming it)."""
-    from canzona_ds import checkpoint
+    from canzona_ds.ckpt import tag as checkpoint
     from canzona_ds.ckpt.safe_load import UnsafeCheckpointError
-    from canzona_ds.integration.ckpt_safe import read
+    from canzona_ds.integration.ckpt.safe import read
 
     ckpt_dir = Path(ckpt_dir)
     tags = checkpoint.published_tags(str(ckpt_dir))
@@ -213,7 +213,7 @@ def check_named_checkpoint(cfg: RunConfig) -> None:
     """``--resume`` from a folder the run config names (``checkpoint_dir``, or ``log_dir`` and its
     ``checkpoints/``) that holds no checkpoint: a CheckpointError (a mistyped path must not
     start a fresh run at step 0).  No-op without resume or without a named folder."""
-    from canzona_ds import checkpoint
+    from canzona_ds.ckpt import tag as checkpoint
 
     if not cfg.resume or (cfg.log_dir is None and cfg.checkpoint_dir is None):
         return

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from canzona_ds import checkpoint
+from canzona_ds.ckpt import tag as checkpoint
 from canzona_ds.data import BatchSampler, DataConfig
 from canzona_ds.models.qwen3 import build_model
 from canzona_ds.train.config import RunConfig
@@ -436,7 +436,7 @@ def saved_optimizer_type(ckpt_dir: str | Path) -> str | None:
     if not files:
         return None
     from canzona_ds.ckpt.safe_load import UnsafeCheckpointError
-    from canzona_ds.integration.ckpt_safe import read
+    from canzona_ds.integration.ckpt.safe import read
 
     try:
         states = read(str(files[0]), mmap=True)
@@ -457,7 +457,7 @@ def _loader_for(opt_type: str, pp: int = 1, world: int | None = None):
         saved_pp = saved_pipeline_stages(path)
         saved_world = (manifest or {}).get("world_size") if isinstance(manifest, dict) else None
         # (a Canzona checkpoint resumes at any pp and world size: the checkpoint index,
-        # integration/ckpt_index.py; DeepSpeed's own optimizers' pipeline checkpoints do not)
+        # integration/ckpt/; DeepSpeed's own optimizers' pipeline checkpoints do not)
         if not opt_type.startswith("Canzona") and (
                 saved_pp != pp or (pp > 1 and world is not None and saved_world not in (None, world))):
             raise checkpoint.CheckpointError(

@@ -79,7 +79,7 @@ class Layout:
 def record_routes(index_only: bool = False) -> list[str]:
     """Record the route each ``engine.load_checkpoint`` takes in this process: "index" (the index
     loop) or "stock" (DeepSpeed's own load); ``index_only``: fail where it picks the stock load."""
-    from canzona_ds.integration import ckpt_index
+    from canzona_ds.integration.ckpt import route as ckpt_index
 
     route, taken = ckpt_index.index_route, []
 
@@ -124,7 +124,7 @@ def tp1_state(folder: str) -> dict:
     """(whole-model name, state) -> the tensor in the TP=1 frame: shards rebuilt by the reader,
     a TP host's state mapped through its rule's state_axes (IndexSource)."""
     from canzona_ds.ckpt import Index
-    from canzona_ds.integration.ckpt_index import IndexSource
+    from canzona_ds.integration.ckpt.fill import IndexSource
 
     index = Index.read(folder)
     src = IndexSource(folder, index)

@@ -38,8 +38,8 @@ import contextlib
 import logging
 import os
 
-from .. import checkpoint as ck
-from .ckpt_index import checkpoint_config
+from ...ckpt import tag as ck
+from .emit import checkpoint_config
 
 logger = logging.getLogger(__name__)
 
@@ -74,12 +74,12 @@ def _write_error(exc: BaseException, path: str) -> str:
 
 def write_tag(engine, stock_save, save_dir, tag: str, client_state, exclude_frozen_parameters) -> bool:
     """DeepSpeed's save of ``save_dir/tag`` (without ``latest``), then the checkpoint index
-    (integration/ckpt_index.py), written by rank 0.  A file that cannot be written (a full disk,
+    (integration/ckpt/), written by rank 0.  A file that cannot be written (a full disk,
     a permission) is removed and the error kept, so DeepSpeed's own collectives still run on
     every rank; then every rank raises the same :class:`CheckpointError` naming the cause, the
     path and the rank.  Every rank calls it."""
-    from ..ckpt.index import INDEX
-    from .ckpt_index import gather_index
+    from ...ckpt.index import INDEX
+    from .emit import gather_index
 
     directory = os.path.join(str(save_dir), tag)
     ce = engine.checkpoint_engine
@@ -195,8 +195,8 @@ def _canzona_tag_is_universal(engine, load_dir, tag):
     comparison like any other (DeepSpeed's stock load at the same layout, else the index loop);
     a folder without an index (a real universal checkpoint) keeps the flag, and the Canzona ZeRO
     optimizers refuse it by name (integration/zero.py)."""
-    from ..ckpt.index import INDEX
-    from .ckpt_index import latest_tag
+    from ...ckpt.index import INDEX
+    from .route import latest_tag
 
     if not engine.load_universal_checkpoint():
         yield

@@ -15,7 +15,7 @@ import contextlib
 import contextvars
 from typing import Any
 
-from ..ckpt import safe_load
+from ...ckpt import safe_load
 
 #: every type a tag's files may hold beside torch's own (ckpt/safe_load.py lists them)
 GLOBALS = safe_load.CHECKPOINT_GLOBALS
@@ -48,7 +48,7 @@ def check_tag_collective(load_dir, tag) -> None:
     others in the load's collectives).  Nothing is unpickled."""
     import os
 
-    from .. import checkpoint as ck
+    from ...ckpt import tag as ck
 
     if tag is None:
         latest = os.path.join(str(load_dir), ck.LATEST)
