@@ -6,6 +6,8 @@
     python benchmarks/ds_range.py --only-here          # only the tier in this environment
     python benchmarks/ds_range.py --from-log LOG --label L   # records a saved .ci/ds_range log
                                                              # (.ds_range/dsV.log)
+    python benchmarks/ds_range.py --from-log LOG --label L --where W   # a log made elsewhere (W says
+                                                             # where: an environment .ci/ds_range did not make)
 
 The tier is the tests ``tests/ds_range_tier.txt`` lists (marker ``ds_range``); a record is pytest's
 own summary line (passed / skipped / failed, minutes) with the DeepSpeed and torch versions, the
@@ -42,11 +44,11 @@ def record(label: str, where: str, deepspeed: str, torch: str, log: str) -> dict
             "minutes": round(found[-1]["seconds"] / 60, 1)}
 
 
-def from_venv_log(label: str, log: str) -> dict:
+def from_venv_log(label: str, log: str, where: str | None = None) -> dict:
     m = HEADER.search(log)
     if m is None:
         raise SystemExit(f"{label}: not a .ci/ds_range log (no '.ci/ds_range: deepspeed V, torch T;' line)")
-    return record(label, f"venv .ds_range/ds{m['deepspeed']}", m["deepspeed"], m["torch"], log)
+    return record(label, where or f"venv .ds_range/ds{m['deepspeed']}", m["deepspeed"], m["torch"], log)
 
 
 def main() -> None:
@@ -54,12 +56,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--from-log", type=Path, help="record a saved .ci/ds_range log instead of running")
     ap.add_argument("--label", default="the tier", help="the record's label (say whether the machine was idle)")
+    ap.add_argument("--where", help="with --from-log: where the log's run was made (default: .ci/ds_range's venv)")
     ap.add_argument("--only-venvs", action="store_true", help="skip the run in this environment")
     ap.add_argument("--only-here", action="store_true", help="skip .ci/ds_range's releases")
     args = ap.parse_args()
     new: list[dict] = []
     if args.from_log:
-        new.append(from_venv_log(args.label, args.from_log.read_text()))
+        new.append(from_venv_log(args.label, args.from_log.read_text(), args.where))
     else:
         if not args.only_venvs:
             import deepspeed
