@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import math
 import shutil
 import subprocess
 import time
@@ -238,10 +239,24 @@ def test_trains_and_saves(name: str) -> None:
     assert sorted(iters) == list(range(1, ITERS + 1)), f"{name}: Megatron logged iterations {sorted(iters)}"
     assert iters[ITERS][1] < iters[1][1], f"{name}: lm loss {iters[1][1]} -> {iters[ITERS][1]}"
     work = trained(name)["work"]
+    # every param group steps at Megatron's cosine schedule (its OptimizerParamScheduler.get_lr,
+    # written out: lr_mult 1 as adam_lr == lr; no warm-up; one sample count per iteration) with
+    # Megatron's weight decay (--weight-decay 0.01; wd_mult 0 for biases and norms)
+    want = [sorted({(megatron_lr(k), 0.0), (megatron_lr(k), 0.01)}) for k in range(ITERS)]
+    assert group_lrs(run) == want, f"{name}: the optimizer stepped with (lr, wd) {group_lrs(run)}, Megatron's " \
+        f"schedule is {want}"
     saved = (SAVE_AT,) if ROWS[name].get("fail_last_save") else (SAVE_AT, ITERS)
     for step in saved:
         assert model_tensors(work / "full" / f"global_step{step}"), f"{name}: no model files at step {step}"
     assert (work / "full" / "latest").read_text().strip() == f"global_step{saved[-1]}"
+
+
+def megatron_lr(k: int) -> float:
+    """Megatron's cosine schedule (SCHEDULE: --lr 0.02 --min-lr 0.002, decay over ITERS) after k steps."""
+    max_lr, min_lr = 0.02, 0.002
+    decay_ratio = float(k) / float(ITERS)
+    coeff = 0.5 * (math.cos(math.pi * decay_ratio) + 1.0)
+    return min_lr + coeff * (max_lr - min_lr)
 
 
 def test_a_failed_save_leaves_the_previous_checkpoint_the_latest() -> None:
