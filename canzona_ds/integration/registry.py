@@ -333,13 +333,15 @@ def install() -> None:
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
         # the one comparison (integration/ckpt/): the same layout -> DeepSpeed's own load;
         # anything else -> the index loop, which fills this run's layout or refuses by name.
-        # A Canzona engine's reads (DeepSpeed's and the index's) unpickle only data (ckpt/safe.py)
-        reads = contextlib.nullcontext()
+        # A Canzona engine's reads (DeepSpeed's and the index's) unpickle only data (ckpt/safe.py);
+        # its own tags load through the index under load_universal too (ckpt/hooks.py)
+        reads, universal = contextlib.nullcontext(), contextlib.nullcontext()
         if canzona_optimizer(self) is not None:
             from .ckpt.safe import engine_reads
 
             reads = engine_reads(self, load_dir, tag, ckpt_emit.checkpoint_config(self).allow_unsafe_pickle)
-        with reads:
+            universal = checkpoint_hooks.canzona_tag_is_universal(self, load_dir, tag)
+        with reads, universal:
             if load_optimizer_states and not load_module_only and custom_load_fn is None:
                 index = ckpt_route.index_route(self, load_dir, tag)
                 if index is not None:

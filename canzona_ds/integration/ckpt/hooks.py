@@ -178,7 +178,7 @@ def load_checkpoint(engine, load, load_dir, tag=None, **load_kwargs):
     """Verify, then ``load(engine, load_dir, tag, **load_kwargs)`` (DeepSpeed's load or the
     checkpoint-index one); returns its ``(load_path, client_state)``."""
     cfg = checkpoint_config(engine)
-    with _canzona_tag_is_universal(engine, load_dir, tag):
+    with canzona_tag_is_universal(engine, load_dir, tag):
         if cfg.verify == "off" or engine.load_universal_checkpoint():
             return load(engine, load_dir, tag, **load_kwargs)
         res = ck.load(engine, load_dir, tag=tag, fallback=cfg.fallback, verify=cfg.verify, unverified="load",
@@ -187,7 +187,7 @@ def load_checkpoint(engine, load, load_dir, tag=None, **load_kwargs):
 
 
 @contextlib.contextmanager
-def _canzona_tag_is_universal(engine, load_dir, tag):
+def canzona_tag_is_universal(engine, load_dir, tag):
     """DeepSpeed's ``checkpoint.load_universal`` (Megatron-DeepSpeed's ``--universal-checkpoint``,
     which is also what lets Megatron resume at another TP or PP size) says the folder is a
     ``ds_to_universal`` conversion.  A canzona-ds tag needs none: its index resumes into any
