@@ -27,23 +27,29 @@ def _module_name(path: Path, pkg: Path = PKG) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports_of(path: Path, pkg: Path = PKG) -> set[str]:
-    """Every module ``path`` imports (``from a import b`` gives ``a`` and ``a.b``), absolute names."""
+def _import_statements(path: Path, pkg: Path = PKG):
+    """(module, imported names) of every import statement in ``path``, anywhere in the file,
+    relative ones resolved to absolute names (``import a.b``: ``("a.b", [])``)."""
     name = _module_name(path, pkg)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
+            for alias in node.names:
+                yield alias.name, []
         elif isinstance(node, ast.ImportFrom):
+            module = node.module
             if node.level:
                 base = package.split(".")
-                base = base[:len(base) - node.level + 1]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module
-            found.add(module)
-            found.update(f"{module}.{alias.name}" for alias in node.names)
+                module = ".".join(base[:len(base) - node.level + 1] + ([node.module] if node.module else []))
+            yield module, [alias.name for alias in node.names]
+
+
+def imports_of(path: Path, pkg: Path = PKG) -> set[str]:
+    """Every module ``path`` imports (``from a import b`` gives ``a`` and ``a.b``), absolute names."""
+    found: set[str] = set()
+    for module, names in _import_statements(path, pkg):
+        found.add(module)
+        found.update(f"{module}.{n}" for n in names)
     return found
 
 
@@ -106,18 +112,11 @@ def import_graph(pkg: Path = PKG) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for path in sorted(pkg.rglob("*.py")):
         name = _module_name(path, pkg)
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         arrows: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                arrows.update(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                module = node.module
-                if node.level:
-                    base = package.split(".")
-                    module = ".".join(base[:len(base) - node.level + 1] + ([node.module] if node.module else []))
-                arrows.update(f"{module}.{alias.name}" if f"{module}.{alias.name}" in own else module
-                              for alias in node.names)
+        for module, names in _import_statements(path, pkg):
+            if not names:
+                arrows.add(module)
+            arrows.update(f"{module}.{n}" if f"{module}.{n}" in own else module for n in names)
         graph[name] = {m for m in arrows if m in own and m != name}
     return graph
 
