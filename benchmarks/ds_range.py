@@ -30,6 +30,7 @@ from suite_time import summaries
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results" / "ds_range.json"
 #: the first line .ci/ds_range prints for a release
+REFUSED = re.compile(r"^SKIPPED \[(\d+)\] .*: refused by name as it should be", re.M)
 HEADER = re.compile(r"^\.ci/ds_range: deepspeed (?P<deepspeed>\S+), torch (?P<torch>[^;\s]+);", re.M)
 
 
@@ -38,8 +39,12 @@ def record(label: str, where: str, deepspeed: str, torch: str, log: str) -> dict
     if not found:
         raise SystemExit(f"{label}: no pytest summary line in the log:\n{log[-2000:]}")
     c = found[-1]["counts"]
+    # of the skips, the tests that stopped at the refusal of a setting the release cannot run
+    # (tests/conftest.py; listed by pytest -rs)
+    refused = sum(int(m.group(1)) for m in REFUSED.finditer(log))
     return {"label": label, "deepspeed": deepspeed, "torch": torch, "where": where, "cpu": cpu_model(),
             "cores": os.cpu_count(), "passed": c.get("passed", 0), "skipped": c.get("skipped", 0),
+            "refused": refused,
             "failed": c.get("failed", 0) + c.get("error", 0) + c.get("errors", 0),
             "minutes": round(found[-1]["seconds"] / 60, 1)}
 
@@ -68,7 +73,7 @@ def main() -> None:
             import deepspeed
             import torch
 
-            r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "ds_range", "tests", "-p",
+            r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-m", "ds_range", "tests", "-p",
                                 "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True)
             new.append(record(f"{args.label}, newest", "main environment", deepspeed.__version__,
                               torch.__version__, r.stdout))

@@ -921,6 +921,7 @@ DS_RANGE = {
         "runs",
         _cols(("deepspeed", "{deepspeed}"), ("torch", "{torch}"), ("where", "{where}"), ("run", "{label}"),
               ("CPU, cores", "{cpu}, {cores}"), ("passed", "{passed}"), ("skipped", "{skipped}"),
+              ("of them refused by name", lambda r: str(r["refused"]) if "refused" in r else "–"),
               ("failed", "{failed}"), ("minutes", "{minutes:.1f}"))),
 }
 

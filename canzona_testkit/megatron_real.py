@@ -45,18 +45,32 @@ class Patch:
     old: str
     new: str
     why: str
+    #: applied only where this module cannot be imported ("": always)
+    unless_module: str = ""
+
+    def needed(self) -> bool:
+        if not self.unless_module:
+            return True
+        import importlib.util
+
+        try:
+            return importlib.util.find_spec(self.unless_module) is None
+        except ModuleNotFoundError:
+            return True
 
 
 #: The only changes the test's copy gets (README.md in ../shared/third_party): each replaces one
-#: exact text once; a copy where ``old`` is absent and ``new`` present is already patched.
+#: exact text once; a copy where ``old`` is absent and ``new`` present is already patched.  Which
+#: apply depends on the installed DeepSpeed (:meth:`Patch.needed`): one copy per set.
 PATCHES = (
     Patch("megatron/training.py",
           "from deepspeed.compression.compress import init_compression, redundancy_clean\n",
           "try:\n    from deepspeed.compression.compress import init_compression, redundancy_clean\n"
           "except ImportError:  # canzona-ds test kit: DeepSpeed 0.19.8 has no deepspeed.compression.compress\n"
           "    init_compression = redundancy_clean = None\n",
-          "DeepSpeed 0.19.8 removed deepspeed.compression.compress; GPT pretraining without "
-          "compression_training never calls it"),
+          "DeepSpeed 0.19.7 removed deepspeed.compression.compress; GPT pretraining without "
+          "compression_training never calls it (releases that have it run Megatron-DeepSpeed unpatched)",
+          unless_module="deepspeed.compression.compress"),
     Patch("megatron/training.py",
           "from megatron.model.vision.knn_monitor import compute_feature_bank\n",
           "try:\n    from megatron.model.vision.knn_monitor import compute_feature_bank\n"
@@ -92,12 +106,16 @@ def _key(src: str) -> str:
                 h.update(block)
     else:
         h.update(str(Path(src).resolve()).encode())
-    h.update(repr(PATCHES).encode())
+    h.update(repr(needed_patches()).encode())
     return h.hexdigest()[:16]
 
 
+def needed_patches() -> tuple[Patch, ...]:
+    return tuple(p for p in PATCHES if p.needed())
+
+
 def apply_patches(meg: Path) -> None:
-    for p in PATCHES:
+    for p in needed_patches():
         path = meg / p.file
         text = path.read_text()
         if p.old in text:

@@ -142,6 +142,27 @@ def moe_ds_config(dp: int, optimizer: str = "CanzonaMuon", stage: int = 1, micro
     return ds_config(dp, micro=micro, optimizer=optimizer, stage=stage, **extra)
 
 
+def top1_route(flat: torch.Tensor, logits: torch.Tensor, num_experts: int):
+    """DeepSpeed's top-1 routing of ``flat`` (tokens x D) as the installed ``MOELayer.forward``
+    does it: ``(l_aux, dispatched (E, C, D), combine)``, ``combine(expert_out (E, C, D))`` the
+    tokens' output.  Releases with sparse routes (``_route_slots``) encode and decode by slot;
+    older ones (0.19.0 and before) dispatch and combine with the dense masks' einsum."""
+    from deepspeed.moe import sharded_moe as sm
+
+    D = flat.shape[-1]
+    if hasattr(sm, "_route_slots"):
+        l_aux, C, E, indices, locations, gates, _ = sm.top1gating(
+            logits, float(num_experts), 0, None, None, True, False, None, sparse_routes=True, use_tutel=False)
+        C = int(C)
+        slots = sm._route_slots(indices, locations, E, C)
+        return l_aux, sm._sparse_encode(flat, slots, E, C), \
+            lambda out: sm._sparse_decode(out.reshape(E * C, D), slots, gates, flat.shape[0])
+    l_aux, combine_weights, dispatch_mask, _ = sm.top1gating(logits, float(num_experts), 0, None, None, True, False,
+                                                             None, use_tutel=False)
+    return l_aux, sm.einsum("sec,sm->ecm", dispatch_mask.type_as(flat), flat), \
+        lambda out: sm.einsum("sec,ecm->sm", combine_weights.type_as(flat), out)
+
+
 def reference_run(world: int, ep_size: int, steps: int, optimizer: str = "CanzonaMuon", micro: int = 2,
                   clip: float = 0.0, seed: int = 0, params: dict | None = None, num_experts: int = NUM_EXPERTS,
                   data: list | None = None, start=None, tp_mlp: bool = False, ep2: int | None = None,
@@ -157,8 +178,6 @@ def reference_run(world: int, ep_size: int, steps: int, optimizer: str = "Canzon
     ``start``: continue from a checkpoint's state instead of the initial weights (an
     ``canzona_testkit.ckpt.read``, every parameter and its state by whole-model name: the
     fp32 master weights, the rule state and step of every matrix, AdamW's moments and step)."""
-    from deepspeed.moe.sharded_moe import _route_slots, _sparse_decode, _sparse_encode, top1gating
-
     from canzona_ds.config import CanzonaConfig
     from canzona_ds.reference import ReferenceOptimizer
 
@@ -189,16 +208,12 @@ def reference_run(world: int, ep_size: int, steps: int, optimizer: str = "Canzon
             flat = h.reshape(-1, D)
             # TopKGate.forward's arithmetic with this rank's gate weight
             logits = F.linear(flat.float(), weight=dense[s][gate + "gate.wg.weight"].float(), bias=None)
-            l_aux, C, E, indices, locations, gates, _ = top1gating(
-                logits, float(num_experts), 0, None, None, True, False, None, sparse_routes=True, use_tutel=False)
-            C = int(C)
-            slots = _route_slots(indices, locations, E, C)
-            routed[s] = (h, l_aux, C, E, slots, gates, _sparse_encode(flat, slots, E, C))
+            routed[s] = (h, *top1_route(flat, logits, num_experts))  # (h, l_aux, dispatched, combine)
         back: dict[int, list] = {s: [None] * ep for s in range(world)}
         for g, G in enumerate(ep_groups):
             X = experts[g]
             for k, holder in enumerate(G):  # expert-parallel rank k of group G
-                received = torch.cat([routed[s][6][k * local:(k + 1) * local] for s in G])  # all_to_all
+                received = torch.cat([routed[s][2][k * local:(k + 1) * local] for s in G])  # all_to_all
                 received = received.reshape(ep, local, -1, D)
                 outs = []
                 for j, chunk in enumerate(received.chunk(local, dim=1)):
@@ -210,9 +225,8 @@ def reference_run(world: int, ep_size: int, steps: int, optimizer: str = "Canzon
                     back[s][k] = out[i * local:(i + 1) * local]
         out_h, aux = {}, {}
         for s in range(world):
-            h, l_aux, C, E, slots, gates, _ = routed[s]
-            expert_out = torch.cat(back[s])
-            combined = _sparse_decode(expert_out.view(E * C, D), slots, gates, h.shape[0] * h.shape[1])
+            h, l_aux, _, combine = routed[s]
+            combined = combine(torch.cat(back[s]))  # expert outputs (E, C, D), back at their source
             out_h[s], aux[s] = h + combined.reshape(h.shape), l_aux
         return out_h, aux
 
@@ -449,8 +463,6 @@ def tp_reference_run(initial: dict, data: list, steps: int, optimizer: str = "Ca
     the replicas' losses (ZeRO's average), ``ReferenceOptimizer``.  Not bit-identical to a TP run
     (the row-parallel partial sums, the TP ranks' capacity split and DeepSpeed's expert-DP
     averaging associate differently): a closed-loop check of the gradients, within rounding."""
-    from deepspeed.moe.sharded_moe import _route_slots, _sparse_decode, _sparse_encode, top1gating
-
     from canzona_ds.config import CanzonaConfig
     from canzona_ds.reference import ReferenceOptimizer
 
@@ -468,16 +480,12 @@ def tp_reference_run(initial: dict, data: list, steps: int, optimizer: str = "Ca
             h = h + F.linear(F.gelu(F.linear(h, P["up.weight"])), P["down.weight"])
             flat = h.reshape(-1, D)
             logits = F.linear(flat.float(), weight=P[MOE + "gate.wg.weight"].float(), bias=None)
-            l_aux, C, E, indices, locations, gates, _ = top1gating(
-                logits, float(num_experts), 0, None, None, True, False, None, sparse_routes=True, use_tutel=False)
-            C = int(C)
-            slots = _route_slots(indices, locations, E, C)
-            dispatched = _sparse_encode(flat, slots, E, C)
+            l_aux, dispatched, combine = top1_route(flat, logits, num_experts)
             outs = []
-            for e in range(E):
+            for e in range(dispatched.shape[0]):
                 w = [P[f"{EXPERTS}{e}.{p}"] for p in EXPERT_PARAMS]
                 outs.append(F.linear(F.gelu(F.linear(dispatched[e], w[0], w[1])), w[2], w[3]))
-            combined = _sparse_decode(torch.stack(outs).view(E * C, D), slots, gates, flat.shape[0])
+            combined = combine(torch.stack(outs))
             hs = h + combined.reshape(h.shape)
             loss = F.cross_entropy(F.linear(hs, P["lm_head.weight"]).flatten(0, 1).float(), y.flatten()) \
                 + AUX_COEF * l_aux

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .models import ds_config, params_of
+from .models import ds_config
 
 
 def zero3_config(dp: int, **kwargs) -> dict:
@@ -68,11 +68,17 @@ def sum_gradients_as_zero3(model: nn.Module) -> list:
 
 
 def gathered_params(module: nn.Module) -> dict:
-    """The whole parameters of a ZeRO-3 module as float32 numpy arrays (every rank calls)."""
+    """The whole parameters of a ZeRO-3 module as float32 numpy arrays (every rank calls).  One
+    parameter at a time: DeepSpeed before 0.19.8 gathers several at once with a wait on the last
+    all-gather only, which on gloo can return unwritten memory (ds_compat.KNOWN_BUGS); one is
+    gathered by a path that waits (``Init._all_gather``, ``len(all_gather_list) == 1``)."""
     import deepspeed
 
-    with deepspeed.zero.GatheredParameters(list(module.parameters())):
-        return params_of(module)
+    out = {}
+    for name, p in module.named_parameters():
+        with deepspeed.zero.GatheredParameters([p]):
+            out[name] = p.detach().float().cpu().numpy().copy()  # as params_of
+    return out
 
 
 def train(engine, rank: int, data: list, micro: int = 2, gas: int = 1) -> list[float]:

@@ -209,24 +209,98 @@ def session_leaks(baseline: set[tuple[str, int]], shm: Path = SHM, settle_s: flo
 DS_RANGE_TIER = Path(__file__).with_name("ds_range_tier.txt")
 
 
+def ds_range_lines(path: Path = DS_RANGE_TIER) -> dict[str, tuple[str, ...]]:
+    """node id -> what it needs: ``needs=<feature>`` (a key of ds_compat.FEATURES: on a release
+    without it the test must stop at that feature's refusal), ``bug=<bug>`` (a key of
+    ds_compat.KNOWN_BUGS: on a release with that DeepSpeed bug the test is skipped, naming it) or
+    ``uses=<module>:<attribute>`` (the test itself, its reference or set-up, relies on that
+    DeepSpeed internal: skipped, naming it, on a release without it)."""
+    out = {}
+    for ln in path.read_text().splitlines():
+        if ln.strip() and not ln.lstrip().startswith("#"):
+            node, *tags = ln.split()
+            out[node] = tuple(tags)
+    return out
+
+
 def ds_range_ids(path: Path = DS_RANGE_TIER) -> list[str]:
-    return [ln.strip() for ln in path.read_text().splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    return list(ds_range_lines(path))
+
+
+def _release_gaps(tags: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """(features the installed release lacks, why the test is skipped on it) for a tier line's tags."""
+    import deepspeed
+
+    from canzona_ds.integration import ds_compat
+
+    lacking, skips = [], []
+    for tag in tags:
+        kind, _, name = tag.partition("=")
+        if kind == "needs" and name in ds_compat.FEATURES:
+            if not ds_compat.has(name):
+                lacking.append(name)
+        elif kind == "bug" and name in ds_compat.KNOWN_BUGS:
+            if name in ds_compat.known_bugs():
+                fixed, what = ds_compat.KNOWN_BUGS[name]
+                skips.append(f"deepspeed=={deepspeed.__version__} has DeepSpeed's bug {name} (fixed in {fixed}): {what}")
+        elif kind == "uses" and name.count(":") == 1:
+            if not ds_compat._present(*name.split(":")):
+                skips.append(f"the test relies on {name.replace(':', '.')}, which deepspeed=="
+                             f"{deepspeed.__version__} lacks")
+        else:
+            raise pytest.UsageError(f"{DS_RANGE_TIER.name}: unknown tag {tag!r}; allowed: needs=<one of "
+                                    f"{sorted(ds_compat.FEATURES)}>, bug=<one of {sorted(ds_compat.KNOWN_BUGS)}>, "
+                                    "uses=<module>:<attribute>")
+    return lacking, skips
 
 
 def pytest_collection_modifyitems(session, config, items):
     """Mark the tier's tests ``ds_range``; a listed id whose file was collected but which no longer
-    exists fails the collection (the list stays the tests it names)."""
-    wanted = set(ds_range_ids())
+    exists fails the collection (the list stays the tests it names).  On a release that lacks a
+    feature a tier test needs, the test runs and must stop at that feature's refusal by name
+    (:func:`pytest_runtest_makereport`); on one with a DeepSpeed bug it names, it is skipped."""
+
+    wanted = ds_range_lines()
     found = set()
     for item in items:
         if item.nodeid in wanted:
             item.add_marker(pytest.mark.ds_range)
             found.add(item.nodeid)
+            lacking, skips = _release_gaps(wanted[item.nodeid])
+            if skips:
+                item.add_marker(pytest.mark.skip(reason="; ".join(skips)))
+            elif lacking:
+                item.user_properties.append(("canzona_refused", lacking))
     files = {item.nodeid.split("::", 1)[0] for item in items}
-    gone = sorted(i for i in wanted - found if i.split("::", 1)[0] in files and "::" in i
+    gone = sorted(i for i in set(wanted) - found if i.split("::", 1)[0] in files and "::" in i
                   and not config.getoption("-k") and not any(a.count("::") for a in config.args))
     if gone:
         raise pytest.UsageError(f"{DS_RANGE_TIER.name} lists tests that do not exist: {gone}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A tier test whose setting the installed release refuses: it passes as a skip naming the
+    refusal only if it stopped at exactly that refusal (ds_compat.require's line), else it fails."""
+    outcome = yield
+    lacking = dict(item.user_properties).get("canzona_refused")
+    rep = outcome.get_result()
+    if not lacking or rep.when == "teardown" or (rep.when == "setup" and rep.passed):
+        return  # (a refusal inside a fixture fails the setup: judged there)
+    from canzona_ds.integration import ds_compat
+
+    text = rep.longreprtext
+    marks = [f"needs deepspeed>={ds_compat.FEATURES[f].since}: {ds_compat.FEATURES[f].why}" for f in lacking]
+    if rep.failed and any(m in text for m in marks):
+        rep.outcome, rep.longrepr = "skipped", (str(item.path), item.location[1] or 0,
+                                                f"Skipped: refused by name as it should be ({', '.join(lacking)})")
+    elif rep.skipped:
+        return
+    else:
+        how = "failed otherwise" if rep.failed else rep.outcome
+        rep.outcome = "failed"
+        rep.longrepr = (f"deepspeed lacks {lacking}: this test should have stopped at that refusal "
+                        f"({marks[0]!r}), but it {how}:\n{text}")
 
 
 # ------------------------------------------------------------------ hooks

@@ -70,6 +70,27 @@ def test_allowed_types_load_and_the_allowlist_does_not_leak(tmp_path):
     assert marker.exists()
 
 
+def test_a_set_pickled_by_python_2_name_loads(tmp_path):
+    """DeepSpeed before 0.19.7 pickles ``sparse_tensor_module_names=set()`` into ZeRO-3 model
+    states; torch's protocol 2 names ``set`` by its Python 2 module (``__builtin__.set``), which
+    pickle maps to ``builtins`` and torch's weights_only allows: it loads, and a type outside the
+    allowlist named by a Python 2 module is still refused."""
+    import pickletools
+
+    path = str(tmp_path / "f.pt")
+    torch.save({"sparse_tensor_module_names": set(), "names": {"a", "b"}, "w": torch.ones(2)}, path)
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        pkl = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+    assert any(op.name == "GLOBAL" and arg == "__builtin__ set" for op, arg, _ in pickletools.genops(pkl))
+    got = safe_load.load(path)
+    assert got["sparse_tensor_module_names"] == set() and got["names"] == {"a", "b"}
+    torch.save({"r": range(3)}, path)  # __builtin__.xrange in protocol 2: not data we allow
+    with pytest.raises(UnsafeCheckpointError, match="xrange|range"):
+        safe_load.load(path)
+
+
 # ------------------------------------------------------------------------------ real tags
 def _load_each(engine, root: str, tags: list[str]) -> dict:
     from canzona_ds.ckpt import tag as ck

@@ -46,10 +46,11 @@ def full_grads(step: int) -> list[torch.Tensor]:
 
 
 def _run_rule(rule: MatrixRule, g) -> dict[str, Any]:
-    from deepspeed.module_inject.layers import LinearAllreduce, LinearLayer
+    from deepspeed.module_inject.layers import LinearAllreduce, LinearLayer, set_autotp_mode
 
     from canzona_ds.tp import MicroGroupRuntime, TPMatrix
 
+    set_autotp_mode(training=True)  # as deepspeed.tp_model_init: the layers partition for training
     layers = {}
     for i, (name, (out_f, in_f)) in enumerate(SHAPES.items()):
         lin = torch.nn.Linear(in_f, out_f, bias=False)
@@ -81,10 +82,15 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     import torch.distributed as dist
     from deepspeed.utils import groups
 
+    from canzona_ds.integration.ds_compat import require
     from canzona_ds.integration.megatron import groups_from_deepspeed
 
+    # what the builder requires before planning AutoTP matrices (refused by name on older releases)
+    require("autotp_partition_meta", "the TP runtime on DeepSpeed AutoTP layers")
     deepspeed.init_distributed(dist_backend="gloo")  # adopts the existing process group
-    groups._init_tp_groups_with_new_group(tensor_model_parallel_size=world)
+    # the TP groups the engine makes for autotp_size (releases before 0.19: a device mesh)
+    init = getattr(groups, "_init_tp_groups_with_new_group", None) or groups._init_tp_mesh_device
+    init(tensor_model_parallel_size=world)
     g = groups_from_deepspeed()
     out: dict[str, Any] = {"groups": (g.tp_rank, g.tp_size, g.dp_rank, g.dp_size, dist.get_world_size(g.tp_group))}
     out.update({name: _isolated(lambda rule=rule: _run_rule(rule, g)) for name, rule in RULES.items()})

@@ -66,14 +66,6 @@ def test_bf16_with_fp32_gradient_accumulation(stage):
 
 
 # ---------------------------------------------------------------------------- per_head_muon
-def _ds_has_per_head_muon() -> bool:
-    from canzona_ds.integration.ds_compat import has
-
-    return has("per_head_muon")
-
-
-@pytest.mark.skipif(not _ds_has_per_head_muon(), reason="per_head_muon uses DeepSpeed's head resolution, which this "
-                    "DeepSpeed release lacks (refused by name: tests/test_registration.py)")
 def test_per_head_muon_matches_per_head_reference():
     """``per_head_muon: true`` (DeepSpeed's key): q_proj is orthogonalised as 4 heads, k_proj and
     v_proj as 2, o_proj whole (DeepSpeed's head resolution); DP=2 equals the single-process

@@ -140,6 +140,7 @@ def _restricted_pickle(extra: dict[str, Any]) -> Any:
     disassembler accepts only the opcodes ``torch.save`` writes, so the list is complete): the
     same names ``weights_only=True`` would accept, without its unpickler written in Python,
     which parses a pickle several times slower (a memory-mapped load is all parsing)."""
+    import _compat_pickle
     import types
 
     try:
@@ -151,6 +152,10 @@ def _restricted_pickle(extra: dict[str, Any]) -> Any:
 
     class Unpickler(pickle.Unpickler):
         def find_class(self, module: str, name: str) -> Any:
+            # a protocol-2 pickle names Python 2's modules (``__builtin__.set``: DeepSpeed before
+            # 0.19.7 pickles ``sparse_tensor_module_names=set()``); pickle's own lookup maps them
+            module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
+            module = _compat_pickle.IMPORT_MAPPING.get(module, module)
             obj = allowed.get(f"{module}.{name}")
             if obj is None:
                 raise pickle.UnpicklingError(f"global {module}.{name} was not an allowed global")

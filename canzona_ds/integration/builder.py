@@ -37,6 +37,7 @@ from ..optimizer import CanzonaOptimizer
 from ..parallel import ParallelGroups
 from ..planning.params import model_num_experts
 from .agreement import check_agreement
+from .ds_compat import engine_super_offload, known_bugs
 from .groups import require_tp_group
 
 
@@ -84,7 +85,7 @@ class RunSettings:
                    gradient_accumulation_steps=int(engine.gradient_accumulation_steps()),
                    offload_param_device=str(getattr(param_device, "value", param_device) or "none"),
                    partial_offload=float(engine.zero_partial_offload() or 1.0),
-                   super_offload=bool(engine.super_offload()),
+                   super_offload=engine_super_offload(engine),
                    zero_hpz_partition_size=int(engine.zero_hpz_partition_size() or 1),
                    elastic_checkpoint=bool(engine.zero_elastic_checkpoint()),
                    expert_data_before=bool(getattr(engine._config, "use_data_before_expert_parallel_", False)))
@@ -205,6 +206,12 @@ def build_optimizer(named: list, cfg: CanzonaConfig, groups: ParallelGroups, set
     require_supported()  # a DeepSpeed outside the supported range: one line naming both
     if cfg.per_head_muon:
         require("per_head_muon", f"{settings.optimizer_type} per_head_muon=true")
+    if settings.zero_stage in (1, 2):
+        require("zero12_param_padding", f"{settings.optimizer_type} at zero_optimization.stage {settings.zero_stage}",
+                " or use zero_optimization.stage 0 or 3")
+    if groups.pp_size > 1:
+        require("pipeline_grad_scaling", f"{settings.optimizer_type} with pipeline parallelism (pp_size="
+                f"{groups.pp_size})")
     shapes = {n: tuple(p.ds_shape) for n, p in named if hasattr(p, "ds_shape")}
     partitions = expert_partitions(named)
     if groups.pp_size > 1:
@@ -247,6 +254,9 @@ def build_optimizer(named: list, cfg: CanzonaConfig, groups: ParallelGroups, set
             ("pipeline parallelism (pp_size", groups.pp_size)
         raise ValueError(f"{settings.optimizer_type} at zero_optimization.stage 3 with {kind}={size}) is not "
                          "implemented; use ZeRO stage 1 with tensor or pipeline parallelism.")
+    if any(getattr(p, "tensor_model_parallel", False) and not hasattr(p, "partition_dim") for _, p in named):
+        require("autotp_partition_meta", f"{settings.optimizer_type} with DeepSpeed AutoTP layers",
+                " or use Megatron-style TP parameters (partition_dim) with an mpu")
     require_tp_group(named, groups, settings.optimizer_type)
     if cfg.per_head_muon and modules:
         from .heads import tag_heads
@@ -314,6 +324,12 @@ def startup_line(opt: CanzonaOptimizer, optimizer_type: str, zero_stage: int) ->
     if "megatron.training" in sys.modules:
         line += (". Megatron-DeepSpeed: this optimizer replaces the one --optimizer names; --lr is the matrix lr, "
                  "adam_lr / lr scales the AdamW groups")
+    bugs = known_bugs()
+    if bugs:
+        import deepspeed
+
+        line += (f". deepspeed=={deepspeed.__version__} has DeepSpeed bugs later releases fix, for any optimizer "
+                 f"(docs/support.md, \"DeepSpeed releases\"): {', '.join(sorted(bugs))}")
     return line
 
 

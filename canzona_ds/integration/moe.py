@@ -25,6 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from ..parallel import ParallelGroups
+from .ds_compat import checkpoint_mp_rank
 
 EXPERTS = ".deepspeed_moe.experts.deepspeed_experts."
 
@@ -149,7 +150,7 @@ def checkpoint_writers(engine) -> dict[str, bool]:
 
     names = {m.expert_group_name for _, m in engine.module.named_modules() if isinstance(m, MoE)}
     names.add(ds_groups._get_max_expert_size_name())
-    me = (int(engine.checkpoint_mp_rank), int(ds_groups._get_data_parallel_rank()))
+    me = (checkpoint_mp_rank(engine), int(ds_groups._get_data_parallel_rank()))
     out = {}
     for name in sorted(names):
         group = ds_groups._get_expert_data_parallel_group(name)

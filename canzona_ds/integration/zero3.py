@@ -49,13 +49,13 @@ import torch
 from ..optimizer import MATRIX, STATE_KEY, CanzonaOptimizer
 from ..placement import FlatPiece
 from ..tp.runtime import FlatSplit
-from .ds_compat import check_instance
+from .ds_compat import check_instance, zero3_builtin_muon_active, zero3_partition_group
 
 #: DeepSpeedZeroOptimizer_Stage3 instance attributes the subclass reads
 ZERO3_INSTANCE_ATTRS: tuple[str, ...] = (
     "fp16_groups", "fp32_partitioned_groups_flat", "fp16_partitioned_groups_flat_numel", "sub_group_to_group_id",
     "grad_position", "clip_grad", "loss_scale", "dp_process_group", "offload_optimizer", "swap_optimizer",
-    "use_muon", "partition_count", "averaged_gradients", "module",
+    "partition_count", "averaged_gradients", "module",
 )
 
 
@@ -82,7 +82,7 @@ def _make_zero3_class():
             self._canzona_sub_group = None
             super().__init__(module, init_optimizer, *args, **kwargs)
             check_instance(self, ZERO3_INSTANCE_ATTRS)
-            if self.use_muon:
+            if zero3_builtin_muon_active(self):
                 raise RuntimeError("DeepSpeed's built-in Muon path is active on CanzonaOptimizer parameters; it "
                                    "would orthogonalise twice.")
             if self._canzona_group is not None:
@@ -107,7 +107,7 @@ def _make_zero3_class():
             if [id(p) for p in group] != [id(p) for p in self._canzona_matrix_params]:
                 raise RuntimeError("ZeRO-3 reordered or dropped matrices of the CanzonaOptimizer group; cannot bind "
                                    "their partitions.")
-            pg = self._get_sub_group_process_group(i)
+            pg = zero3_partition_group(self, i)
             world, rank = dist.get_world_size(group=pg), dist.get_rank(group=pg)
             if world != opt.groups.dp_size:
                 raise RuntimeError(f"ZeRO-3 partitions the matrices over {world} ranks but the optimizer was built for "

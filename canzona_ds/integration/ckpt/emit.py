@@ -50,6 +50,7 @@ from ...ckpt.frames import TPFrame
 from ...ckpt.index import INDEX, MASTER, CheckpointIndexError, Chunk, Index
 
 logger = logging.getLogger(__name__)
+from ..ds_compat import expert_ckpt_file
 from .param_groups import describe as describe_groups
 from .param_groups import merge as merge_groups
 
@@ -293,7 +294,6 @@ def _emit_stage0_moe(engine, opt, rank: int) -> list[Chunk]:
     from deepspeed.moe.layer import MoE
     from deepspeed.utils import groups as ds_groups
 
-    m = int(engine.checkpoint_mp_rank)
     glob = opt.global_name
     model_file = os.path.basename(engine._get_ckpt_name("", ""))
     k = ds_groups._get_expert_parallel_rank(ds_groups._get_max_expert_size_name())
@@ -312,8 +312,7 @@ def _emit_stage0_moe(engine, opt, rank: int) -> list[Chunk]:
                 continue
             e = ep_rank * module.num_local_experts + int(found.group(1))
             key = local.replace(f"{prefix}{found.group(1)}", f"{prefix}{e}")
-            where[local] = (os.path.basename(engine._get_expert_ckpt_name("", layer, e, "", checkpoint_mp_rank=m)),
-                            (key,))
+            where[local] = (expert_ckpt_file(engine, layer, e), (key,))
         layer += 1
     order = [id(p) for g in opt.param_groups for p in g["params"]]
     names = {id(p): n for n, p in engine.module.named_parameters()}
