@@ -9,7 +9,8 @@ A run is one pytest session; its record is pytest's own summary line (passed / s
 seconds) with the CPU model, the core count and the kernels it ran with ("native", or "avx2":
 ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2``, docs/zero.md).
 ``--from-log`` reads a saved ``CI=true bash .ci/run`` log (its first summary is the suite's, its
-last ``.ci/kernels``': the bit-for-bit tests under the AVX2 kernels and more threads than cores) or
+second ``.ci/kernels``': the bit-for-bit tests under the AVX2 kernels and more threads than cores;
+the integration tier's on other DeepSpeed releases follow, recorded by benchmarks/ds_range.py) or
 a single pytest session's log.  Results of the same label are replaced.
 Time on a machine that runs other work is not the suite's: record idle runs.
 """
@@ -74,9 +75,9 @@ def main() -> None:
         if not args.label:
             ap.error("--from-log needs --label")
         found = summaries(args.from_log.read_text())
-        if len(found) >= 2:  # a .ci/run log: the suite, then .ci/kernels
+        if len(found) >= 2:  # a .ci/run log: the suite, .ci/kernels, then .ci/ds_range's tiers (ds_range.py)
             new += [record(args.label, SUITE, "native", found[0]),
-                    record(f"{args.label}: .ci/kernels", KERNELS, "avx2, cores + 1 threads", found[-1])]
+                    record(f"{args.label}: .ci/kernels", KERNELS, "avx2, cores + 1 threads", found[1])]
         elif found:
             new.append(record(args.label, SUITE, args.kernels, found[0]))
         else:
