@@ -29,8 +29,9 @@ from suite_time import summaries
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results" / "ds_range.json"
-#: the first line .ci/ds_range prints for a release
+#: pytest -rs's line for tests that stopped at a refusal by name (tests/conftest.py)
 REFUSED = re.compile(r"^SKIPPED \[(\d+)\] .*: refused by name as it should be", re.M)
+#: the first line .ci/ds_range prints for a release
 HEADER = re.compile(r"^\.ci/ds_range: deepspeed (?P<deepspeed>\S+), torch (?P<torch>[^;\s]+);", re.M)
 
 

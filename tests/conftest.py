@@ -223,10 +223,6 @@ def ds_range_lines(path: Path = DS_RANGE_TIER) -> dict[str, tuple[str, ...]]:
     return out
 
 
-def ds_range_ids(path: Path = DS_RANGE_TIER) -> list[str]:
-    return list(ds_range_lines(path))
-
-
 def _release_gaps(tags: tuple[str, ...]) -> tuple[list[str], list[str]]:
     """(features the installed release lacks, why the test is skipped on it) for a tier line's tags."""
     import deepspeed

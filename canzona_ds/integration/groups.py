@@ -105,14 +105,6 @@ def require_tp_group(named: list, groups: ParallelGroups, who: str, hint: Callab
             "use tensor_parallel.autotp_size)." + (hint() if hint else ""))
 
 
-def model_parallel_file_rank(engine) -> int:
-    """The model-parallel rank DeepSpeed numbers this rank's checkpoint files by
-    (``zero_pp_rank_{dp}_mp_rank_{mp}``): the mpu's model-parallel rank, which on a pipeline grid
-    spans the stages and the TP shards; 0 without an mpu."""
-    mpu = getattr(engine, "mpu", None)
-    return int(mpu.get_model_parallel_rank()) if mpu is not None else 0
-
-
 def with_expert_groups(groups: ParallelGroups, names: Iterable[str]) -> ParallelGroups:
     """``groups`` with DeepSpeed MoE's expert groups ``names`` (the ``group_name`` of the expert
     parameters, e.g. "ep_size_2") read from ``deepspeed.utils.groups``; ``ep_*`` are the largest

@@ -48,9 +48,9 @@ import torch
 
 from ...ckpt.frames import TPFrame
 from ...ckpt.index import INDEX, MASTER, CheckpointIndexError, Chunk, Index
+from ..ds_compat import expert_ckpt_file
 
 logger = logging.getLogger(__name__)
-from ..ds_compat import expert_ckpt_file
 from .param_groups import describe as describe_groups
 from .param_groups import merge as merge_groups
 
