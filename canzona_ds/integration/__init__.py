@@ -17,6 +17,7 @@
     stage0.py       ZeRO stage 0, fp32: a step with a non-finite gradient skipped, as at stages 1-3
     config_check.py pre-launch checks: the optimizer types DeepSpeed builds, its ds_config parse
     launcher.py     the per-node launch command (DeepSpeed's launch.py) of the main job, run forked
+    cpu_info.py     py-cpuinfo's answer (DeepSpeed's CPU op loads ask it) cached once per machine
 
 ``install()`` registers ``"CanzonaMuon"``, ``"CanzonaShampoo"`` and ``"CanzonaSOAP"`` with
 DeepSpeed's engine; ``import canzona_ds`` arranges for it to run as soon as ``deepspeed``
@@ -26,7 +27,11 @@ from __future__ import annotations
 
 
 def install() -> None:
-    """Register the Canzona optimizer types with DeepSpeed now (imports deepspeed)."""
+    """Register the Canzona optimizer types with DeepSpeed now (imports deepspeed); answer
+    py-cpuinfo's question from the machine's cache (cpu_info.py)."""
+    from .cpu_info import install as cache_cpu_info
     from .registry import install as _install
+
+    cache_cpu_info()
 
     _install()
