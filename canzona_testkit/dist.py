@@ -14,6 +14,7 @@ from canzona_testkit.kernels import test_threads
 import os
 import queue as queue_mod
 import socket
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -27,10 +28,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, device, fn, args, queue):
+def _worker(rank, world_size, port, device, fn, args, queue, profile=None):
     import torch
     import torch.distributed as dist
 
+    clock = None
+    if profile is not None:  # CANZONA_PHASES: (test id, the parent's time at Process.start)
+        from canzona_testkit import phases
+
+        clock = phases.Clock()
+        clock.add("start", time.time() - profile[1])
+        phases.instrument_rank(clock)
+        cpu0 = phases.cpu_seconds()
+        clock.enter("body")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world_size))
     torch.set_num_threads(test_threads())
@@ -47,18 +57,31 @@ def _worker(rank, world_size, port, device, fn, args, queue):
             torch.cuda.set_device(rank)
         dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args)
+        if clock is not None:
+            clock.leave()
+            clock.enter("teardown")
         queue.put((rank, "ok", out))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        if clock is not None:
+            while clock._stack:
+                clock.leave()
+            phases.append("ranks.jsonl", {"test": profile[0], "rank": rank, "world": world_size,
+                                          "cpu": round(phases.cpu_seconds() - cpu0, 3),
+                                          **{k: round(v, 3) for k, v in clock.totals.items()}})
 
 
 #: modules the fork server imports once, so that every rank starts with them loaded instead
-#: of spending ~20 s of CPU importing torch._dynamo and DeepSpeed (DeepSpeed's Muon module
-#: calls torch.compile at import); the server imports nothing that starts threads or devices
-PRELOAD = ["torch", "torch._dynamo", "deepspeed", "canzona_ds.integration.registry", "canzona_testkit.models"]
+#: of spending ~20 s of CPU importing torch._dynamo and DeepSpeed; the server imports nothing
+#: that starts threads or devices.  DeepSpeed's Muon module is imported by every engine build
+#: (``is_zero_supported_optimizer`` imports it lazily, for every optimizer type) and calls
+#: ``torch.compile`` at import, which imports torch._inductor: 3-5 s of CPU per rank, 90% of a
+#: small engine's build, unless the server has it already (docs/ci.md, the profile)
+PRELOAD = ["torch", "torch._dynamo", "deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer",
+           "canzona_ds.integration.registry", "canzona_testkit.models"]
 _CTX = None
 
 
@@ -76,10 +99,20 @@ def _context(device: str):
 def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, device: str = "cpu"):
     if device not in DEVICES:
         raise ValueError(f"Invalid device={device!r}. Allowed: {list(DEVICES)}.")
+    import torch
+
+    if torch.get_num_threads() != test_threads():
+        raise RuntimeError(f"run_distributed: this process runs {torch.get_num_threads()} intra-op threads, its ranks "
+                           f"would run test_threads()={test_threads()}: a reference computed here would not run the "
+                           "ranks' kernels (a test marked 'solo' must not start ranks; canzona_testkit/kernels.py)")
     ctx = _context(device)
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, device, fn, args, queue))
+    from canzona_testkit import kernels, phases
+
+    started = time.perf_counter()
+    profile = (kernels.current[0], time.time()) if phases.folder() else None
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, device, fn, args, queue, profile))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -105,6 +138,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, device: 
                 p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+    phases.in_ranks[0] += time.perf_counter() - started
     if errors:
         raise RuntimeError("distributed worker failed:\n" + "\n".join(errors))
     return [results[r] for r in range(world_size)]
