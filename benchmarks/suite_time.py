@@ -8,7 +8,8 @@
 A run is one pytest session; its record is pytest's own summary line (passed / skipped / failed,
 seconds) with the CPU model, the core count and the kernels it ran with ("native", or "avx2":
 ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2``, docs/zero.md).
-``--from-log`` reads a saved ``CI=true bash .ci/run`` log (its first summary is the suite's, its
+``--from-log`` reads a saved ``CI=true bash .ci/run`` log (its closing stage table, minutes per
+stage, goes to ``ci_runs``; its first summary is the suite's, its
 second ``.ci/kernels``': the bit-for-bit tests under the AVX2 kernels and more threads than cores;
 the integration tier's on other DeepSpeed releases follow, recorded by benchmarks/ds_range.py) or
 a single pytest session's log.  Results of the same label are replaced.
@@ -32,6 +33,22 @@ OUT = ROOT / "benchmarks" / "results" / "suite_time.json"
 SUITE = "the suite (python3 -m pytest -q tests)"
 KERNELS = "its bit-for-bit tests (.ci/kernels)"
 SUMMARY = re.compile(r"^=*\s*(?P<counts>(?:\d+ \w+(?:, )?)+) in (?P<seconds>[\d.]+)s\b", re.M)
+#: .ci/run's closing table: "ci-stages: <cores> cores, <cpu>", then "ci-stage: <name> <minutes> min  exit <rc>"
+STAGES_HEAD = re.compile(r"^ci-stages: (?P<cores>\d+) cores, (?P<cpu>.*)$", re.M)
+STAGE = re.compile(r"^ci-stage: (?P<name>.+?)\s+(?P<minutes>[\d.]+) min(?:\s+exit (?P<rc>\d+))?$", re.M)
+
+
+def stages(text: str) -> dict | None:
+    """.ci/run's stage table in ``text`` (the last one), or None."""
+    heads = list(STAGES_HEAD.finditer(text))
+    if not heads:
+        return None
+    head = heads[-1]
+    rows = [dict(stage=m["name"], minutes=float(m["minutes"]), exit=None if m["rc"] is None else int(m["rc"]))
+            for m in STAGE.finditer(text, head.end())]
+    total = next((r["minutes"] for r in rows if r["stage"] == "total"), None)
+    return dict(cpu=head["cpu"].strip(), cores=int(head["cores"]), total_minutes=total,
+                stages=[r for r in rows if r["stage"] != "total"])
 
 
 def summaries(text: str) -> list[dict]:
@@ -71,16 +88,21 @@ def main() -> None:
                     help="with --from-log of a single session: the kernels it ran with (default native)")
     args = ap.parse_args()
     new: list[dict] = []
+    ci_runs: list[dict] = []
     if args.from_log:
         if not args.label:
             ap.error("--from-log needs --label")
-        found = summaries(args.from_log.read_text())
+        text = args.from_log.read_text()
+        found = summaries(text)
+        table = stages(text)
+        if table is not None:  # .ci/run's stage table: install, suite, kernels, each release
+            ci_runs.append(dict(label=args.label, **table))
         if len(found) >= 2:  # a .ci/run log: the suite, .ci/kernels, then .ci/ds_range's tiers (ds_range.py)
             new += [record(args.label, SUITE, "native", found[0]),
                     record(f"{args.label}: .ci/kernels", KERNELS, "avx2, cores + 1 threads", found[1])]
         elif found:
             new.append(record(args.label, SUITE, args.kernels, found[0]))
-        else:
+        elif table is None:
             raise SystemExit(f"{args.from_log}: no pytest summary line")
     else:
         exact = ROOT / ".exact-tests.txt"
@@ -93,11 +115,13 @@ def main() -> None:
         if args.avx2_suite:
             new.append(record("the suite, AVX2 kernels", SUITE, "avx2",
                               run([sys.executable, "-m", "pytest", "-q", "tests"], {**native, **AVX2})))
-    old = json.loads(args.out.read_text())["runs"] if args.out.is_file() else []
-    labels = {r["label"] for r in new}
-    runs = [r for r in old if r["label"] not in labels] + new
-    args.out.write_text(json.dumps({"runs": runs, "command": "python benchmarks/suite_time.py"}, indent=1) + "\n")
-    for r in new:
+    data = json.loads(args.out.read_text()) if args.out.is_file() else {}
+    labels = {r["label"] for r in new + ci_runs}
+    runs = [r for r in data.get("runs", []) if r["label"] not in labels] + new
+    stage_runs = [r for r in data.get("ci_runs", []) if r["label"] not in labels] + ci_runs
+    args.out.write_text(json.dumps({"runs": runs, "ci_runs": stage_runs, "command": "python benchmarks/suite_time.py"},
+                                   indent=1) + "\n")
+    for r in new + ci_runs:
         print(r)
 
 

@@ -905,7 +905,34 @@ CPU_KERNELS = {
 }
 
 
+def _stage_cell(r: Row) -> str:
+    return ", ".join(f"{st['stage']} {st['minutes']:.1f}" + ("" if not st["exit"] else f" (exit {st['exit']})")
+                     for st in r["stages"])
+
+
+def _profile_phase_rows(d: Data) -> Iterable[Row]:
+    for run in d["runs"]:
+        for ph in run["phases"]:
+            yield {"label": run["label"], **ph}
+
+
 SUITE = {
+    "ci_stages": Table(
+        "suite_time", "ci_stages: .ci/run's closing table, minutes per stage (python benchmarks/suite_time.py --from-log).",
+        "ci_runs",
+        _cols(("run", "{label}"), ("CPU, cores", "{cpu}, {cores}"), ("stages, minutes", _stage_cell),
+              ("all of .ci/run, minutes", "{total_minutes:.1f}"))),
+    "suite_profile_files": Table(
+        "suite_profile", "suite_profile_files: the suite's slowest files (python benchmarks/suite_profile.py).",
+        lambda d: ({"label": run["label"], **f} for run in d["runs"] for f in run["files"]),
+        _cols(("run", "{label}"), ("file", "`{file}`"), ("tests", "{tests}"), ("minutes", "{minutes:.2f}"),
+              ("share of the suite", "{share:pct}"), ("waiting on ranks", "{in_ranks:pct0}"),
+              ("CPU minutes (pytest, children, ranks)", "{cpu_minutes:.2f}"))),
+    "suite_profile_phases": Table(
+        "suite_profile", "suite_profile_phases: rank 0's wall time per phase over every run_distributed run.",
+        _profile_phase_rows,
+        _cols(("run", "{label}"), ("phase", "{phase}"), ("minutes", "{rank0_minutes:.2f}"),
+              ("seconds per run", "{per_run_s:.2f}"))),
     "suite_time": Table(
         "suite_time", "suite_time: the suite's pytest sessions as CI runs them (pytest's own summary per session).",
         "runs",

@@ -17,7 +17,14 @@ configuration (``.ci/kernels``), and which tests those are is recorded, not hand
   (tests/conftest.py).  A contributor who writes a bit-for-bit assertion has enrolled the test.
 * ``test_threads()`` is the intra-op thread count the ranks *and* the single-process references
   run with (``CANZONA_TEST_THREADS``, default 1): the same count on both sides keeps "the same
-  operations" true while CI varies it.
+  operations" true while CI varies it.  One thread per rank, because a test's ranks already
+  fill the cores (two ranks on two cores; four ranks oversubscribe).
+* ``solo_threads()`` is the count for a test marked ``solo`` (a module's ``pytestmark``): it
+  starts no rank and compares only computations of its own process, so both sides share
+  whatever count it runs with, and it takes every core (``CANZONA_SOLO_THREADS``, default the
+  larger of ``test_threads()`` and the core count).  ``run_distributed`` refuses to start ranks
+  from a process whose count differs from ``test_threads()``: a ``solo`` mark on a test that
+  starts ranks fails by name instead of comparing across thread counts.
 """
 from __future__ import annotations
 
@@ -49,6 +56,29 @@ def test_threads() -> int:
 
 
 test_threads.__test__ = False  # a helper, not a test, for pytest's collector
+
+SOLO_ENV = "CANZONA_SOLO_THREADS"
+
+
+def solo_threads() -> int:
+    """Intra-op threads for a test marked ``solo`` (``CANZONA_SOLO_THREADS``, default
+    ``max(test_threads(), os.cpu_count())``)."""
+    raw = os.environ.get(SOLO_ENV)
+    if raw is None:
+        return max(test_threads(), os.cpu_count() or 1)
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"Invalid {SOLO_ENV}={raw!r}. Allowed: a positive integer.")
+    return n
+
+
+def threads_for(item) -> int:
+    """The intra-op thread count a pytest item runs with: ``solo_threads()`` when it is marked
+    ``solo``, else ``test_threads()``."""
+    return solo_threads() if item.get_closest_marker("solo") is not None else test_threads()
 
 
 def _floating(x) -> bool:

@@ -30,12 +30,13 @@ hangs that job.  Once mapped, a buffer stays mapped until its last process exits
 from __future__ import annotations
 
 import os
+import resource
 import time
 from pathlib import Path
 
 import pytest
 
-from canzona_testkit import kernels
+from canzona_testkit import kernels, phases
 
 SHM = Path("/dev/shm")
 DS_PREFIX = "deepspeed_allreduce_buffer_"
@@ -330,10 +331,26 @@ def pytest_runtest_setup(item):
     # The pytest process is the reference side of every rank-vs-reference comparison (and both
     # sides of the single-process ones): it runs with the ranks' intra-op thread count
     # (canzona_testkit/dist.py), set before each test's fixtures, so no reference can run with
-    # torch's default (the core count) while the ranks run test_threads().
+    # torch's default (the core count) while the ranks run test_threads().  A test marked
+    # ``solo`` starts no ranks and takes every core (kernels.threads_for).
     import torch
 
-    torch.set_num_threads(kernels.test_threads())
+    torch.set_num_threads(kernels.threads_for(item))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With ``CANZONA_PHASES`` set: the test's wall and CPU time (canzona_testkit/phases.py)."""
+    if not phases.folder():
+        yield
+        return
+    phases.in_ranks[0] = 0.0
+    t0, own0, kids0 = time.perf_counter(), phases.cpu_seconds(), phases.cpu_seconds(resource.RUSAGE_CHILDREN)
+    yield
+    phases.append("tests.jsonl", {"test": item.nodeid, "wall": round(time.perf_counter() - t0, 3),
+                                  "cpu": round(phases.cpu_seconds() - own0, 3),
+                                  "children_cpu": round(phases.cpu_seconds(resource.RUSAGE_CHILDREN) - kids0, 3),
+                                  "in_ranks": round(phases.in_ranks[0], 3)})
 
 
 @pytest.hookimpl(wrapper=True)

@@ -5,6 +5,9 @@ import torch
 from canzona_ds.models.qwen3 import PRESETS, Qwen3Config, Qwen3ForCausalLM, build_model, preset
 from canzona_ds.planning.params import default_is_matrix
 
+#: one process, both sides of every comparison: every core (canzona_testkit/kernels.py solo_threads)
+pytestmark = pytest.mark.solo
+
 SMALL = Qwen3Config(vocab_size=256, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
                     num_kv_heads=2, head_dim=8, max_seq_len=32)
 

@@ -12,6 +12,9 @@ from canzona_ds.reference import ReferenceOptimizer
 from canzona_ds.optim.rule import MatrixInfo
 from canzona_testkit.models import NS_BF16_REL, muon_kernel_tolerance
 
+#: one process, both sides of every comparison: every core (canzona_testkit/kernels.py solo_threads)
+pytestmark = pytest.mark.solo
+
 SHAPES = [(16, 16), (48, 16), (16, 40), (7, 33)]
 
 

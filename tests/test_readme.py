@@ -26,7 +26,7 @@ def test_ci_runs_the_readme_test_command():
           if line.strip() and not line.startswith("#")]
     # and after it, its bit-for-bit tests under another kernel configuration (docs/zero.md)
     at = ci.index(TEST_COMMAND)
-    assert any(line.startswith("bash .ci/kernels") for line in ci[at + 1:]), ci
+    assert any("bash .ci/kernels" in line for line in ci[at + 1:]), ci
     assert (ROOT / ".ci" / "kernels").is_file()
 
 
