@@ -28,6 +28,7 @@ from canzona_testkit.dist import device_params, run_distributed
 from canzona_testkit.models import (HP, MATRICES, TYPES, batches, ds_config, make_model, max_abs_diff,
                                        muon_reordered_sum_tolerance, params_of, reference_grads,
                                        reordered_sum_bound, run_engine, run_reference)
+from canzona_testkit.kernels import assert_bits, bits_differ
 
 STEPS = 4  # Shampoo/SOAP in HP refresh every 2 steps: two refreshes
 
@@ -106,7 +107,7 @@ def _fp16_overflow_worker(rank, dp, stage):
                           engine.skipped_steps))
     (bp, bs, bscale), (ap, as_, ascale), skipped = snaps[1]
     same_state = bs.keys() == as_.keys() and all(torch.equal(bs[n][k], as_[n][k]) for n in bs for k in bs[n])
-    return dict(same_params=max_abs_diff(bp, ap) == 0.0, same_state=same_state, scale=(bscale, ascale),
+    return dict(same_params=not bits_differ(bp, ap), same_state=same_state, scale=(bscale, ascale),
                 skipped=skipped, finite=bool(all(np.isfinite(v).all() for v in snaps[2][1][0].values())),
                 changed_later=max_abs_diff(snaps[2][0][0], snaps[2][1][0]) > 0, step=inner.param_groups[0]["step"])
 
@@ -131,7 +132,7 @@ def _comm_worker(rank, dp, cfg):
 
 def _assert_equal(got: dict, ref: dict, atol: float = 0.0, what: str = "") -> None:
     for name in ref:
-        if atol == 0.0:
+        if not atol:
             np.testing.assert_array_equal(got[name], ref[name], err_msg=f"{what} {name}")
         else:
             np.testing.assert_allclose(got[name], ref[name], rtol=0, atol=atol, err_msg=f"{what} {name}")
@@ -181,7 +182,8 @@ def test_dp4(opt_type):
     dev = max(max_abs_diff(r["params"], ref) for r in res)
     print(f"{opt_type} DP=4: max |param - reference| = {dev:.3g}")
     for r in res:
-        assert r["replay"]["replay_max_diff"] == 0.0 and r["replay"]["steps"] == STEPS, r["replay"]
+        assert_bits(r["replay"]["replay_max_diff"], 0.0, r["replay"])
+        assert r["replay"]["steps"] == STEPS, r["replay"]
     # the first step's averaged gradient each owner received: the reference's, to summation order
     # (same weights, same micro-batches; only the 4-term sum associates otherwise), on any CPU
     x, y = batches(1, 2 * 4)[0]
@@ -234,9 +236,10 @@ def test_bf16(opt_type, stage):
     res = run_distributed(_config_worker, 2, ds_config(2, optimizer=opt_type, stage=stage, bf16={"enabled": True}),
                           STEPS)
     for r in res:
-        assert r["replay"]["replay_max_diff"] == 0.0 and r["replay"]["steps"] == STEPS, r["replay"]
+        assert_bits(r["replay"]["replay_max_diff"], 0.0, r["replay"])
+        assert r["replay"]["steps"] == STEPS, r["replay"]
         assert r["finite"]
-    assert max_abs_diff(res[0]["params"], res[1]["params"]) == 0.0  # replicas agree after the all-gather
+    assert_bits(max_abs_diff(res[0]["params"], res[1]["params"]), 0.0)  # replicas agree after the all-gather
     ref = run_reference(2, STEPS, opt_type)
     init = {n: p.detach() for n, p in make_model(0).named_parameters()}
     for n in ref:
@@ -269,7 +272,8 @@ def test_closer_to_reference_than_deepspeed_muon():
     d_theirs = max(float(abs(theirs[n] - ref[n]).max()) for n in MATRICES)
     print(f"max |param - reference| on matrices after {STEPS} steps: CanzonaMuon {d_ours:.3g}, "
           f"DeepSpeed Muon (ns_method=standard) {d_theirs:.3g}")
-    assert d_ours == 0.0 < d_theirs
+    assert_bits(d_ours, 0.0)
+    assert d_theirs > 0
 
 
 @pytest.mark.parametrize("stage", [1, 2])
