@@ -348,7 +348,7 @@ def test_tp2_adamw_params_and_weight_decay_as_megatron() -> None:
 
 def test_start_line_names_canzona() -> None:
     log = trained("tp2")["full"]["log"]
-    lines = [x for x in log.splitlines() if x.startswith("canzona_ds: ")]
+    lines = mr.start_lines(log)
     assert len(lines) == 1, lines  # rank 0 only, once
     assert lines[0].startswith("canzona_ds: CanzonaMuon (muon on ") and "ZeRO stage 0" in lines[0], lines[0]
     assert "DP 1 TP 2 PP 1" in lines[0] and "TP hosts over 2 ranks, load max/mean" in lines[0], lines[0]

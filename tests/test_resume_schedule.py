@@ -17,6 +17,7 @@ import pytest
 
 from canzona_testkit.dist import run_distributed
 from canzona_testkit.kernels import assert_bits
+from canzona_testkit.megatron_real import start_lines
 
 pytestmark = pytest.mark.dist
 
@@ -139,7 +140,7 @@ def test_schedule_continues_after_resume(tmp_path, kind):
     (res,) = run_distributed(_worker, 1, kind, str(tmp_path / "ckpt"))
     # plain deepspeed.initialize (and the Megatron hook's route): the one start-up line, printed
     # where logging shows no INFO record (the default)
-    lines = [ln for ln in res["startup"].splitlines() if ln.startswith("canzona_ds: ")]
+    lines = start_lines(res["startup"])  # (the reader benchmarks/bench_megatron.py uses)
     assert len(lines) == 1 and lines[0].startswith("canzona_ds: CanzonaMuon (muon on ") and \
         "matrix lr 0.02, AdamW lr" in lines[0] and "ZeRO stage 1, DP 1 TP 1 PP 1; plan " in lines[0] and \
         "load max/mean" in lines[0] and "HF Trainer" not in lines[0], lines

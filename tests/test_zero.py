@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from canzona_testkit.dist import device_params, run_distributed
 from canzona_testkit.models import (HP, MATRICES, TYPES, batches, ds_config, make_model, max_abs_diff,
@@ -207,6 +208,78 @@ def test_more_ranks_than_matrices():
     ref = run_reference(4, STEPS, params=hp)
     for r in res:
         assert max_abs_diff(r["params"], ref) <= muon_reordered_sum_tolerance(STEPS)  # 4-rank sums: another association
+    # the bound is about one step's update (a dropped step passes it: test_a_dropped_step_...): the
+    # owners' updates replayed bit for bit, every step, every matrix once
+    for r in res:
+        assert_bits(r["replay"]["replay_max_diff"], 0.0, r["replay"]["matrices"])
+        assert r["replay"]["steps"] == (STEPS if r["replay"]["matrices"] else 0), r["replay"]
+    assert sorted(n for r in res for n in r["replay"]["matrices"]) == sorted(set(MATRICES) - {"fc2.weight"})
+
+
+def _single_process_dp4(bug=None) -> tuple[dict, dict]:
+    """CanzonaOptimizer in one process on ZeRO's averaged DP=4 gradients (what an owner receives),
+    with a MatrixStepRecorder; ``bug(model, opt, step)`` runs inside the matrix step."""
+    from canzona_ds.config import CanzonaConfig
+    from canzona_ds.optimizer import CanzonaOptimizer
+    from canzona_testkit.models import MatrixStepRecorder
+
+    model = make_model(0)
+    opt = CanzonaOptimizer(model.named_parameters(), CanzonaConfig.from_ds("CanzonaMuon", dict(HP["CanzonaMuon"])))
+    recorder = MatrixStepRecorder(opt)
+    stock = opt.placement.step
+
+    def step(group, ctx):
+        if bug is None:
+            return stock(group, ctx)
+        return bug(model, stock, group, ctx)
+
+    opt.placement.step = step
+    for x, y in batches(STEPS, 2 * 4):
+        grads = reference_grads(model, [x], [y], 4, 2)
+        for n, p in model.named_parameters():
+            p.grad = grads[n]
+        opt.step()
+    return params_of(model), recorder.summary()
+
+
+def _drop_fc1_step_2(model, stock, group, ctx):
+    """The owner loses fc1's second update (its result never reaches the weights)."""
+    held = model.get_parameter("fc1.weight").detach().clone()
+    stock(group, ctx)
+    if group["step"] == 2:
+        model.get_parameter("fc1.weight").data.copy_(held)
+
+
+def _regroup_fc1_shard(model, stock, group, ctx):
+    """fc1's gradient assembled from its two halves in the wrong order (at the first step)."""
+    g = model.get_parameter("fc1.weight").grad
+    if group["step"] == 1:
+        half = g.shape[0] // 2
+        g.copy_(torch.cat([g[half:], g[:half]]))
+    stock(group, ctx)
+
+
+def test_a_dropped_step_passes_the_bound_and_fails_the_replay():
+    """Why test_dp4 and test_more_ranks_than_matrices replay: a step dropped on one matrix ends
+    within muon_reordered_sum_tolerance of the reference (one Muon step moves these weights by
+    0.010-0.018; the bound is 0.02 over 4 steps), and only the replay sees it.  Single process,
+    ~1 s."""
+    got, replay = _single_process_dp4(_drop_fc1_step_2)
+    dev = max_abs_diff(got, run_reference(4, STEPS))
+    assert 0 < dev <= muon_reordered_sum_tolerance(STEPS), dev
+    assert bits_differ(replay["replay_max_diff"], 0.0)
+    _, replay = _single_process_dp4()  # the same run without the bug replays exactly
+    assert_bits(replay["replay_max_diff"], 0.0)
+
+
+def test_a_regrouped_shard_fails_the_bound():
+    """A gradient shard regrouped wrongly (fc1's halves swapped once) is what the replay cannot
+    see (it replays from the gradient the owner received): the bound against the reference
+    catches it (0.040 measured against 0.02), as test_dp4's first-step gradient check does.
+    Single process, ~1 s."""
+    got, replay = _single_process_dp4(_regroup_fc1_shard)
+    assert_bits(replay["replay_max_diff"], 0.0)
+    assert max_abs_diff(got, run_reference(4, STEPS)) > muon_reordered_sum_tolerance(STEPS)
 
 
 def test_use_muon_tags_are_honoured():
