@@ -11,6 +11,9 @@ relative ones resolved), so a lazy import cannot hide an arrow pointing up:
 * the main job sits on top: nothing of the library imports ``train/``, ``cli/``, ``data/`` or the
   job's model (``models/qwen3*``); the one module of ``models/`` the library uses is
   ``qk_record`` (QK-clip's instrumentation of any model's attention, integration/builder.py).
+
+And one rule of the tests' own code, read the same way: a bit-for-bit comparison of floats goes
+through what .ci/kernels' recorder sees (``escaping_exact_forms``; docs/exactness_audit.md).
 """
 from __future__ import annotations
 
