@@ -15,9 +15,10 @@ configuration (``.ci/kernels``), and which tests those are is recorded, not hand
   == 0.0``, the other spelling of a bit-for-bit assertion: ``note_exact``).  With
   ``CANZONA_EXACT_LOG=<file>`` set, the session appends the marked node ids there
   (tests/conftest.py).  A contributor who writes a bit-for-bit assertion has enrolled the test.
-* ``assert_bits(actual, expected)`` (``bits_differ`` where a check collects its findings) is the one way a test asserts bit for bit on values the
-  primitives above do not take (floats, lists of losses, dicts of arrays, a difference that must
-  be 0.0); it enrolls the test whatever it compares.  ``tests/test_layering.py`` fails on the
+* ``assert_bits(actual, expected)`` (``bits_differ`` where a check collects its findings) is the
+  one way a test asserts bit for bit on values the primitives above do not take (floats, lists
+  of losses, dicts of arrays, a difference that must be 0.0); it enrolls the test whatever it
+  compares.  ``tests/test_layering.py`` fails on the
   forms that would escape the recorder (``np.array_equal``, ``(a == b).all()``, ``==`` on a
   float literal or a loss, ``.tolist() ==``).
 * In a rank process (``canzona_testkit/dist.py``) there is no running test: a bit-for-bit

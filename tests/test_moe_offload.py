@@ -40,7 +40,7 @@ import pytest
 
 from canzona_testkit.dist import run_distributed, scratch_dir
 from canzona_testkit.models import TYPES
-from canzona_testkit.kernels import assert_bits
+from canzona_testkit.kernels import assert_bits, note_exact
 
 STEPS = 3  # Shampoo/SOAP in HP refresh every 2 steps
 CLIP = 0.05  # well below the gradient norm (~1.8): every step clips
@@ -282,6 +282,7 @@ def test_offload_equals_plain(name):
             _eq(r["offload"]["params"], r["plain"]["params"], name)
             assert_bits(r["offload"]["losses"], r["plain"]["losses"])
         else:
+            note_exact()  # the bound's premise is the CPU Adam kernel's SIMD splits: .ci/kernels reruns it
             _within_adam_steps(r["offload"]["params"], r["plain"]["params"], steps, opt_type["params"]["lr"], name)
             # each loss is computed from weights within that bound (~1e-6 relative to the weights
             # after 3 steps) on the same batch: to first order it moves by as little; 1e-5 leaves 10x
