@@ -37,6 +37,7 @@ from functools import lru_cache
 
 import numpy as np
 import pytest
+import torch
 
 from canzona_testkit.dist import run_distributed, scratch_dir
 from canzona_testkit.models import TYPES
@@ -301,3 +302,32 @@ def test_offload_checkpoint_round_trip():
     for r in res:
         _eq(r["resumed"], r["straight"], "resumed")
         assert r["same_state"] and r["cpu_offload"] and len(r["experts"]) == 4, r["experts"]
+
+
+def _adamw_run(bug: str | None) -> dict:
+    """Three torch AdamW steps (DS_ADAMW's lr and weight decay, DeepSpeed's betas) on fixed
+    weights and gradients; ``bug`` changes one thing a broken twin could."""
+    g = torch.Generator().manual_seed(0)
+    w = {n: torch.randn(shape, generator=g) for n, shape in (("w", (40, 24)), ("b", (24,)))}
+    grads = [{n: torch.randn(t.shape, generator=g) for n, t in w.items()} for _ in range(STEPS)]
+    params = {n: t.clone().requires_grad_() for n, t in w.items()}
+    lr = DS_ADAMW["params"]["lr"] * (0.9 if bug == "lr_x0.9" else 1.0)
+    opt = torch.optim.AdamW(params.values(), lr=lr, weight_decay=DS_ADAMW["params"]["weight_decay"])
+    for s, step in enumerate(grads):
+        for n, p in params.items():
+            # the clip coefficient one fp32 ulp off: what the twins may differ by
+            p.grad = step[n] * (1.0 + 2.0 ** -23 if bug == "clip_ulp" else 1.0)
+        if bug == "dropped_step" and s == 1:
+            params["w"].grad = None
+        opt.step()
+    return {n: p.detach().numpy().copy() for n, p in params.items()}
+
+
+@pytest.mark.parametrize("bug", ["lr_x0.9", "dropped_step"])
+def test_adam_step_bound_fails_injected_bugs(bug):
+    """``_within_adam_steps`` holds for runs that differ only by a rounding of the clip coefficient
+    and fails lr x 0.9 and a step dropped on one tensor.  Single process, ~0.1 s."""
+    lr = DS_ADAMW["params"]["lr"]
+    _within_adam_steps(_adamw_run("clip_ulp"), _adamw_run(None), STEPS, lr, "a rounding")
+    with pytest.raises(AssertionError, match="elements beyond the bound"):
+        _within_adam_steps(_adamw_run(bug), _adamw_run(None), STEPS, lr, bug)

@@ -361,3 +361,27 @@ def test_gradient_reduction_not_worse_than_stock_adamw(stage):
     stock_grad = sum(v[2] for v in stock["backward"].values())
     assert 0 < ours_grad <= stock_grad, (ours_grad, stock_grad)
     assert "all_gather_into_tensor" in ours["step"]  # the stock post-step all-gather rebuilds the weights
+
+
+@pytest.mark.parametrize("bug", ["rank_dropped", "shard_regrouped"])
+def test_reordered_sum_bound_fails_injected_bugs(bug):
+    """test_dp4's first-step gradient check (``reordered_sum_bound``) holds for the same four terms
+    summed in another order and fails an average that lost one rank's micro-batches (the other
+    three scaled to make up the count) or one with fc1's halves regrouped.  Single process, ~0.5 s."""
+    x, y = batches(1, 2 * 4)[0]
+    model = make_model(0)
+    per_rank = [reference_grads(model, [x[2 * k:2 * k + 2]], [y[2 * k:2 * k + 2]], 1, 2) for k in range(4)]
+    want = reference_grads(model, [x], [y], 4, 2)
+    bound = reordered_sum_bound(per_rank)
+    reordered = {n: (per_rank[3][n] / 4 + per_rank[1][n] / 4) + (per_rank[2][n] / 4 + per_rank[0][n] / 4)
+                 for n in want}
+    if bug == "rank_dropped":
+        broken = {n: sum(per_rank[k][n] for k in range(3)) / 3 for n in want}
+    else:
+        half = want["fc1.weight"].shape[0] // 2
+        broken = dict(want, **{"fc1.weight": torch.cat([want["fc1.weight"][half:], want["fc1.weight"][:half]])})
+
+    def within(got: dict) -> bool:
+        return all(bool(((got[n] - want[n]).abs() <= bound[n]).all()) for n in want)
+
+    assert within(reordered) and not within(broken)
