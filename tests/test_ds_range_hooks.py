@@ -1,6 +1,7 @@
 """The DeepSpeed-range tier's outcome rewriting (tests/conftest.py ``pytest_runtest_makereport``):
 on a release that lacks a feature a tier test needs, the test passes as a skip only if it stopped
-at exactly that feature's refusal; any other failure, or a pass, stays a failure (issue 46).
+at exactly that feature's refusal; any other failure, or a pass, stays a failure; one that skips
+itself is reported as such and counted at the end (issue 46).
 
 Run in-process with pytester on tiny generated tests (no DeepSpeed engine, no ranks: ~1 s): the
 refusal is DeepSpeed-free (``ds_compat.require`` on a feature whose members are made absent).
@@ -21,6 +22,7 @@ _spec = importlib.util.spec_from_file_location("_canzona_suite_conftest", {str(C
 _suite = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_suite)
 pytest_runtest_makereport = _suite.pytest_runtest_makereport
+pytest_terminal_summary = _suite.pytest_terminal_summary
 '''
 
 TESTS = '''
@@ -71,3 +73,7 @@ def test_only_the_refusal_turns_a_failure_into_a_skip(pytester):
     result.stdout.fnmatch_lines(["*refused by name as it should be (per_head_muon)*"])
     text = result.stdout.str()
     assert "but it failed otherwise" in text and "an unrelated failure" in text and "but it passed" in text
+    # a test that skipped itself is reported as such, and counted
+    result.stdout.fnmatch_lines(["*1 tests skipped themselves on a release lacking a feature*",
+                                 "*test_tier.py::test_skips_itself",
+                                 "*nothing to run here [[]skipped itself on a release lacking per_head_muon*"])
