@@ -23,7 +23,8 @@ configuration (``.ci/kernels``), and which tests those are is recorded, not hand
   float literal or a loss, ``.tolist() ==``).
 * In a rank process (``canzona_testkit/dist.py``) there is no running test: a bit-for-bit
   assertion there sets ``asserted`` and the rank reports it with its result, so the parent
-  enrolls the test that started the ranks (``rank_report``).
+  enrolls the test that started the ranks, and every test that reads that result later (a
+  module's cached batch of scenarios: ``rank_report``).
 * ``test_threads()`` is the intra-op thread count the ranks *and* the single-process references
   run with (``CANZONA_TEST_THREADS``, default 1): the same count on both sides keeps "the same
   operations" true while CI varies it.
@@ -99,12 +100,28 @@ def note_exact() -> None:
         exact.add(current[0])
 
 
+class _Enrolling(dict):
+    """A rank's result from a rank that asserted bit for bit: reading an entry enrolls the running
+    test, so every test that checks its part of a cached batch of scenarios (one
+    ``run_distributed`` read by many tests) is enrolled, not only the one that started it."""
+
+    def __getitem__(self, key):
+        note_exact()
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        note_exact()
+        return super().get(key, default)
+
+
 def rank_report(result, report: bool):
     """The parent's side of a rank's mark: enroll the running test when the rank asserted bit for
-    bit (``report``), and hand back the rank's result (``canzona_testkit.dist``)."""
-    if report:
-        note_exact()
-    return result
+    bit (``report``), and hand back the rank's result (``canzona_testkit.dist``), a dict as one
+    whose reads enroll the test reading it."""
+    if not report:
+        return result
+    note_exact()
+    return _Enrolling(result) if type(result) is dict else result
 
 
 def _differ(a, b, where: str) -> str | None:
