@@ -71,7 +71,7 @@ def run(meg: Path, work: Path, layout: str, optimizer: str, iters: int) -> dict:
     losses = [its[i][1] for i in sorted(its)]
     ms = {int(i): float(v) for i, v in re.findall(ITER_MS, log)}
     rss = [int(x) for x in re.findall(r"MAXRSS_KB=(\d+)", log)]
-    start = [x for x in log.splitlines() if x.startswith("canzona-ds: ")]
+    start = mr.start_lines(log)
     return {"layout": layout, "optimizer": optimizer, "iters": len(losses),
             "loss_last5": statistics.fmean(losses[-5:]), "loss_last": losses[-1],
             "iter_ms_median": statistics.median(ms[i] for i in ms if i >= 3),

@@ -6,10 +6,12 @@ process with ``torch.distributed`` initialised and returns the per-rank return v
 per rank (``rank``-th device), for the CUDA tier when enough GPUs are present.  A failure
 on any rank raises here with that rank's traceback; a rank that does not answer within
 ``timeout`` seconds is reported (and every process is stopped), so a hang fails its test
-instead of the whole suite.
+instead of the whole suite.  A rank that asserted bit for bit (``canzona_testkit.kernels``)
+says so with its result, and the parent enrolls the running test in .ci/kernels' rerun.
 """
 from __future__ import annotations
 
+from canzona_testkit import kernels
 from canzona_testkit.kernels import test_threads
 import os
 import queue as queue_mod
@@ -56,11 +58,12 @@ def _worker(rank, world_size, port, device, fn, args, queue, profile=None):
         if device == "cuda":
             torch.cuda.set_device(rank)
         dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world_size)
+        kernels.record_exact_assertions()
         out = fn(rank, world_size, *args)
         if clock is not None:
             clock.leave()
             clock.enter("teardown")
-        queue.put((rank, "ok", out))
+        queue.put((rank, "ok", (out, kernels.asserted[0])))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -108,7 +111,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, device: 
     ctx = _context(device)
     queue = ctx.Queue()
     port = free_port()
-    from canzona_testkit import kernels, phases
+    from canzona_testkit import phases
 
     started = time.perf_counter()
     profile = (kernels.current[0], time.time()) if phases.folder() else None
@@ -126,7 +129,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 300.0, device: 
                 errors.append(f"ranks {missing} did not finish within {timeout:.0f} s (hang or deadlock)")
                 break
             if status == "ok":
-                results[rank] = payload
+                results[rank] = kernels.rank_report(*payload)
             else:
                 errors.append(f"--- rank {rank} ---\n{payload}")
                 break

@@ -15,6 +15,16 @@ configuration (``.ci/kernels``), and which tests those are is recorded, not hand
   == 0.0``, the other spelling of a bit-for-bit assertion: ``note_exact``).  With
   ``CANZONA_EXACT_LOG=<file>`` set, the session appends the marked node ids there
   (tests/conftest.py).  A contributor who writes a bit-for-bit assertion has enrolled the test.
+* ``assert_bits(actual, expected)`` (``bits_differ`` where a check collects its findings) is the
+  one way a test asserts bit for bit on values the primitives above do not take (floats, lists
+  of losses, dicts of arrays, a difference that must be 0.0); it enrolls the test whatever it
+  compares.  ``tests/test_layering.py`` fails on the
+  forms that would escape the recorder (``np.array_equal``, ``(a == b).all()``, ``==`` on a
+  float literal or a loss, ``.tolist() ==``).
+* In a rank process (``canzona_testkit/dist.py``) there is no running test: a bit-for-bit
+  assertion there sets ``asserted`` and the rank reports it with its result, so the parent
+  enrolls the test that started the ranks, and every test that reads that result later (a
+  module's cached batch of scenarios: ``rank_report``).
 * ``test_threads()`` is the intra-op thread count the ranks *and* the single-process references
   run with (``CANZONA_TEST_THREADS``, default 1): the same count on both sides keeps "the same
   operations" true while CI varies it.  One thread per rank, because a test's ranks already
@@ -41,6 +51,8 @@ _TEST_DIRS = (str(_ROOT / "tests") + os.sep, str(_ROOT / "canzona_testkit") + os
 #: the node id of the test running now (set by tests/conftest.py), and the ones that asserted bits
 current: list[str | None] = [None]
 exact: set[str] = set()
+#: whether this process asserted bit for bit at all (a rank reports it to the parent: ``rank_report``)
+asserted: list[bool] = [False]
 
 
 def test_threads() -> int:
@@ -104,15 +116,110 @@ def _from_test_code() -> bool:
 
 
 def _mark(*values) -> None:
-    if current[0] is not None and any(_floating(v) for v in values) and _from_test_code():
-        exact.add(current[0])
+    if any(_floating(v) for v in values) and _from_test_code():
+        note_exact()
 
 
 def note_exact() -> None:
-    """Enroll the running test: a test-kit helper found two float results equal bit for bit
-    (``canzona_testkit.models.max_abs_diff`` returning 0.0, which ``== 0.0`` assertions read)."""
+    """Enroll the running test: it asserted bit for bit, or a test-kit helper found two float
+    results equal bit for bit (``canzona_testkit.models.max_abs_diff`` returning 0.0), or its
+    result depends on this CPU's kernels (a premise a bound is derived from).  In a rank process
+    the mark travels to the parent with the rank's result (``rank_report``)."""
+    asserted[0] = True
     if current[0] is not None:
         exact.add(current[0])
+
+
+class _Enrolling(dict):
+    """A rank's result from a rank that asserted bit for bit: reading an entry enrolls the running
+    test, so every test that checks its part of a cached batch of scenarios (one
+    ``run_distributed`` read by many tests) is enrolled, not only the one that started it."""
+
+    def __getitem__(self, key):
+        note_exact()
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        note_exact()
+        return super().get(key, default)
+
+
+def rank_report(result, report: bool):
+    """The parent's side of a rank's mark: enroll the running test when the rank asserted bit for
+    bit (``report``), and hand back the rank's result (``canzona_testkit.dist``), a dict as one
+    whose reads enroll the test reading it."""
+    if not report:
+        return result
+    note_exact()
+    return _Enrolling(result) if type(result) is dict else result
+
+
+def _differ(a, b, where: str) -> str | None:
+    import numpy as np
+    import torch
+
+    if isinstance(a, dict) or isinstance(b, dict):
+        if not (isinstance(a, dict) and isinstance(b, dict)) or set(a) != set(b):
+            return f"{where}: keys differ: {sorted(map(str, a)) if isinstance(a, dict) else type(a).__name__} vs " \
+                   f"{sorted(map(str, b)) if isinstance(b, dict) else type(b).__name__}"
+        for k in a:
+            why = _differ(a[k], b[k], f"{where}[{k!r}]")
+            if why:
+                return why
+        return None
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        if not (isinstance(a, (list, tuple)) and isinstance(b, (list, tuple))) or len(a) != len(b):
+            return f"{where}: {a!r} vs {b!r}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            why = _differ(x, y, f"{where}[{i}]")
+            if why:
+                return why
+        return None
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        a, b = (torch.as_tensor(v) for v in (a, b))
+        if a.shape != b.shape:
+            return f"{where}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
+        floating = a.is_floating_point() or a.is_complex()
+        same = (a == b) | (torch.isnan(a) & torch.isnan(b)) if floating else a == b
+        if bool(same.all()):
+            return None
+        diff = (a.double() - b.double()).abs()[~same]
+        return f"{where}: {int((~same).sum())} of {a.numel()} elements differ, max |diff| {float(diff.max()):.3g}"
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        a, b = np.asarray(a), np.asarray(b)
+        if a.shape != b.shape:
+            return f"{where}: shape {a.shape} vs {b.shape}"
+        floating = a.dtype.kind in "fc" and b.dtype.kind in "fc"
+        same = (a == b) | (np.isnan(a) & np.isnan(b)) if floating else a == b
+        if bool(np.all(same)):
+            return None
+        diff = np.abs(a.astype(np.float64) - b.astype(np.float64))[~same]
+        return f"{where}: {int((~same).sum())} of {a.size} elements differ, max |diff| {float(diff.max()):.3g}"
+    if isinstance(a, float) or isinstance(b, float):
+        if a == b or (a != a and b != b):
+            return None
+        return f"{where}: {a!r} vs {b!r} (diff {abs(a - b):.3g})"
+    return None if a == b else f"{where}: {a!r} vs {b!r}"
+
+
+def bits_differ(actual, expected) -> str | None:
+    """Why ``actual`` and ``expected`` are not the same values bit for bit, or None; enrolls the
+    running test like ``assert_bits`` (for checks that collect their findings before asserting,
+    and for ranks that return the verdict to the parent)."""
+    note_exact()
+    return _differ(actual, expected, "value")
+
+
+def assert_bits(actual, expected, what: object = "") -> None:
+    """Assert ``actual`` and ``expected`` hold the same values bit for bit, and enroll the running
+    test in .ci/kernels' rerun (in a rank: report it to the parent).  Takes tensors and numpy arrays
+    (same shape, equal values as ``torch.equal`` and ``assert_array_equal`` read them, NaN matching
+    NaN), floats, and lists, tuples and dicts of them (same keys); a
+    difference that must vanish is ``assert_bits(d, 0.0)``.  The one way the suite asserts bit for
+    bit on values ``torch.equal`` and the zero-tolerance primitives do not take."""
+    why = bits_differ(actual, expected)
+    if why is not None:
+        raise AssertionError(f"not bit for bit: {why}" + (f" ({what})" if what != "" else ""))
 
 
 def _zero_tolerance(kwargs: dict, default_rtol, default_atol) -> bool:

@@ -204,6 +204,16 @@ def env(capture_dir: str | None = None) -> dict[str, str]:
 _ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?learning rate: ([0-9.Ee+-]+) \|.*?lm loss: ([0-9.Ee+-]+) \|")
 
 
+#: how canzona_ds's start-up line begins (integration/builder.py ``startup_line``; read from a
+#: real deepspeed.initialize by tests/test_resume_schedule.py, so a renamed prefix fails there)
+START_PREFIX = "canzona_ds: "
+
+
+def start_lines(log: str) -> list[str]:
+    """canzona_ds's start-up lines in a run's log."""
+    return [x for x in log.splitlines() if x.startswith(START_PREFIX)]
+
+
 def iterations(log: str) -> dict[int, tuple[float, float]]:
     """iteration -> (learning rate, lm loss) from Megatron's own log lines (--log-interval 1)."""
     return {int(m.group(1)): (float(m.group(2)), float(m.group(3))) for m in _ITER.finditer(log)}

@@ -46,7 +46,7 @@ then ``ReduceTiedGrads``, ``ReduceGrads``, ``OptimizerStep``)::
 """
 from __future__ import annotations
 
-from canzona_testkit.kernels import test_threads
+from canzona_testkit.kernels import bits_differ, test_threads
 import contextlib
 from typing import Callable, Iterable
 
@@ -342,7 +342,7 @@ def merge_stages(results: Iterable[dict]) -> dict:
     merged: dict = {}
     for r in results:
         for n, v in r["params"].items():
-            if n in merged and not np.array_equal(merged[n], v):
+            if n in merged and bits_differ(merged[n], v):
                 raise ValueError(f"ranks disagree on {n}: max diff {float(np.abs(merged[n] - v).max())}")
             merged.setdefault(n, v)
     return merged

@@ -11,6 +11,9 @@ relative ones resolved), so a lazy import cannot hide an arrow pointing up:
 * the main job sits on top: nothing of the library imports ``train/``, ``cli/``, ``data/`` or the
   job's model (``models/qwen3*``); the one module of ``models/`` the library uses is
   ``qk_record`` (QK-clip's instrumentation of any model's attention, integration/builder.py).
+
+And one rule of the tests' own code, read the same way: a bit-for-bit comparison of floats goes
+through what .ci/kernels' recorder sees (``escaping_exact_forms``; docs/exactness_audit.md).
 """
 from __future__ import annotations
 
@@ -193,3 +196,87 @@ def test_the_cycle_check_finds_a_lazy_circle(tmp_path: Path) -> None:
     (pkg / "b.py").write_text("from .a import x\n")
     cycles = import_cycles(import_graph(pkg))
     assert [sorted(c[:-1]) for c in cycles] == [["canzona_ds.a.x", "canzona_ds.a.y"]], cycles
+
+
+# ------------------------------------------------------------------ bit-for-bit assertions
+#: where tests and their kit live; kernels.py itself implements the one way (assert_bits)
+TEST_CODE = (PKG.parent / "tests", PKG.parent / "canzona_testkit")
+KERNELS = PKG.parent / "canzona_testkit" / "kernels.py"
+#: names whose values are floats when a test compares them (losses, differences)
+FLOAT_NAMES = ("loss", "diff")
+
+
+def _terminal_name(node: ast.AST) -> str:
+    """The name a value is read by: ``x``, ``r.x``, ``r["x"]``, ``f(...)`` give ``x``/``f``."""
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    if isinstance(node, ast.Subscript):
+        key = node.slice
+        return key.value if isinstance(key, ast.Constant) and isinstance(key.value, str) else _terminal_name(node.value)
+    if isinstance(node, ast.Call):
+        return _terminal_name(node.func)
+    return ""
+
+
+def _is_eq(node: ast.AST) -> bool:
+    return isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq)) for op in node.ops)
+
+
+def escaping_exact_forms(source: str, filename: str = "<test>") -> list[tuple[int, str]]:
+    """(line, form) of every bit-for-bit comparison written so that .ci/kernels' recorder
+    (canzona_testkit/kernels.py) cannot see it: ``np.array_equal``, ``(a == b).all()`` and
+    ``all(a == b)``, ``==``/``!=`` on a ``.tolist()``, on a float literal (``d == 0.0`` on a
+    difference included) or on a loss or a difference read by name.  ``assert_bits`` (or
+    ``torch.equal`` and the zero-tolerance primitives, which the recorder wraps) says the same
+    and enrolls the test."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Attribute) and func.attr in ("array_equal", "array_equiv"):
+                found.append((node.lineno, f"np.{func.attr}"))
+            elif isinstance(func, ast.Attribute) and func.attr == "all" and _is_eq(func.value):
+                found.append((node.lineno, "(a == b).all()"))
+            elif _terminal_name(func) == "all" and node.args and _is_eq(node.args[0]):
+                found.append((node.lineno, "all(a == b)"))
+        elif _is_eq(node):
+            sides = [node.left, *node.comparators]
+            if any(isinstance(s, ast.Call) and _terminal_name(s) == "tolist" for s in sides):
+                found.append((node.lineno, ".tolist() =="))
+            elif any(isinstance(s, ast.Constant) and isinstance(s.value, float) for s in sides):
+                found.append((node.lineno, "== on a float literal"))
+            elif any(word in _terminal_name(s).lower() for s in sides for word in FLOAT_NAMES):
+                found.append((node.lineno, "== on a loss or a difference"))
+    return sorted(found)
+
+
+def test_every_bit_for_bit_assertion_goes_through_the_recorder() -> None:
+    """A float equality the recorder cannot see is a promise .ci/kernels never reruns (issue 46):
+    the suite writes it ``assert_bits(a, b)``."""
+    bad = []
+    for root in TEST_CODE:
+        for path in sorted(root.rglob("*.py")):
+            if path != KERNELS:
+                bad += [f"{path.relative_to(PKG.parent)}:{line}: {form}"
+                        for line, form in escaping_exact_forms(path.read_text(), str(path))]
+    assert not bad, "write these with canzona_testkit.kernels.assert_bits:\n" + "\n".join(bad)
+
+
+def test_the_exact_form_check_sees_every_form() -> None:
+    source = "\n".join([
+        "assert np.array_equal(a, b)",
+        "assert numpy.array_equiv(a, b)",
+        "assert (a == b).all()",
+        "assert bool(torch.all(a == b))",
+        "assert x.tolist() == [1.5]",
+        "assert r['replay'] == 0.0",
+        "bad = {n: d for n, d in diffs.items() if d != 0.0}",
+        "assert r['losses'] == ref['losses']",
+        "assert max_diff == d",
+        "assert_bits(a, b)",
+        "assert torch.equal(a, b)",
+        "assert names == ['w'] and n == 3",
+    ])
+    assert [line for line, _ in escaping_exact_forms(source)] == [1, 2, 3, 4, 5, 6, 7, 8, 9]

@@ -50,6 +50,7 @@ import pytest
 import torch
 
 from canzona_testkit import megatron_real as mr
+from canzona_testkit.kernels import assert_bits
 
 pytestmark = [pytest.mark.megatron_real, pytest.mark.dist, pytest.mark.slow]
 
@@ -325,7 +326,8 @@ def test_tp2_adamw_params_and_weight_decay_as_megatron() -> None:
     meta = ranks[0]["meta"]
     wd = {n: m["weight_decay"] for n, m in meta.items()}
     no_decay = {n for n in meta if n.endswith(".bias") or ranks[0]["before"][n].dim() == 1}
-    assert no_decay and all(wd[n] == 0.0 for n in no_decay), {n: wd[n] for n in no_decay if wd[n]}
+    assert no_decay
+    assert_bits({n: wd[n] for n in no_decay}, dict.fromkeys(no_decay, 0.0))
     assert all(wd[n] == pytest.approx(0.01) for n in meta if n not in no_decay), wd
     aux = [n for n, m in meta.items() if m["role"] == "aux"]
     assert any("word_embeddings" in n for n in aux) and any(n.endswith(".bias") for n in aux)
@@ -346,7 +348,7 @@ def test_tp2_adamw_params_and_weight_decay_as_megatron() -> None:
 
 def test_start_line_names_canzona() -> None:
     log = trained("tp2")["full"]["log"]
-    lines = [x for x in log.splitlines() if x.startswith("canzona_ds: ")]
+    lines = mr.start_lines(log)
     assert len(lines) == 1, lines  # rank 0 only, once
     assert lines[0].startswith("canzona_ds: CanzonaMuon (muon on ") and "ZeRO stage 0" in lines[0], lines[0]
     assert "DP 1 TP 2 PP 1" in lines[0] and "TP hosts over 2 ranks, load max/mean" in lines[0], lines[0]
@@ -392,9 +394,9 @@ def test_resume(name: str, how: str) -> None:
         (lr, loss), (want_lr, want_loss) = run["iters"][i], full["iters"][i]
         assert lr == want_lr, f"{name} {how} iteration {i}: Megatron's lr {lr}, uninterrupted {want_lr}"
         if how == "same":
-            assert loss == want_loss, f"{name} {how} iteration {i}: lm loss {loss}, uninterrupted {want_loss}"
+            assert_bits(loss, want_loss, f"{name} {how} iteration {i}: lm loss {loss}, uninterrupted {want_loss}")
         else:
-            assert loss == pytest.approx(want_loss, rel=RESUMED_LOSS_RTOL), f"{name} {how} iteration {i}"
+            assert_bits(loss, pytest.approx(want_loss, rel=RESUMED_LOSS_RTOL), f"{name} {how} iteration {i}")
     if how == "same":
         work = trained(name)["work"]
         got = model_tensors(work / how / f"global_step{ITERS}")

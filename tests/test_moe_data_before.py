@@ -44,7 +44,7 @@ its own ``try``; one failing scenario fails one test):
 """
 from __future__ import annotations
 
-from canzona_testkit.kernels import test_threads
+from canzona_testkit.kernels import bits_differ, test_threads
 import os
 import traceback
 from functools import lru_cache
@@ -174,7 +174,7 @@ def _own_gradient_reference(results: list, opt_type: str, clip: float) -> dict:
         out = {}
         for rank, values in enumerate(per_rank):
             for n, v in values.items():
-                if n in out and not np.array_equal(out[n], v):
+                if n in out and bits_differ(out[n], v):
                     problems.append(f"{what}: copies of {n} differ (rank {rank})")
                 out.setdefault(n, v)
         return out

@@ -115,7 +115,7 @@ roots (measured 0.27), the first refresh one step late (0.46), grafting off (0.8
 """
 from __future__ import annotations
 
-from canzona_testkit.kernels import test_threads
+from canzona_testkit.kernels import assert_bits, test_threads
 import dataclasses
 import importlib.metadata
 
@@ -263,7 +263,7 @@ def _soap_vs_heavyball(heavyball, case: str, weight_decay: float, cfg: CanzonaCo
                     if case == "rectangular":
                         their[0].copy_(mine)
         errors.append(max((p - q).abs().max().item() for p, q in zip(ours, theirs)))
-    assert errors[0] == 0.0  # step 1 only builds the basis, on both sides
+    assert_bits(errors[0], 0.0)  # step 1 only builds the basis, on both sides
     return errors
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from canzona_ds.config import CanzonaConfig
-from canzona_ds.optim.muon import MuonRule, newton_schulz
+from canzona_ds.optim.muon import MuonRule, newton_schulz, resolve_ns_dtype
 from canzona_ds.optimizer import CanzonaOptimizer
 from canzona_ds.reference import ReferenceOptimizer
 from canzona_ds.optim.rule import MatrixInfo
@@ -222,16 +222,81 @@ def _assert_within_kernel_tolerance(ours, ref, rule, lr, steps):
     """A batched Newton-Schulz (baddbmm over k matrices) against one matrix at a time (addmm):
     other GEMM kernels, so not bit for bit on every CPU (the probe's random matrices do not
     establish it for every value: ns_batch's doc); the gradients are the same given tensors, so
-    only the directions differ: muon_kernel_tolerance.  A batch that swapped two matrices' updates
-    would be 8-9x the bound away (measured on these shapes over 3 steps)."""
+    only the directions differ: muon_kernel_tolerance for the dtype the iteration runs in (fp32's
+    bound is 1/15 of bf16's).  A batch that swapped two matrices' updates would be 8-9x the bound
+    away (measured on these shapes over 3 steps); the bugs test_kernel_bound_fails_injected_bugs
+    injects fail it."""
+    ns_dtype = resolve_ns_dtype(rule.ns_dtype, "cpu")
     for (name, p), (_, r) in zip(ours, ref):
         info = MatrixInfo(name, tuple(r.shape))
         sizes = [rule.scales(lr, 0.0, info, t)[1] for t in range(1, steps + 1)]
-        bound = muon_kernel_tolerance(info.shape2d, sizes, float(r.detach().norm()))
+        bound = muon_kernel_tolerance(info.shape2d, sizes, float(r.detach().norm()), ns_dtype)
         assert float((p.detach() - r.detach()).norm()) <= bound, (name, float((p - r).norm()), bound)
 
 
 BATCH_SHAPES = [(24, 40), (24, 40), (40, 24), (24, 40), (40, 24), (7, 33), (7, 33)]
+
+
+def _batched_and_reference(ns_dtype: str, ns_method: str, bug=None):
+    """Three steps of CanzonaOptimizer (the owner's path, batched) and of the single-process
+    reference on the same gradients; ``bug(opt, grads)`` breaks the owner's side first."""
+    torch.manual_seed(0)
+    init = [torch.randn(s) for s in BATCH_SHAPES]
+    grads = [[torch.randn(s) for s in BATCH_SHAPES] for _ in range(3)]
+    params = dict(lr=0.02, weight_decay=0.1, ns_dtype=ns_dtype, ns_method=ns_method, ns_batch=True)
+    ours = [(f"m{i}.weight", p.clone().requires_grad_()) for i, p in enumerate(init)]
+    ref = [(f"m{i}.weight", p.clone().requires_grad_()) for i, p in enumerate(init)]
+    opt = CanzonaOptimizer(ours, CanzonaConfig.from_ds("CanzonaMuon", params))
+    ref_opt = ReferenceOptimizer(ref, CanzonaConfig.from_ds("CanzonaMuon", params))
+    rule = opt.rule
+    if bug is not None:
+        grads = bug(opt, grads)
+    _steps([p for _, p in ours], opt, grads)
+    _steps([p for _, p in ref], ref_opt, [[g.clone() for g in step] for step in grads])
+    return ours, ref, rule, len(grads)
+
+
+def _lr_times_0_9(opt, grads):
+    real = opt.rule.scales
+    object.__setattr__(opt.rule, "scales", lambda lr, *a: real(0.9 * lr, *a))  # (a frozen rule: this one only)
+    return grads
+
+
+def _momentum_off(opt, grads):
+    """The owner forgets the momentum: its buffers are zero before every update."""
+    one, stack = opt.rule.direction, opt.rule.stack_direction
+    object.__setattr__(opt.rule, "direction", lambda grad, state, *a: (
+        state["momentum_buffer"].zero_(), one(grad, state, *a))[1])
+    object.__setattr__(opt.rule, "stack_direction", lambda grad, states, *a, **k: (
+        [st["momentum_buffer"].zero_() for st in states], stack(grad, states, *a, **k))[1])
+    return grads
+
+
+def _dropped_step_on_one_matrix(opt, grads):
+    """The owner skips matrix 3's second step (its gradient never reaches the rule)."""
+    real = opt.step
+    calls = []
+
+    def step(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            p = [p for g in opt.param_groups for p in g["params"]][3]
+            p.grad = None
+        return real(*a, **k)
+
+    opt.step = step
+    return grads
+
+
+@pytest.mark.parametrize("bug", [_lr_times_0_9, _momentum_off, _dropped_step_on_one_matrix],
+                         ids=["lr_x0.9", "momentum_off", "dropped_step"])
+def test_kernel_bound_fails_injected_bugs(bug):
+    """The fp32 bound catches what a batched-path bug would do (issue 46: the bf16 bound, 15% of
+    ||O|| per step on these shapes, let a 10% step-size error through): lr x 0.9, momentum
+    dropped, one matrix's step dropped.  Single process, ~1 s."""
+    ours, ref, rule, steps = _batched_and_reference("fp32", "standard", bug)
+    with pytest.raises(AssertionError):
+        _assert_within_kernel_tolerance(ours, ref, rule, 0.02, steps)
 
 
 @pytest.mark.parametrize("ns_dtype", ["bf16", "fp32"])
@@ -248,18 +313,8 @@ def test_owner_batches_same_shape_matrices(ns_dtype, ns_method, monkeypatch):
     batched = []
     real_ns = muon.newton_schulz
     monkeypatch.setattr(muon, "newton_schulz", lambda G, *a, **k: (batched.append(G.ndim == 3), real_ns(G, *a, **k))[1])
-    torch.manual_seed(0)
-    init = [torch.randn(s) for s in BATCH_SHAPES]
-    grads = [[torch.randn(s) for s in BATCH_SHAPES] for _ in range(3)]
-    params = dict(lr=0.02, weight_decay=0.1, ns_dtype=ns_dtype, ns_method=ns_method, ns_batch=True)
-    ours = [(f"m{i}.weight", p.clone().requires_grad_()) for i, p in enumerate(init)]
-    ref = [(f"m{i}.weight", p.clone().requires_grad_()) for i, p in enumerate(init)]
-    opt = CanzonaOptimizer(ours, CanzonaConfig.from_ds("CanzonaMuon", params))
-    ref_opt = ReferenceOptimizer(ref, CanzonaConfig.from_ds("CanzonaMuon", params))
-    _steps([p for _, p in ours], opt, grads)
-    _steps([p for _, p in ref], ref_opt, grads)
-    _assert_within_kernel_tolerance(ours, ref, opt.rule, 0.02, len(grads))
-    rule = opt.rule
+    ours, ref, rule, steps = _batched_and_reference(ns_dtype, ns_method)
+    _assert_within_kernel_tolerance(ours, ref, rule, 0.02, steps)
     exact = {s: rule.batch_is_exact(BATCH_SHAPES.count(s), s if s[0] <= s[1] else s[::-1], torch.float32,
                                     torch.device("cpu")) for s in set(BATCH_SHAPES)}
     assert any(exact.values()), exact  # 24x40 batches on every CPU tried: the feature is active

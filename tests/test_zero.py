@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from canzona_testkit.dist import device_params, run_distributed
 from canzona_testkit.models import (HP, MATRICES, TYPES, batches, ds_config, make_model, max_abs_diff,
                                        muon_reordered_sum_tolerance, params_of, reference_grads,
                                        reordered_sum_bound, run_engine, run_reference)
+from canzona_testkit.kernels import assert_bits, bits_differ
 
 STEPS = 4  # Shampoo/SOAP in HP refresh every 2 steps: two refreshes
 
@@ -106,7 +108,7 @@ def _fp16_overflow_worker(rank, dp, stage):
                           engine.skipped_steps))
     (bp, bs, bscale), (ap, as_, ascale), skipped = snaps[1]
     same_state = bs.keys() == as_.keys() and all(torch.equal(bs[n][k], as_[n][k]) for n in bs for k in bs[n])
-    return dict(same_params=max_abs_diff(bp, ap) == 0.0, same_state=same_state, scale=(bscale, ascale),
+    return dict(same_params=not bits_differ(bp, ap), same_state=same_state, scale=(bscale, ascale),
                 skipped=skipped, finite=bool(all(np.isfinite(v).all() for v in snaps[2][1][0].values())),
                 changed_later=max_abs_diff(snaps[2][0][0], snaps[2][1][0]) > 0, step=inner.param_groups[0]["step"])
 
@@ -131,7 +133,7 @@ def _comm_worker(rank, dp, cfg):
 
 def _assert_equal(got: dict, ref: dict, atol: float = 0.0, what: str = "") -> None:
     for name in ref:
-        if atol == 0.0:
+        if not atol:
             np.testing.assert_array_equal(got[name], ref[name], err_msg=f"{what} {name}")
         else:
             np.testing.assert_allclose(got[name], ref[name], rtol=0, atol=atol, err_msg=f"{what} {name}")
@@ -181,7 +183,8 @@ def test_dp4(opt_type):
     dev = max(max_abs_diff(r["params"], ref) for r in res)
     print(f"{opt_type} DP=4: max |param - reference| = {dev:.3g}")
     for r in res:
-        assert r["replay"]["replay_max_diff"] == 0.0 and r["replay"]["steps"] == STEPS, r["replay"]
+        assert_bits(r["replay"]["replay_max_diff"], 0.0, r["replay"])
+        assert r["replay"]["steps"] == STEPS, r["replay"]
     # the first step's averaged gradient each owner received: the reference's, to summation order
     # (same weights, same micro-batches; only the 4-term sum associates otherwise), on any CPU
     x, y = batches(1, 2 * 4)[0]
@@ -205,6 +208,79 @@ def test_more_ranks_than_matrices():
     ref = run_reference(4, STEPS, params=hp)
     for r in res:
         assert max_abs_diff(r["params"], ref) <= muon_reordered_sum_tolerance(STEPS)  # 4-rank sums: another association
+    # the bound is about one step's update (a dropped step passes it: test_a_dropped_step_...): the
+    # owners' updates replayed bit for bit, every step (the padding-only rank steps too), every
+    # matrix on one owner
+    for r in res:
+        assert_bits(r["replay"]["replay_max_diff"], 0.0, r["replay"]["matrices"])
+        assert r["replay"]["steps"] == STEPS, r["replay"]
+    assert sorted(n for r in res for n in r["replay"]["matrices"]) == sorted(set(MATRICES) - {"fc2.weight"})
+
+
+def _single_process_dp4(bug=None) -> tuple[dict, dict]:
+    """CanzonaOptimizer in one process on ZeRO's averaged DP=4 gradients (what an owner receives),
+    with a MatrixStepRecorder; ``bug(model, opt, step)`` runs inside the matrix step."""
+    from canzona_ds.config import CanzonaConfig
+    from canzona_ds.optimizer import CanzonaOptimizer
+    from canzona_testkit.models import MatrixStepRecorder
+
+    model = make_model(0)
+    opt = CanzonaOptimizer(model.named_parameters(), CanzonaConfig.from_ds("CanzonaMuon", dict(HP["CanzonaMuon"])))
+    recorder = MatrixStepRecorder(opt)
+    stock = opt.placement.step
+
+    def step(group, ctx):
+        if bug is None:
+            return stock(group, ctx)
+        return bug(model, stock, group, ctx)
+
+    opt.placement.step = step
+    for x, y in batches(STEPS, 2 * 4):
+        grads = reference_grads(model, [x], [y], 4, 2)
+        for n, p in model.named_parameters():
+            p.grad = grads[n]
+        opt.step()
+    return params_of(model), recorder.summary()
+
+
+def _drop_fc1_step_2(model, stock, group, ctx):
+    """The owner loses fc1's second update (its result never reaches the weights)."""
+    held = model.get_parameter("fc1.weight").detach().clone()
+    stock(group, ctx)
+    if group["step"] == 2:
+        model.get_parameter("fc1.weight").data.copy_(held)
+
+
+def _regroup_fc1_shard(model, stock, group, ctx):
+    """fc1's gradient assembled from its two halves in the wrong order (at the first step)."""
+    g = model.get_parameter("fc1.weight").grad
+    if group["step"] == 1:
+        half = g.shape[0] // 2
+        g.copy_(torch.cat([g[half:], g[:half]]))
+    stock(group, ctx)
+
+
+def test_a_dropped_step_passes_the_bound_and_fails_the_replay():
+    """Why test_dp4 and test_more_ranks_than_matrices replay: a step dropped on one matrix ends
+    within muon_reordered_sum_tolerance of the reference (one Muon step moves these weights by
+    0.010-0.018; the bound is 0.02 over 4 steps), and only the replay sees it.  Single process,
+    ~1 s."""
+    got, replay = _single_process_dp4(_drop_fc1_step_2)
+    dev = max_abs_diff(got, run_reference(4, STEPS))
+    assert 0 < dev <= muon_reordered_sum_tolerance(STEPS), dev
+    assert bits_differ(replay["replay_max_diff"], 0.0)
+    _, replay = _single_process_dp4()  # the same run without the bug replays exactly
+    assert_bits(replay["replay_max_diff"], 0.0)
+
+
+def test_a_regrouped_shard_fails_the_bound():
+    """A gradient shard regrouped wrongly (fc1's halves swapped once) is what the replay cannot
+    see (it replays from the gradient the owner received): the bound against the reference
+    catches it (0.040 measured against 0.02), as test_dp4's first-step gradient check does.
+    Single process, ~1 s."""
+    got, replay = _single_process_dp4(_regroup_fc1_shard)
+    assert_bits(replay["replay_max_diff"], 0.0)
+    assert max_abs_diff(got, run_reference(4, STEPS)) > muon_reordered_sum_tolerance(STEPS)
 
 
 def test_use_muon_tags_are_honoured():
@@ -234,9 +310,10 @@ def test_bf16(opt_type, stage):
     res = run_distributed(_config_worker, 2, ds_config(2, optimizer=opt_type, stage=stage, bf16={"enabled": True}),
                           STEPS)
     for r in res:
-        assert r["replay"]["replay_max_diff"] == 0.0 and r["replay"]["steps"] == STEPS, r["replay"]
+        assert_bits(r["replay"]["replay_max_diff"], 0.0, r["replay"])
+        assert r["replay"]["steps"] == STEPS, r["replay"]
         assert r["finite"]
-    assert max_abs_diff(res[0]["params"], res[1]["params"]) == 0.0  # replicas agree after the all-gather
+    assert_bits(max_abs_diff(res[0]["params"], res[1]["params"]), 0.0)  # replicas agree after the all-gather
     ref = run_reference(2, STEPS, opt_type)
     init = {n: p.detach() for n, p in make_model(0).named_parameters()}
     for n in ref:
@@ -269,7 +346,8 @@ def test_closer_to_reference_than_deepspeed_muon():
     d_theirs = max(float(abs(theirs[n] - ref[n]).max()) for n in MATRICES)
     print(f"max |param - reference| on matrices after {STEPS} steps: CanzonaMuon {d_ours:.3g}, "
           f"DeepSpeed Muon (ns_method=standard) {d_theirs:.3g}")
-    assert d_ours == 0.0 < d_theirs
+    assert_bits(d_ours, 0.0)
+    assert d_theirs > 0
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -283,3 +361,27 @@ def test_gradient_reduction_not_worse_than_stock_adamw(stage):
     stock_grad = sum(v[2] for v in stock["backward"].values())
     assert 0 < ours_grad <= stock_grad, (ours_grad, stock_grad)
     assert "all_gather_into_tensor" in ours["step"]  # the stock post-step all-gather rebuilds the weights
+
+
+@pytest.mark.parametrize("bug", ["rank_dropped", "shard_regrouped"])
+def test_reordered_sum_bound_fails_injected_bugs(bug):
+    """test_dp4's first-step gradient check (``reordered_sum_bound``) holds for the same four terms
+    summed in another order and fails an average that lost one rank's micro-batches (the other
+    three scaled to make up the count) or one with fc1's halves regrouped.  Single process, ~0.5 s."""
+    x, y = batches(1, 2 * 4)[0]
+    model = make_model(0)
+    per_rank = [reference_grads(model, [x[2 * k:2 * k + 2]], [y[2 * k:2 * k + 2]], 1, 2) for k in range(4)]
+    want = reference_grads(model, [x], [y], 4, 2)
+    bound = reordered_sum_bound(per_rank)
+    reordered = {n: (per_rank[3][n] / 4 + per_rank[1][n] / 4) + (per_rank[2][n] / 4 + per_rank[0][n] / 4)
+                 for n in want}
+    if bug == "rank_dropped":
+        broken = {n: sum(per_rank[k][n] for k in range(3)) / 3 for n in want}
+    else:
+        half = want["fc1.weight"].shape[0] // 2
+        broken = dict(want, **{"fc1.weight": torch.cat([want["fc1.weight"][half:], want["fc1.weight"][:half]])})
+
+    def within(got: dict) -> bool:
+        return all(bool(((got[n] - want[n]).abs() <= bound[n]).all()) for n in want)
+
+    assert within(reordered) and not within(broken)

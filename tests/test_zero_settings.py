@@ -4,7 +4,7 @@ gradient accumulation, per_head_muon, DeepSpeed lr schedulers that keep the lr s
 parameters that get no gradient."""
 from __future__ import annotations
 
-from canzona_testkit.kernels import test_threads
+from canzona_testkit.kernels import assert_bits, test_threads
 import numpy as np
 import pytest
 import torch
@@ -55,14 +55,15 @@ def test_bf16_with_fp32_gradient_accumulation(stage):
     res = run_distributed(_run, 2, cfg, STEPS, 2)
     for r in res:
         assert r["zero"] == "CanzonaZeroOptimizer"
-        assert r["replay"]["replay_max_diff"] == 0.0 and r["replay"]["steps"] == STEPS
+        assert_bits(r["replay"]["replay_max_diff"], 0.0)
+        assert r["replay"]["steps"] == STEPS
     ref = run_reference(2, STEPS, gas=2, stage=stage)
     init = {n: p.detach() for n, p in TinyLM().named_parameters()}  # only for shapes
     assert set(ref) == set(init)
     dev = max_abs_diff(res[0]["params"], ref)
     print(f"stage {stage} bf16 + fp32 accumulation: max |param - fp32 reference| = {dev:.3g}")
     assert dev < 0.05  # bf16 forward/backward and weights (measured ~0.02)
-    assert max_abs_diff(res[0]["params"], res[1]["params"]) == 0.0
+    assert_bits(max_abs_diff(res[0]["params"], res[1]["params"]), 0.0)
 
 
 # ---------------------------------------------------------------------------- per_head_muon
@@ -186,4 +187,4 @@ def test_parameter_without_gradient_gets_a_zero_gradient(stage):
             np.testing.assert_array_equal(params[n], ref[n], err_msg=n)
     # step 1 used no MLP on any rank, yet fc1 moved during it (momentum and weight decay)
     seen = res[0][1]
-    assert not np.array_equal(seen[1], seen[2])
+    assert (seen[1] != seen[2]).any()

@@ -32,6 +32,7 @@ import numpy as np
 
 from ..models import muon_reordered_sum_tolerance
 from . import AFTER, BEFORE, CLIP, MICRO, Layout, assert_same_state, assert_steps, index_route_only
+from canzona_testkit.kernels import assert_bits
 
 #: the largest |gradient - the saving run's| in the first continued step (gradients ~3e-3;
 #: measured 2.3e-10: the same sums in another order)
@@ -193,7 +194,8 @@ def check(model, opt_type, saved, running, ckpt, out, results):
         if not r["grads"]:  # (moepipe-s0: stage 1 holds the head only, AdamW)
             assert layers == 1 and r["stage"] == 1 and r["replay"]["steps"] == 0, (rank, r["replay"])
             continue
-        assert r["replay"]["steps"] == AFTER and r["replay"]["replay_max_diff"] == 0.0, (rank, r["replay"])
+        assert_bits(r["replay"]["replay_max_diff"], 0.0, (rank, r["replay"]))
+        assert r["replay"]["steps"] == AFTER, (rank, r["replay"])
     # against the saving run's own continuation
     saving = saving_run(ckpt, saved.world)
     held = {n: w for s in saving for n, w in s["held"]["module"].items()}
@@ -213,7 +215,7 @@ def check(model, opt_type, saved, running, ckpt, out, results):
     assert sorted(got) == sorted(ref)
     moved = max(float(np.abs(ref[n] - held[n]).max()) for n in ref)
     dev = max(float(np.abs(got[n] - ref[n]).max()) for n in ref)
-    same = sum(np.array_equal(got[n], ref[n]) for n in matrices)
+    same = sum(not (got[n] != ref[n]).any() for n in matrices)  # (informational: the bound below is the check)
     print(f"{model} {saved} -> {running}: first-step gradients within {grad_dev:.3g} of the saving run's, matrices "
           f"after it within {first_dev:.3g}; after {AFTER} steps max |param - its continuation| = {dev:.3g} "
           f"({same} of {len(matrices)} matrices bit for bit; the steps moved parameters by up to {moved:.3g})")
