@@ -52,6 +52,14 @@ def test_hf_trainer_zero3_with_canzona_muon(tmp_path):
             zero_class="CanzonaZero3Optimizer")
     losses = _losses(tmp_path)
     assert len(losses) == 6 and losses[-1] < losses[0] - 1.0
+    # optimizer.metrics() through canzona_ds.integration.hf's callback: in every training log, at
+    # the Trainer's step; ZeRO-3 hosts every matrix over DP, so the hosted runtime moved bytes
+    logs = [h for h in json.loads((tmp_path / "log_history.json").read_text()) if "loss" in h]
+    assert [h["step"] for h in logs] == [1, 2, 3, 4, 5, 6]
+    for h in logs:
+        assert 0 < h["canzona_matrix_ms"] <= h["canzona_step_ms"], h
+        assert h["canzona_hosted_collectives"] > 0 and h["canzona_hosted_bytes"] > 0 and h["canzona_skipped"] == 0.0
+    assert [("canzona_dp_max_step_ms" in h) for h in logs] == [False] * 6  # interval 10 > 6 steps
 
 
 def _masters(run: Path, step: int) -> dict:
