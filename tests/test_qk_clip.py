@@ -641,8 +641,6 @@ def test_pipeline_pp2_equals_the_pp1_job(tmp_path):
 
     ds = json.loads((Path(__file__).resolve().parents[1] / "configs" / "ds_cpu_canzona_qkclip.json").read_text())
     ds["optimizer"]["params"]["qk_clip"]["threshold"] = 0.2
-    ds["canzona_metrics"] = {"interval": 2}
-    ds["csv_monitor"] = {"enabled": True, "output_path": str(tmp_path / "monitor"), "job_name": "job"}
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     common = ["--config", "configs/run_tiny_qkclip.yaml", "--set", "global_batch=8", "--set", "grad_accum=null",
               "--set", "steps=4", "--set", "checkpoint_every=0", "--set", "eval_every=0",
