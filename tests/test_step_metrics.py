@@ -1,7 +1,9 @@
 """``optimizer.metrics()`` in plain torch (canzona_ds/step_metrics.py), one process, and the
 ``canzona_metrics`` section's errors.  The DeepSpeed side (engine step boundary, skipped steps,
 the DP reduction over two ranks, csv_monitor and TensorBoard files) is checked in the runs of
-tests/test_stage0_nonfinite.py and tests/test_zero3.py; the main job's use in test_qk_clip.py."""
+tests/test_stage0_nonfinite.py and tests/test_zero3.py; the main job's use in test_qk_clip.py;
+the HF Trainer callback here with the real Trainer in one process, and under DeepSpeed in
+test_train_hf.py; Megatron-DeepSpeed's in test_tp_megatron.py and test_megatron_real.py."""
 from __future__ import annotations
 
 import pytest
@@ -67,3 +69,55 @@ def test_bad_section_is_named(section, error):
 
 def test_default_section():
     assert metrics_config({}) == MetricsConfig(enabled=True, interval=10)
+
+
+def test_hf_callback_reaches_log_history_and_report_to(tmp_path):
+    """``add_metrics_callback`` with the real ``transformers.Trainer`` (one process, the Canzona
+    optimizer passed in): every training log in ``state.log_history`` carries that step's
+    ``canzona_<name>`` figures, and so does what ``report_to=["tensorboard"]`` wrote (read back
+    from the event file).  The DeepSpeed run: tests/test_train_hf.py (ZeRO-3)."""
+    pytest.importorskip("accelerate")
+    pytest.importorskip("tensorboard")
+    transformers = pytest.importorskip("transformers")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from canzona_ds.integration.hf import add_metrics_callback
+
+    class Regression(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+
+        def forward(self, x, labels):
+            return {"loss": (self.net(x) - labels).square().mean()}
+
+    torch.manual_seed(0)
+    model = Regression()
+    opt = CanzonaOptimizer(model.named_parameters(), CanzonaConfig.from_ds("CanzonaMuon", {}),
+                           metrics=MetricsConfig(interval=2))
+    data = [{"x": torch.randn(8), "labels": torch.randn(4)} for _ in range(8)]
+    seen = []
+
+    class Seen(transformers.TrainerCallback):  # what optimizer.metrics() held at each step's end
+        def on_step_end(self, args, state, control, **kwargs):
+            seen.append(opt.metrics())
+
+    targs = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=4, logging_steps=1,
+                                           per_device_train_batch_size=2, report_to=["tensorboard"],
+                                           use_cpu=True, save_strategy="no", disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=targs, train_dataset=data, optimizers=(opt, None),
+                                   callbacks=[Seen()])
+    add_metrics_callback(trainer)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert [h["step"] for h in logs] == [1, 2, 3, 4] and [m.step for m in seen] == [1, 2, 3, 4]
+    for h, m in zip(logs, seen):
+        assert {k: v for k, v in h.items() if k.startswith("canzona_")} == {
+            f"canzona_{k}": v for k, v in m.scalars().items()}
+    assert ["canzona_dp_max_step_ms" in h for h in logs] == [False, True, False, True]
+    tb = EventAccumulator(str(next(tmp_path.rglob("events.out.tfevents.*")).parent))
+    tb.Reload()
+    for name in ("step_ms", "matrix_ms", "dp_mean_step_ms"):
+        events = tb.Scalars(f"train/canzona_{name}")
+        want = [(m.step, getattr(m, name)) for m in seen if getattr(m, name) is not None]
+        assert [(e.step, e.value) for e in events] == [(s, pytest.approx(v, rel=1e-6)) for s, v in want]
