@@ -9,9 +9,9 @@ Plain torch (no DeepSpeed); what it records, per step, on this rank::
     close(step, skipped)    the step boundary: the end of each step() call in plain torch; under
                             DeepSpeed the engine's _take_model_step (integration/metrics.py),
                             which also sees the steps it skips (fp16 overflow, non-finite grads)
-        every ``interval``-th close: ONE all_gather of this rank's step_ms over the DP group ->
-        dp_max_step_ms / dp_mean_step_ms on that step's record (None on the others), so the
-        busiest-vs-mean figure costs no collective on the other steps
+        every step that is a multiple of ``interval``: ONE all_gather of this rank's step_ms over
+        the DP group -> dp_max_step_ms / dp_mean_step_ms on that step's record (None on the
+        others), so the busiest-vs-mean figure costs no collective on the other steps
 
 Wall times are host clocks on CPU; on CUDA they are event pairs on the current stream, read
 when the record is read (``last()``; the interval's reduction reads its own step), so
@@ -135,14 +135,14 @@ class StepRecorder:
             self._open.qk = (float(qk.max_logit), int(qk.clipped_heads))
 
     def close(self, step: int | None = None, skipped: bool = False) -> None:
-        """End the step: its record becomes ``last()``; every ``interval``-th close gathers
-        step_ms over the DP group (every rank of the group closes the same steps)."""
+        """End the step: its record becomes ``last()``; a step that is a multiple of ``interval``
+        gathers step_ms over the DP group (every rank of the group closes the same steps)."""
         rec, self._open = self._open, _Open([], [])
         self._closed += 1
         step = self._closed if step is None else int(step)
         dp = None
         interval = self.config.interval
-        if interval and self._closed % interval == 0:
+        if interval and step % interval == 0:  # (the engine's global step: every DP rank the same, resumes too)
             mine = sum(s.ms() for s in rec.steps)
             size = dist.get_world_size(self.group) if dist.is_available() and dist.is_initialized() else 1
             if size > 1:
