@@ -812,6 +812,29 @@ def _qk_overhead_rows(d: Data) -> Iterable[Row]:
     yield {"what": "collective per step", "off": "none",
            "on": f"one all-reduce(MAX) of {o['collective_bytes_per_step']} bytes (fp32, one per query head and layer)"}
 
+def _metrics_rows(d: Data) -> Iterable[Row]:
+    for name, r in d["rows"].items():
+        yield {**r, "name": name, "interval": d["setup"]["variants"][name].get("interval", 10),
+               "what": "nothing recorded" if d["setup"]["variants"][name].get("enabled", True) is False else
+               ("recorded; all_gather every step" if d["setup"]["variants"][name].get("interval", 10) == 1 else
+                f"recorded; all_gather every {d['setup']['variants'][name].get('interval', 10)} steps")}
+
+
+METRICS = {
+    "metrics_overhead": Table(
+        "metrics", "bench_metrics: the whole training step with the optimizer's step metrics off / on / reduced every "
+        "step, interleaved in one run.",
+        _metrics_rows,
+        lambda d: _cols(("canzona_metrics", "{name}: {what}"),
+                        (f"median ms per step (steps {d['setup']['warmup_excluded'] + 1}-{d['setup']['steps']})",
+                         "{median_step_ms:.1f}"),
+                        ("quartiles (ms)", "{q1_step_ms:.1f} - {q3_step_ms:.1f}"),
+                        ("median / off", "{median_over_off:.3f}"),
+                        ("per-step ratio to off (median)", "{paired_median_ratio:.3f}"),
+                        ("DP reductions in the run", "{dp_reductions}"),
+                        ("final loss", "{final_loss:.6f}"))),
+}
+
 MOE_NS_QK = {
     "moe_planned": Table(
         "moe", "bench_moe planned: FLOPs / memory max/mean with stacks whole vs per expert, at each EP size (EP 1: one "
@@ -969,7 +992,7 @@ MEGATRON = {
 
 #: table name -> its spec
 TABLES: dict[str, Table] = {**PAPER_EXPERIMENTS, **PLANS, **PIPELINE_TP, **BENCH_ZERO, **MISC, **MAIN_JOB,
-                            **CHECKPOINTS, **LAYOUTS, **MOE_NS_QK, **STARTUP, **CPU_KERNELS, **SUITE, **DS_RANGE, **MEGATRON}
+                            **CHECKPOINTS, **LAYOUTS, **MOE_NS_QK, **METRICS, **STARTUP, **CPU_KERNELS, **SUITE, **DS_RANGE, **MEGATRON}
 
 
 def load(stem: str, results: Path | str | None = None) -> Data:

@@ -4,6 +4,7 @@
                   "params": {...}},                      -> CanzonaConfig.from_ds()
     "canzona_tp": {...}                                   -> TPConfig (optional section)
     "canzona_checkpoint": {...}                           -> CheckpointConfig (optional section)
+    "canzona_metrics": {...}                              -> MetricsConfig (optional section)
 
 ``params`` holds three families of keys, every one listed with default, range and meaning
 in docs/config.md (generated from this file and the rule files: ``python -m
@@ -184,6 +185,38 @@ class CheckpointConfig:
         for k, v in section.items():
             if v is None:
                 raise ValueError(f"Invalid canzona_checkpoint.{k}=None. Give a value or remove the key.")
+        return cls(**dict(section))
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """ds_config section ``"canzona_metrics"``: the optimizer's step metrics (``optimizer.metrics()``,
+    canzona_ds/step_metrics.py; names, units and definitions in docs/optimizers.md, "Step metrics")."""
+
+    #: record the step metrics (wall times, hosted runtime traffic, QK-clip's figures, skipped
+    #: flag) and, when the ds_config enables a DeepSpeed monitor, write them under Train/Canzona/
+    enabled: bool = True
+    #: every this many steps, one all_gather over the DP group turns each rank's step time into
+    #: the busiest and mean rank's (dp_max_step_ms, dp_mean_step_ms); 0 = never (no collective)
+    interval: int = 10
+
+    def __post_init__(self) -> None:
+        check_bool("canzona_metrics.enabled", self.enabled)
+        check_int("canzona_metrics.interval", self.interval, 0, 10**9)
+
+    @classmethod
+    def from_section(cls, section: Any) -> "MetricsConfig":
+        if section is None:
+            return cls()
+        if not isinstance(section, Mapping):
+            raise TypeError(f"Invalid canzona_metrics={section!r}. Must be a JSON object of "
+                            f"{sorted(_field_names(cls))}.")
+        unknown = sorted(set(section) - _field_names(cls))
+        if unknown:
+            raise ValueError(f"Unknown canzona_metrics key(s) {unknown}. Allowed: {sorted(_field_names(cls))}.")
+        for k, v in section.items():
+            if v is None:
+                raise ValueError(f"Invalid canzona_metrics.{k}=None. Give a value or remove the key.")
         return cls(**dict(section))
 
 
@@ -448,6 +481,10 @@ def markdown() -> str:
     lines += ["", "## `canzona_checkpoint` (top-level ds_config section, checkpoint integrity)", "",
               "| key | default | meaning |", "|---|---|---|"]
     for d in field_docs(CheckpointConfig):
+        lines.append(f"| `{d.key}` | `{_fmt(d.default)}` | {d.doc} |")
+    lines += ["", "## `canzona_metrics` (top-level ds_config section, the optimizer's step metrics)", "",
+              "| key | default | meaning |", "|---|---|---|"]
+    for d in field_docs(MetricsConfig):
         lines.append(f"| `{d.key}` | `{_fmt(d.default)}` | {d.doc} |")
     return "\n".join(lines) + "\n"
 

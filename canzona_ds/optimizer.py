@@ -62,7 +62,7 @@ from .placement import HOLDING, FlatView, HostedPlacement, StepContext, describe
 from .planning.cost import stack_bound
 from .planning.dp import OwnershipPlan, choose_layout
 from .planning.params import ParamSpec
-from .config import CanzonaConfig
+from .config import CanzonaConfig, MetricsConfig
 from .optim.adamw import adamw_group_step
 from .optim.rule import MatrixInfo
 
@@ -121,12 +121,15 @@ class CanzonaOptimizer(torch.optim.Optimizer):
             each name one of ``groups.experts``); the others are dense.
         num_experts: the model config's number of experts, where one is at hand
             (``planning.params.model_num_experts``): every expert stack's dim 0 must equal it.
+        metrics: the step metrics (:meth:`metrics`; default: on, DP reduction every 10 steps);
+            ``MetricsConfig(enabled=False)`` records nothing.
     """
 
     def __init__(self, named_parameters: Iterable[tuple[str, Tensor]], config: CanzonaConfig,
                  groups: ParallelGroups | None = None, placement: str = "local",
                  shapes: Mapping[str, tuple[int, ...]] | None = None,
-                 partitions: Mapping[str, str] | None = None, num_experts: int | None = None) -> None:
+                 partitions: Mapping[str, str] | None = None, num_experts: int | None = None,
+                 metrics: MetricsConfig | None = None) -> None:
         if not isinstance(config, CanzonaConfig):
             raise TypeError(f"config must be a CanzonaConfig, got {type(config).__name__}")
         groups = ParallelGroups.single() if groups is None else groups
@@ -256,6 +259,7 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         #: MuonClip's QK-clip (optim/qk_clip.QKClip; None: off): set by :meth:`enable_qk_clip`
         self.qk_clip = None
         self.placement = HOLDING[placement](self.matrix_names)
+        self.set_metrics(MetricsConfig() if metrics is None else metrics)
         if placement == "local":
             self.placement.track(ordered_matrices)
             self.placement.hosted = self._hosted(self.matrix_names)
@@ -382,6 +386,20 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         self.placement.bind(partition_numel, list(pieces), list(splits), self.rule,
                             self.groups.dp_group if group is None else group, self.config.tp, self.matrix_state)
 
+    def set_metrics(self, config: MetricsConfig) -> None:
+        """Record the step metrics as ``config`` says (the DeepSpeed integration passes the
+        ds_config's ``canzona_metrics`` section); the DP reduction runs over ``groups.dp_group``."""
+        from .step_metrics import StepRecorder
+
+        if not isinstance(config, MetricsConfig):
+            raise TypeError(f"metrics must be a canzona_ds.config.MetricsConfig, got {type(config).__name__}")
+        self.metrics_recorder = StepRecorder(config, self.groups.dp_group, self._device) if config.enabled else None
+
+    def metrics(self):
+        """The last step's :class:`~canzona_ds.step_metrics.StepMetrics` on this rank (None before
+        the first step, or with metrics off); docs/optimizers.md, "Step metrics"."""
+        return None if self.metrics_recorder is None else self.metrics_recorder.last()
+
     @property
     def step_stats(self):
         """What the last step's hosted runtime did on this rank (``StepStats``: collectives,
@@ -459,13 +477,25 @@ class CanzonaOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        rec = self.metrics_recorder
+        whole = rec.span() if rec is not None else None
+        matrix = []  # one span per matrix group (under MoE they alternate with AdamW groups)
         for group in self.param_groups:
             if not group["params"]:  # ZeRO-3 steps one sub-group at a time, the other groups empty
                 continue
             if group["canzona_role"] == MATRIX:
+                span = rec.span() if rec is not None else None
                 self._matrix_step(group)
+                if span is not None:
+                    matrix.append(span.stop())
             else:
                 adamw_group_step(group, self.state)
+        if rec is not None:
+            if matrix:
+                rec.matrix_call(matrix, self.step_stats, None if self.qk_clip is None else self.qk_clip.stats)
+            rec.step_call(whole)
+            if not rec.engine_closes:
+                rec.close()
         return loss
 
     def _matrix_step(self, group: dict) -> None:

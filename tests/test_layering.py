@@ -280,3 +280,4 @@ def test_the_exact_form_check_sees_every_form() -> None:
         "assert names == ['w'] and n == 3",
     ])
     assert [line for line, _ in escaping_exact_forms(source)] == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+

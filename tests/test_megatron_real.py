@@ -246,10 +246,28 @@ def test_trains_and_saves(name: str) -> None:
     want = [sorted({(megatron_lr(k), 0.0), (megatron_lr(k), 0.01)}) for k in range(ITERS)]
     assert group_lrs(run) == want, f"{name}: the optimizer stepped with (lr, wd) {group_lrs(run)}, Megatron's " \
         f"schedule is {want}"
+    # the hook's step metrics after Megatron's log line, at every iteration (--log-interval 1),
+    # from Megatron's last rank: a step of the optimizer; TP-split matrices moved by the TP runtime
+    metrics = step_metrics(run["log"])
+    assert sorted(metrics) == list(range(1, ITERS + 1)), f"{name}: canzona metrics lines {sorted(metrics)}"
+    for it, m in metrics.items():
+        assert 0 < m["matrix_ms"] <= m["step_ms"] and not m["skipped"], (name, it, m)
+        assert (m["hosted_collectives"] > 0) == (ROWS[name]["tp"] > 1), (name, it, m)
     saved = (SAVE_AT,) if ROWS[name].get("fail_last_save") else (SAVE_AT, ITERS)
     for step in saved:
         assert model_tensors(work / "full" / f"global_step{step}"), f"{name}: no model files at step {step}"
     assert (work / "full" / "latest").read_text().strip() == f"global_step{saved[-1]}"
+
+
+def step_metrics(log: str) -> dict[int, dict[str, float]]:
+    """iteration -> the optimizer's step metrics from the hook's ``canzona optimizer step`` lines."""
+    out = {}
+    for line in log.splitlines():
+        head, sep, rest = line.partition("canzona optimizer step ")
+        if sep:
+            it, *fields = [f.strip() for f in rest.split("|") if f.strip()]
+            out[int(it)] = {k: float(v) for k, v in (f.split(": ") for f in fields)}
+    return out
 
 
 def megatron_lr(k: int) -> float:

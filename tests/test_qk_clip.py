@@ -516,7 +516,10 @@ def test_a_pipeline_with_no_attention_on_any_stage_is_refused():
 def test_main_job_logs_the_max_logit_and_clipped_heads(tmp_path):
     """configs/run_tiny_qkclip.yaml through DeepSpeed's launcher (2 ranks), its ds_config with a
     threshold below the tiny model's first logits (~0.26) so heads clip: every step's row has
-    qk_max_logit and qk_clipped_heads, and the run folder the plot."""
+    qk_max_logit and qk_clipped_heads, and the run folder the plot.  The same run checks the
+    optimizer's step metrics in the job (canzona_* columns, the same source as the figures
+    above) and in the user's own DeepSpeed monitor: the ds_config's csv_monitor gets rank 0's
+    Train/Canzona/* at the engine's global steps, the values metrics.jsonl holds."""
     import json
 
     from test_train_job import launch, rows
@@ -527,6 +530,8 @@ def test_main_job_logs_the_max_logit_and_clipped_heads(tmp_path):
 
     ds = json.loads((Path(__file__).resolve().parents[1] / "configs" / "ds_cpu_canzona_qkclip.json").read_text())
     ds["optimizer"]["params"]["qk_clip"]["threshold"] = 0.2
+    ds["canzona_metrics"] = {"interval": 2}
+    ds["csv_monitor"] = {"enabled": True, "output_path": str(tmp_path / "monitor"), "job_name": "job"}
     (tmp_path / "ds.json").write_text(json.dumps(ds))
     r = launch(["--config", "configs/run_tiny_qkclip.yaml", "--set", "steps=4", "--set", f"log_dir={tmp_path}/run",
                 "--set", "checkpoint_every=0", "--set", "eval_every=0", "--ds-config", str(tmp_path / "ds.json")])
@@ -535,6 +540,18 @@ def test_main_job_logs_the_max_logit_and_clipped_heads(tmp_path):
     assert [x["step"] for x in m] == [1, 2, 3, 4]
     assert all(x["qk_max_logit"] > 0.2 and x["qk_clipped_heads"] > 0 for x in m), m
     assert "qk_max_logit" in (tmp_path / "run" / "metrics.csv").read_text().splitlines()[0]
+    for x in m:  # dp=2, tp=pp=1: rank 0's QK figures are the whole model's
+        assert (x["canzona_qk_max_logit"], x["canzona_qk_clipped_heads"]) == (x["qk_max_logit"],
+                                                                              x["qk_clipped_heads"])
+        assert 0 < x["canzona_matrix_ms"] <= x["canzona_step_ms"] and not x["canzona_skipped"]
+        assert ("canzona_dp_max_step_ms" in x) == (x["step"] % 2 == 0)
+        if x["step"] % 2 == 0:
+            assert x["canzona_dp_max_step_ms"] >= max(x["canzona_step_ms"], x["canzona_dp_mean_step_ms"])
+    for name in ("step_ms", "qk_max_logit", "qk_clipped_heads", "dp_mean_step_ms"):
+        lines = (tmp_path / "monitor" / "job" / f"Train_Canzona_{name}.csv").read_text().split()
+        assert lines[0] == f"step,{name}"
+        assert [tuple(map(float, line.split(","))) for line in lines[1:]] == [
+            (x["step"], x[f"canzona_{name}"]) for x in m if f"canzona_{name}" in x]
     if have_matplotlib():
         assert (tmp_path / "run" / "qk_logits.png").is_file()
 

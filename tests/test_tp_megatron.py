@@ -471,3 +471,39 @@ def test_megatron_fused_layouts_get_their_tp_blocks() -> None:
                    "layers.0.mlp.dense_h_to_4h.weight": (12, 12), "layers.0.mlp.dense_h_to_4h.bias": (12, 12)}
     with pytest.raises(ValueError, match=r"query_key_value.weight.*not Q \+ K \+ V = 8 \+ 4 \+ 4"):
         tag_megatron_tp_blocks([Chunk(10)], args)
+
+
+def test_training_log_writes_the_step_metrics_at_the_log_interval(capsys) -> None:
+    """The hook's ``training_log`` wrapper (one process): Megatron's own runs first; at every
+    ``--log-interval`` iteration, the step metrics of the optimizer the engine steps go to
+    Megatron's TensorBoard writer (``canzona/<name>`` at the iteration) and one log line."""
+    import torch
+
+    from canzona_ds.config import CanzonaConfig
+    from canzona_ds.integration.megatron import metrics_log_line, patch_megatron_training
+    from canzona_ds.optimizer import CanzonaOptimizer
+
+    model = torch.nn.Linear(4, 4)
+    opt = CanzonaOptimizer(model.named_parameters(), CanzonaConfig.from_ds("CanzonaMuon", {}))
+    engine = types.SimpleNamespace(optimizer=opt)
+    scalars, calls = [], []
+    writer = types.SimpleNamespace(add_scalar=lambda name, value, it: scalars.append((name, value, it)))
+    training = types.SimpleNamespace(get_megatron_optimizer=lambda model, *a, **k: "orig",
+                                     training_log=lambda *a, **k: calls.append(a[3]) or "flag",
+                                     get_tensorboard_writer=lambda: writer)
+    args = types.SimpleNamespace(deepspeed_config_dict={"optimizer": {"type": "Adam"}}, log_interval=2)
+    patch_megatron_training(training, get_args=lambda: args, mpu=ms.mpu,
+                            deepspeed_module=types.SimpleNamespace(initialize=lambda **k: k))
+    lines, recorded = [], []
+    for iteration in (1, 2, 3):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        recorded.append(opt.metrics())
+        out = training.training_log({}, {}, 0.1, iteration, None, False, 0, None, None, None, [engine], opt)
+        assert out == "flag"
+        lines.append(capsys.readouterr().out)
+    assert calls == [1, 2, 3] and lines[0] == lines[2] == ""  # iterations 1 and 3 are off the interval
+    assert scalars == [(f"canzona/{k}", v, 2) for k, v in recorded[1].scalars().items()]
+    assert "canzona/step_ms" in {n for n, _, _ in scalars}
+    assert lines[1] == metrics_log_line(2, recorded[1]) + "\n"
+    assert lines[1].startswith(" canzona optimizer step 2 | step_ms: ") and "matrix_ms: " in lines[1]

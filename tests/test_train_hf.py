@@ -49,10 +49,24 @@ def _losses(out: Path) -> list[float]:
 
 def test_hf_trainer_zero3_with_canzona_muon(tmp_path):
     """ZeRO-3 (HF Trainer with a stage-3 ds_config: parameters partitioned, clipping on)."""
-    _launch(tmp_path, "--ds-config", "configs/ds_cpu_canzona_zero3.json", "--save-steps", "0",
+    ds = json.loads((REPO / "configs" / "ds_cpu_canzona_zero3.json").read_text())
+    ds["canzona_metrics"] = {"interval": 2}
+    (tmp_path / "ds.json").write_text(json.dumps(ds))
+    _launch(tmp_path, "--ds-config", str(tmp_path / "ds.json"), "--save-steps", "0",
             zero_class="CanzonaZero3Optimizer")
     losses = _losses(tmp_path)
     assert len(losses) == 6 and losses[-1] < losses[0] - 1.0
+    # optimizer.metrics() through canzona_ds.integration.hf's callback: in every training log, at
+    # the Trainer's step; ZeRO-3 hosts every matrix over DP, so the hosted runtime moved bytes
+    logs = [h for h in json.loads((tmp_path / "log_history.json").read_text()) if "loss" in h]
+    assert [h["step"] for h in logs] == [1, 2, 3, 4, 5, 6]
+    for h in logs:
+        assert 0 < h["canzona_matrix_ms"] <= h["canzona_step_ms"], h
+        assert h["canzona_hosted_collectives"] > 0 and h["canzona_hosted_bytes"] > 0 and not h["canzona_skipped"]
+    # (rank 0's log) the DP reduction every second step: the busiest rank at least as slow as this one
+    assert [("canzona_dp_max_step_ms" in h) for h in logs] == [False, True] * 3
+    for h in logs[1::2]:
+        assert h["canzona_dp_max_step_ms"] >= max(h["canzona_step_ms"], h["canzona_dp_mean_step_ms"]), h
 
 
 def _masters(run: Path, step: int) -> dict:

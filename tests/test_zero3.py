@@ -65,22 +65,26 @@ def _run(rank, dp, cfg, steps=STEPS, gas=1, zero_init=False, record=True, data=N
     engine = _engine(cfg, zero_init=zero_init)
     opt = engine.optimizer.optimizer
     recorder = ShardedStepRecorder(opt) if record else None
-    comm = []
+    comm, sent, calls = [], [], []
     stock = opt.step
 
     def counted(*a, **k):
         matrix_step = bool(opt.param_groups[0]["params"])  # ZeRO-3 steps one sub-group per call
+        calls.append(matrix_step)
         with CommCounter() as c:
             out = stock(*a, **k)
         if matrix_step:
             comm.append(({op: v[0] for op, v in c.by_op("torch").items()}, dict(opt.step_stats.collectives),
                          opt.expected_collectives()))
+            sent.append(opt.step_stats.bytes_sent)
         return out
 
     opt.step = counted
     data = batches(steps * gas, 2 * dp) if data is None else data
     losses = train(engine, rank, data, gas=gas)
-    return engine, gathered_params(engine.module), recorder, dict(comm=comm, losses=losses)
+    # the last step's metrics (closed by the engine: ZeRO-3 calls step() once per sub-group)
+    return engine, gathered_params(engine.module), recorder, dict(comm=comm, losses=losses, sent=sent, calls=calls,
+                                                                  metrics=opt.metrics())
 
 
 def _exact(rank, dp, opt_type, **kw):
@@ -503,6 +507,13 @@ def test_dp2_collectives_from_the_plan(opt_type):
             assert expected and expected["all_to_all_single"] >= 2
             assert counted == {"all_to_all_single": expected["all_to_all_single"]}, counted
             assert stats == expected
+        # optimizer.metrics(): the engine's last step, its sub-group calls as one, the hosted
+        # runtime's traffic as counted on the wire
+        m, (_, _, expected) = r["metrics"], r["comm"][-1]
+        assert len(r["calls"]) > STEPS and r["calls"].count(True) == STEPS
+        assert (m.step, m.skipped, m.hosted_collectives, m.hosted_bytes) == (
+            STEPS, False, expected["all_to_all_single"], r["sent"][-1])
+        assert r["sent"][-1] > 0 and 0 < m.matrix_ms <= m.step_ms
 
 
 @pytest.mark.parametrize("scenario", ["offload-CanzonaMuon", "offload-CanzonaSOAP"])

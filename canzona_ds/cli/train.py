@@ -295,6 +295,16 @@ def _has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+def _qk_threshold(cfg) -> float | None:
+    """The run's qk_clip threshold (the ds_config's optimizer.params.qk_clip; None: off)."""
+    from canzona_ds.config import CanzonaConfig
+    from canzona_ds.train.trainer import load_ds_config
+
+    section = load_ds_config(cfg.ds_config)["optimizer"]
+    qk = CanzonaConfig.from_ds(str(section["type"]), section.get("params")).qk_clip
+    return None if qk is None else float(qk.threshold)
+
+
 def _final_report(cfg, result) -> None:
     from pathlib import Path
 
@@ -313,7 +323,8 @@ def _final_report(cfg, result) -> None:
         artifacts["rank_load_png"] = str(plot_rank_load(result.plan_summary, log_dir / "rank_load.png"))
         rows = read_metrics(result.metrics_path)
         if any(r.get("qk_max_logit") is not None for r in rows):  # optimizer.params.qk_clip on
-            artifacts["qk_logits_png"] = str(plot_qk_logits({result.name: rows}, log_dir / "qk_logits.png"))
+            artifacts["qk_logits_png"] = str(plot_qk_logits({result.name: rows}, log_dir / "qk_logits.png",
+                                                            threshold=_qk_threshold(cfg)))
     else:
         print(MATPLOTLIB_MISSING, flush=True)
     if result.checkpoint_dir:

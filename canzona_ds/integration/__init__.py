@@ -11,6 +11,8 @@
     heads.py        per_head_muon: DeepSpeed's own attention-head resolution
     megatron.py     the Megatron-DeepSpeed hook (stage-0 client optimizer, ZeRO x TP routing)
     runtime_info.py what the main job reads from an engine (timers, groups, plans)
+    metrics.py      the optimizer's step metrics: the engine's step boundary, DeepSpeed's monitors
+    hf.py           the step metrics in a Hugging Face Trainer's logs (a callback; imports transformers)
     ckpt/           a Canzona engine's checkpoints: the engine hooks, the index emitted at save, the
                     one comparison and the index loop at load (its __init__ draws the path)
     accelerator.py  asking (and, for tests, widening) the CPU accelerator's capabilities

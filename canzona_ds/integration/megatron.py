@@ -39,6 +39,12 @@
    the Canzona type, its lrs, ZeRO stage, DP/TP/PP sizes and the plans' balance (the builder's one
    start-up line, ``integration/builder.py`` :func:`startup_line`).
 
+   It also wraps ``megatron.training.training_log``: at every ``--log-interval`` iteration the
+   optimizer's step metrics (``optimizer.metrics()``, docs/optimizers.md "Step metrics") go to
+   Megatron's TensorBoard writer as ``canzona/<name>`` at the iteration, where it has one
+   (``--tensorboard-dir``), and into one log line after Megatron's, ``canzona optimizer step
+   <iteration> | <name>: <value> | ...``, both from Megatron's last rank (its own logging rank).
+
    ``launch/megatron_pretrain_gpt.py`` applies the patch before running pretrain_gpt.py.
 
 4. ZeRO x TP without Megatron's training loop: pass *no* client optimizer and give
@@ -56,6 +62,7 @@ from ..optim import OPTIMIZER_TYPES
 from ..config import CanzonaConfig
 from ..optimizer import MATRIX, CanzonaOptimizer
 from .groups import groups_from_deepspeed, groups_from_mpu
+from .metrics import metrics_config
 from .registry import DS_CONFIG_TP_KEY
 
 __all__ = ["DeferredCanzona", "MegatronSchedulerTarget", "build_tp_optimizer", "config_from_ds_config",
@@ -112,6 +119,7 @@ def build_tp_optimizer(model, ds_config: Mapping[str, Any], mpu=None) -> Canzona
     groups = groups_from_mpu(mpu) if mpu is not None else groups_from_deepspeed()
     # the same builder as the ds_config path: settings agreement, config checks, head tagging
     opt = build_optimizer(named, cfg, groups, RunSettings.from_ds_config(ds_config), modules=modules)
+    opt.set_metrics(metrics_config(ds_config))  # (the engine reads the section only for the optimizers it builds)
     # Megatron's OptimizerParamScheduler sets lr = schedule_lr * lr_mult for every group:
     # with --lr = the matrix lr, the AdamW group keeps its ratio
     for g in opt.param_groups:
@@ -316,6 +324,44 @@ def _wrap_deepspeed_initialize(deepspeed_module) -> None:
     deepspeed_module.initialize = initialize
 
 
+def metrics_log_line(iteration: int, metrics) -> str:
+    """The step metrics' line after Megatron's own at ``--log-interval``."""
+    return f" canzona optimizer step {iteration} | " + " | ".join(
+        f"{name}: {value:.6g}" for name, value in metrics.scalars().items()) + " |"
+
+
+def _wrap_training_log(training_module, get_args: Callable) -> None:
+    """After Megatron's ``training_log``, at ``--log-interval``: the step metrics of the optimizer
+    the engine (``model[0]``) steps, to Megatron's TensorBoard writer and log line (last rank)."""
+    original = getattr(training_module, "training_log", None)
+    if original is None or getattr(original, "_canzona_patched", False):
+        return
+    from .runtime_info import canzona_optimizer
+
+    def training_log(*args, **kwargs):
+        out = original(*args, **kwargs)
+        # (Megatron's signature: loss_dict, total_loss_dict, learning_rate, iteration, ..., model, optimizer)
+        iteration = kwargs.get("iteration", args[3] if len(args) > 3 else None)
+        model = kwargs.get("model", args[10] if len(args) > 10 else None)
+        engine = model[0] if isinstance(model, (list, tuple)) and model else model
+        opt = canzona_optimizer(engine)
+        interval = getattr(get_args(), "log_interval", 1) or 1
+        metrics = opt.metrics() if opt is not None and iteration is not None and iteration % interval == 0 else None
+        is_last = getattr(sys.modules.get("megatron.utils"), "is_last_rank", None)
+        if metrics is None or (is_last is not None and not is_last()):
+            return out
+        get_writer = getattr(training_module, "get_tensorboard_writer", None)
+        writer = get_writer() if get_writer is not None else None
+        if writer is not None:
+            for name, value in metrics.scalars().items():
+                writer.add_scalar(f"canzona/{name}", value, iteration)
+        print(metrics_log_line(iteration, metrics), flush=True)
+        return out
+
+    training_log._canzona_patched = True
+    training_module.training_log = training_log
+
+
 def _is_pipeline_module(model) -> bool:
     """Megatron-DeepSpeed with pipeline parallelism passes its PipelineModule and no mpu:
     DeepSpeed then takes the module's grid (data, pipe and slice = tensor groups)."""
@@ -348,6 +394,7 @@ def patch_megatron_training(training_module=None, get_args: Callable | None = No
         if deepspeed_module is None:
             import deepspeed as deepspeed_module  # type: ignore[no-redef]
     _wrap_deepspeed_initialize(deepspeed_module)
+    _wrap_training_log(training_module, get_args)
     original = training_module.get_megatron_optimizer
     if getattr(original, "_canzona_patched", False):
         return original._canzona_original

@@ -23,6 +23,10 @@ gradient, as DeepSpeed's ZeRO 1-3 do (integration/stage0.py); and
 has parsed the ds_config, so a bad key or value is a clear error before DeepSpeed's own
 checks trip over it (e.g. ``params`` given as a list).
 
+``_take_model_step`` also closes the optimizer's step metrics at the step's end and sends them
+to the ds_config's monitors (integration/metrics.py); the ``canzona_metrics`` section is checked
+with the others.
+
 ``CanzonaOptimizer`` is added to ZeRO's exact-type list of supported optimizers.
 """
 from __future__ import annotations
@@ -37,6 +41,7 @@ from ..optim import OPTIMIZER_TYPES
 from ..config import CanzonaConfig, CheckpointConfig
 from ..optimizer import MATRIX, CanzonaOptimizer
 from .ds_compat import check_deepspeed
+from .metrics import metrics_config
 
 DS_CONFIG_TP_KEY = "canzona_tp"
 
@@ -152,8 +157,10 @@ def build_optimizer(engine, model_parameters) -> CanzonaOptimizer:
     cfg = CanzonaConfig.from_ds(engine.optimizer_name(), engine.optimizer_params(),
                                 micro_group_section(ds, int(engine.zero_optimization_stage())))
     named = _named_parameters(engine, model_parameters)
-    return build(named, cfg, groups_from_engine(engine), RunSettings.from_engine(engine),
-                 modules=[(engine.module, named)], zero_config=ds.get("zero_optimization") or {})
+    opt = build(named, cfg, groups_from_engine(engine), RunSettings.from_engine(engine),
+                modules=[(engine.module, named)], zero_config=ds.get("zero_optimization") or {})
+    opt.set_metrics(metrics_config(ds))
+    return opt
 
 
 # ---------------------------------------------------------------------------- install
@@ -208,6 +215,7 @@ def install() -> None:
     from .ckpt import emit as ckpt_emit
     from .ckpt import hooks as checkpoint_hooks
     from .ckpt import route as ckpt_route
+    from . import metrics as step_metrics
     from .runtime_info import canzona_optimizer
     from .zero import zero_optimizer_class
 
@@ -221,6 +229,7 @@ def install() -> None:
             CanzonaConfig.from_ds(self.optimizer_name, self.optimizer_params, self._param_dict.get(DS_CONFIG_TP_KEY))
         if ckpt_emit.DS_CONFIG_CHECKPOINT_KEY in self._param_dict:
             CheckpointConfig.from_section(self._param_dict[ckpt_emit.DS_CONFIG_CHECKPOINT_KEY])
+        step_metrics.metrics_config(self._param_dict)
         return stock_sanity(self)
 
     DeepSpeedConfig._do_sanity_check = _do_sanity_check
@@ -404,7 +413,10 @@ def install() -> None:
 
     def _take_model_step(self, lr_kwargs):
         try:
-            return stock_take_step(self, lr_kwargs)
+            # the step's metrics closed at its end, skipped or not, and sent to the ds_config's
+            # monitors (integration/metrics.py)
+            with step_metrics.around_step(self, canzona_optimizer(self)):
+                return stock_take_step(self, lr_kwargs)
         finally:
             # QK-clip's maxima belong to one step, applied or skipped (fp16 overflow): a skipped
             # step clips nothing and its logits do not leak into the next step's maximum

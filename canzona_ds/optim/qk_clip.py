@@ -31,7 +31,7 @@ runtime's scatter, every TP rank applies the update to its own shard and then sc
 whose rows are exactly its own heads.  Its factors are placed at its rows of a whole-matrix vector
 (ones elsewhere, :attr:`AttentionLayer.tp_rows`), which ``scale_piece`` cuts as it cut the update
 (the TP shard itself, or the mixed layout's DP pieces of it).  The logged figures of a rank are
-those of its own heads (the main job reduces them over TP, train/trainer.qk_clip_metrics).
+those of its own heads (the main job reduces them over TP, train/trainer.optimizer_metrics).
 
 Row layout of the projections (HF / the project's model; ``d`` = head_dim)::
 

@@ -18,7 +18,8 @@ which DeepSpeed saves with the checkpoint) and saves every ``--save-steps`` step
 dataset over DP ranks; the dataset is a fixed set of windows drawn from the shipped corpus with
 the run seed, and one global batch is ``--micro-batch`` x ranks windows (keep its size when the
 DP size changes; HF's sampler then deals other windows to the steps).  Writes ``<out>/log_history.json`` and ``<out>/group_lrs.json`` (the lr of every
-optimizer param group at each step, as the step used it).
+optimizer param group at each step, as the step used it).  ``add_metrics_callback(trainer)``
+(canzona_ds/integration/hf.py) adds the optimizer's step metrics to every training log.
 
 ``--model qwen3-moe-tiny``: a real transformers ``Qwen3MoeForCausalLM`` (2 layers, 8 experts
 per layer stored as 3-D ``mlp.experts.*`` stacks, which the Canzona types update expert by
@@ -136,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
+    from canzona_ds.integration.hf import add_metrics_callback
     from canzona_ds.integration.runtime_info import release_shm_buffer
 
     torch.set_num_threads(1)
@@ -188,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                 group_lrs.append([state.global_step + 1, [float(g["lr"]) for g in opt.param_groups]])
 
     trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[GroupLrs()])
+    add_metrics_callback(trainer)  # optimizer.metrics() in every training log (log_history.json)
     trainer.train(resume_from_checkpoint=args.resume)
     if trainer.is_world_process_zero():
         Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -6,8 +6,13 @@ import json
 import math
 from pathlib import Path
 
+from canzona_ds.step_metrics import StepMetrics
+
+#: metrics.csv's columns: the job's own, then the optimizer's step metrics as canzona_<name>
+#: (optimizer.metrics(): docs/optimizers.md, "Step metrics"; trainer.optimizer_metrics)
 STEP_FIELDS = ("step", "loss", "val_loss", "lr_mult", "tokens", "step_ms", "tokens_per_s",
-               "fwd_bwd_ms", "grad_reduce_ms", "optimizer_ms", "allgather_ms", "qk_max_logit", "qk_clipped_heads")
+               "fwd_bwd_ms", "grad_reduce_ms", "optimizer_ms", "allgather_ms", "qk_max_logit", "qk_clipped_heads",
+               *(f"canzona_{f}" for f in StepMetrics.__dataclass_fields__ if f != "step"))
 
 
 class MetricsWriter:

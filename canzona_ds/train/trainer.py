@@ -394,7 +394,7 @@ def train(cfg: RunConfig, name: str | None = None, progress: bool = True) -> Run
             step_ms = (time.perf_counter() - t0) * 1e3
             loss_mean = _global_mean(loss_sum, accum, engine.device)
         times = tap.drain()
-        times.update(qk_clip_metrics(engine))
+        times.update(optimizer_metrics(engine))
         done = step + 1
         val = None
         if (cfg.eval_every and done % cfg.eval_every == 0) or done == cfg.steps:
@@ -472,26 +472,41 @@ def _loader_for(opt_type: str, pp: int = 1, world: int | None = None):
     return load
 
 
-def qk_clip_metrics(engine) -> dict:
-    """The step's QK-clip figures (optimizer.params.qk_clip on; else none): the largest
-    pre-softmax logit over every layer and head of the global batch, and the heads clipped."""
+def optimizer_metrics(engine) -> dict:
+    """The step's optimizer metrics as metrics.jsonl columns: what ``optimizer.metrics()``
+    recorded on this rank (canzona_ds/step_metrics.py; the source DeepSpeed's monitors read),
+    each as ``canzona_<name>``, and, with qk_clip on, QK-clip's figures for the whole model as
+    ``qk_max_logit`` / ``qk_clipped_heads``.  None of them without a Canzona optimizer or with
+    ``canzona_metrics.enabled`` false."""
     from canzona_ds.integration.runtime_info import canzona_optimizer
 
     opt = canzona_optimizer(engine)
-    qk = getattr(opt, "qk_clip", None)
-    if qk is None:
+    m = opt.metrics() if opt is not None else None
+    if m is None:
         return {}
-    max_logit, clipped = qk.stats.max_logit, qk.stats.clipped_heads
-    # each pipeline stage knows its own layers, each TP rank its own heads: the whole model's
-    # figures (every rank calls; logging, not the clip, which needs no TP collective)
+    out = {f"canzona_{k}": v for k, v in m.scalars().items()}
+    if opt.qk_clip is not None:
+        out.update(_whole_model_qk(engine, opt, m))
+    return out
+
+
+def _whole_model_qk(engine, opt, m) -> dict:
+    """QK-clip's largest logit and clipped heads over every layer and head of the global batch:
+    each pipeline stage knows its own layers, each TP rank its own heads (every rank calls;
+    logging, not the clip, which needs no TP collective).  A step that recorded none (skipped,
+    or a stage without matrices) adds -inf / 0."""
+    max_logit = m.qk_max_logit if m.qk_max_logit is not None else float("-inf")
+    clipped = m.qk_clipped_heads or 0
     for size, group in ((opt.groups.tp_size, opt.groups.tp_group), (opt.groups.pp_size, opt.groups.pp_group)):
         if size > 1:
             # (on the engine's device: NCCL reduces device tensors only)
-            m = torch.tensor([max_logit], dtype=torch.float64, device=engine.device)
+            t = torch.tensor([max_logit], dtype=torch.float64, device=engine.device)
             n = torch.tensor([float(clipped)], dtype=torch.float64, device=engine.device)
-            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
             dist.all_reduce(n, group=group)
-            max_logit, clipped = float(m[0]), int(n[0])
+            max_logit, clipped = float(t[0]), int(n[0])
+    if max_logit == float("-inf"):  # a skipped step: nothing recorded anywhere
+        return {}
     return {"qk_max_logit": max_logit, "qk_clipped_heads": clipped}
 
 
