@@ -217,13 +217,13 @@ class Index:
 
     @classmethod
     def read(cls, folder: str) -> "Index":
-        from .tag import CheckpointFileError, read_text
+        from .tag import CheckpointFileError, member, read_text
 
         path = os.path.join(folder, INDEX)
         if not os.path.lexists(path):
             raise CheckpointIndexError(f"{folder}: no {INDEX} (the save did not finish, or the tag predates the index).")
-        try:
-            text = read_text(path)  # (a regular file, bounded: a FIFO or device is refused by name)
+        try:  # (inside the tag, a regular file, bounded: anything else refused by name)
+            text = read_text(member(folder, INDEX, "the tag"))
         except CheckpointFileError as e:
             raise CheckpointIndexError(str(e)) from None
         index = cls.loads(text, path)

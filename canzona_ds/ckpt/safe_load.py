@@ -44,6 +44,7 @@ import os
 import pickle
 import re
 import sys
+import warnings
 from typing import Any, Iterable
 
 from .tag import CheckpointError, CheckpointFileError, open_regular
@@ -276,7 +277,8 @@ def load(path: str, allowed: Iterable[str] = CHECKPOINT_GLOBALS, *, map_location
         ours = _allowlist(allowed)
         already = set(torch.serialization.get_safe_globals())
         try:
-            with torch.serialization.safe_globals([g for g in ours if g not in already]):
+            with torch.serialization.safe_globals([g for g in ours if g not in already]), warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # (torch's remarks on a file's protocol: the error says it)
                 return torch.load(src, map_location=map_location, weights_only=True, mmap=mmap and zipped)
         except CheckpointError:
             raise

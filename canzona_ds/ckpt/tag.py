@@ -244,7 +244,7 @@ def read_latest(load_dir: str) -> str | None:
     path = os.path.join(str(load_dir), LATEST)
     if not os.path.lexists(path):
         return None
-    tag = read_text(path, 4096).strip()
+    tag = read_text(member(str(load_dir), LATEST, "the load dir"), 4096).strip()
     if not tag:
         return ""
     if "/" in tag or "\\" in tag or tag in (".", "..") or "\x00" in tag:
