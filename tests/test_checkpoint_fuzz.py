@@ -305,6 +305,7 @@ def _mutant(rng, good: str, root: str, outside: str, marker: str) -> tuple[str, 
     return what, cmds
 
 
+@pytest.mark.dist
 def test_mutated_tags_never_run_change_hang_or_reach_outside(good, tmp_path, capsys):
     from canzona_ds.cli.ckpt import main
     from canzona_ds.integration.ckpt.safe import import_deepspeed_types

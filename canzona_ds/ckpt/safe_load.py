@@ -9,7 +9,8 @@ whoever crafts a file recomputes it).  Every read canzona-ds makes goes through 
 1. the file is opened once (:func:`canzona_ds.ckpt.tag.open_regular`: refused by name unless
    it is a regular file, so a FIFO or a device never blocks or streams), and that one open file
    is what every later step reads: the bytes checked are the bytes unpickled (a memory-mapped
-   read maps the same open file, through ``/proc/self/fd``);
+   read maps the same open file, through ``/proc/self/fd``; where the platform has none, through
+   the name, refused if the name no longer reaches the file opened);
 2. a zip-format file (what ``torch.save`` writes) whose members would inflate to more than
    :data:`MAX_EXPANSION` times the file's size is refused by name before any member is read
    (a decompression bomb: ``torch.save`` stores its members uncompressed);
@@ -225,11 +226,17 @@ def _same_file(f) -> str | None:
     needs a path; the descriptor's path reaches the same inode whatever the name now points to);
     None where the platform has none."""
     fd_path = f"/proc/self/fd/{f.fileno()}"
-    if os.path.exists(fd_path):
-        st, mine = os.stat(fd_path), os.fstat(f.fileno())
-        if (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino):
-            return fd_path
-    return None
+    return fd_path if os.path.exists(fd_path) and _is_open_file(fd_path, f) else None
+
+
+def _is_open_file(path: str, f) -> bool:
+    """Whether ``path`` names the file ``f`` has open (same device and inode)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    mine = os.fstat(f.fileno())
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
 
 def _refusal(path: str, e: BaseException, f, zipped: bool, allowed: set) -> CheckpointError:
@@ -269,17 +276,17 @@ def load(path: str, allowed: Iterable[str] = CHECKPOINT_GLOBALS, *, map_location
     with open_regular(path) as f:
         zipped = _check_zip(path, f, os.fstat(f.fileno()).st_size)
         src: Any = f
-        if mmap and zipped:
-            src = _same_file(f)
-            if src is None:
-                raise MalformedCheckpointError(path, "a memory-mapped read needs /proc/self/fd on this platform; "
-                                                     "read it with mmap=False")
+        if mmap and zipped:  # (without /proc/self/fd: the name, checked below to still be the file opened)
+            src = _same_file(f) or path
         ours = _allowlist(allowed)
         already = set(torch.serialization.get_safe_globals())
         try:
             with torch.serialization.safe_globals([g for g in ours if g not in already]), warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # (torch's remarks on a file's protocol: the error says it)
-                return torch.load(src, map_location=map_location, weights_only=True, mmap=mmap and zipped)
+                out = torch.load(src, map_location=map_location, weights_only=True, mmap=mmap and zipped)
+            if src == path and not _is_open_file(path, f):
+                raise MalformedCheckpointError(path, "replaced while it was read: refused")
+            return out
         except CheckpointError:
             raise
         except pickle.UnpicklingError as e:
