@@ -489,3 +489,40 @@ def test_a_bad_file_is_one_line_naming_it(tmp_path, kind):
         assert "decompression bomb" in str(e.value)
     if kind in ("fifo", "devzero"):
         assert "not a regular file" in str(e.value)
+
+
+def test_the_resume_paths_tag_is_a_closed_world(good, tmp_path):
+    """The resume's own steps (``checkpoint.load``'s order and ``verify_collective``, one process
+    here) refuse by name a ``latest`` out of the load dir (or, with fallback, skip it for the
+    newest published tag), a manifest entry out of the tag, a symlink leaving it and a FIFO,
+    each before a byte of it is read."""
+    from canzona_ds.ckpt import tag as ck
+
+    root = str(tmp_path / "ckpt")
+    shutil.copytree(good, os.path.join(root, "good"))
+    shutil.copy(os.path.join(good, OPTIM), tmp_path / "z.pt")
+    with open(os.path.join(root, "latest"), "w") as f:
+        f.write("../elsewhere/good")
+    with pytest.raises(ck.CheckpointFileError, match=r"latest: names '\.\./elsewhere/good', which is not a tag"):
+        ck.load_order(root, None, fallback=False)
+    plan = ck.load_order(root, None, fallback=True)
+    assert plan["order"] == ["good"] and "trying the newest published tags" in plan["note"]
+    for name, make, what in (("out", lambda p: os.symlink(str(tmp_path / "z.pt"), p), "leaves"),
+                             ("fifo", os.mkfifo, "a FIFO, not a regular file")):
+        tag = os.path.join(root, name)
+        shutil.copytree(good, tag)
+        os.remove(os.path.join(tag, OPTIM))
+        make(os.path.join(tag, OPTIM))
+        _recompute(tag)
+        with _alarm(ALARM_S), pytest.raises(ck.CheckpointError, match=f"{OPTIM}: .*{what}"):
+            ck.verify_collective(root, name)
+    tag = os.path.join(root, "up")
+    shutil.copytree(good, tag)
+    manifest = json.loads(open(os.path.join(tag, MANIFEST)).read())
+    manifest["files"][0]["path"] = "../good/" + manifest["files"][0]["path"]
+    manifest["files_sha256"] = ck._files_digest(manifest["files"])
+    with open(os.path.join(tag, MANIFEST), "w") as f:
+        json.dump(manifest, f)
+    _recompute(tag)
+    with pytest.raises(ck.CheckpointError, match=r"\.\./good/\S+: named by canzona_manifest.json: not a relative"):
+        ck.verify_collective(root, "up")
