@@ -8,8 +8,9 @@ whole, in two ways, each with both loaders:
     eager          torch.load(f, map_location="cpu")           DeepSpeed's checkpoint engine
     memory-mapped  torch.load(f, map_location="cpu", mmap=True)  the checkpoint index's reader
 
-the safe loader's check alone (every file's pickle listed, nothing unpickled: the resume's
-collective check, ``canzona-ckpt verify`` / ``convert``), and a whole resume: the tag loaded
+the safe loader's check alone (``safe_load.check``: every file read memory-mapped by the same
+restricted unpickler, no tensor data: the resume's collective check, ``canzona-ckpt verify`` /
+``convert``), and a whole resume: the tag loaded
 by ``engine.load_checkpoint`` at DP 4 (manifest verified, files checked, the index loop; 4
 rank processes, one engine, the safe loader and ``canzona_checkpoint.allow_unsafe_pickle``
 (today's reads) alternating, the slowest rank's wall time).  ``--rounds`` rounds, the two loaders
@@ -111,7 +112,7 @@ def main() -> int:
                      "today_all_s": slowest["today"], "safe_all_s": slowest["safe"]})
         print(f"resume: weights_only=False {a:.3f} s, safe loader {b:.3f} s, ratio {b / a:.3f}", flush=True)
         checks = [_time(safe_load.check, files) for _ in range(args.rounds)]
-        rows.append({"read": "check only (nothing unpickled)", "today_s": None, "safe_s": statistics.median(checks),
+        rows.append({"read": "check only (memory-mapped, no tensor read)", "today_s": None, "safe_s": statistics.median(checks),
                      "ratio": None, "safe_all_s": checks})
         out = {"command": "python benchmarks/bench_safe_load.py" + (" --size large" if args.size == "large" else ""),
                "params": params, "blocks": size[0], "ffn": size[1], "files": len(files), "bytes": nbytes,

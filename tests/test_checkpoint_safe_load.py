@@ -105,6 +105,24 @@ def _load_each(engine, root: str, tags: list[str]) -> dict:
     return out
 
 
+def _emptied(src_tag: str, dst_tag: str, file: str) -> None:
+    """A copy of a tag with ``file`` emptied and the manifest recomputed (it verifies)."""
+    import json
+    import shutil
+
+    from canzona_ds.ckpt import tag as ck
+
+    shutil.copytree(src_tag, dst_tag)
+    open(os.path.join(dst_tag, file), "wb").close()
+    mpath = os.path.join(dst_tag, ck.MANIFEST)
+    manifest = json.loads(open(mpath).read())
+    for entry in manifest["files"]:
+        entry["bytes"], entry["sha256"] = ck.sha256_file(os.path.join(dst_tag, entry["path"]))
+    manifest["tag"], manifest["files_sha256"] = "empty", ck._files_digest(manifest["files"])
+    with open(mpath, "w") as f:
+        json.dump(manifest, f)
+
+
 def _moe_run(rank, world, root):
     """The tiny MoE model at ZeRO 1, DP 2, ep_size 2 (model states, ZeRO optimizer states and
     expert files): save, plant one object per kind of file (rank 0), load each on every rank;
@@ -119,8 +137,9 @@ def _moe_run(rank, world, root):
     if rank == 0:
         for tag, f in planted.items():
             plant(os.path.join(root, "good"), os.path.join(root, tag), f, os.path.join(root, f"ran_{tag}"))
+        _emptied(os.path.join(root, "good"), os.path.join(root, "empty"), OPTIM)
     dist.barrier()
-    out = _load_each(engine, root, list(planted))
+    out = _load_each(engine, root, list(planted) + ["empty"])
     dist.barrier()
     out["markers"] = sorted(f for f in os.listdir(root) if f.startswith("ran_"))
     engine._config._param_dict["canzona_checkpoint"] = {"allow_unsafe_pickle": True}
@@ -172,6 +191,19 @@ def test_resume_refuses_a_planted_object_by_name(planted, kind):
         assert name == "UnsafeCheckpointError", (rank, msg)
         assert f"{os.path.join(root, kind, fname)}: holds {PLANTED_TYPE}," in msg, (rank, msg)
         assert not [m for m in res["markers"] if m == f"ran_{kind}"], (rank, res["markers"])
+
+
+@pytest.mark.dist
+def test_every_rank_refuses_a_malformed_file_together(planted):
+    """An empty ZeRO optimizer-states file (not an UnsafeCheckpointError: issue 47 saw rank 0 raise
+    EOFError while rank 1 waited in a collective until rank 0's process exited): every rank
+    raises the same one-line MalformedCheckpointError naming the file, from the collective check."""
+    runs, tags = planted
+    root, _ = tags["optim"]
+    got = [res["empty"] for res in runs["moe"]]
+    assert got[0] is not None and got[0][0] == "MalformedCheckpointError", got
+    assert got[0][1].startswith(f"{os.path.join(root, 'empty', OPTIM)}: ") and "\n" not in got[0][1], got
+    assert all(g == got[0] for g in got), got
 
 
 @pytest.mark.dist

@@ -117,11 +117,16 @@ class Chunk:
             raise CheckpointIndexError(f"{where}: shape {d['shape']!r} is not a list of non-negative integers.")
         if not all(isinstance(k, (str, int)) for k in d["key"]):
             raise CheckpointIndexError(f"{where}: key {d['key']!r} is not a list of strings and integers.")
-        at = d.get("at", 0)
-        if not isinstance(at, int) or at < 0:
+        at, rank = d.get("at", 0), d.get("rank", -1)
+        if type(at) is not int or at < 0:
             raise CheckpointIndexError(f"{where}: at={at!r}; expected an integer >= 0.")
+        if type(rank) is not int or rank < -1:
+            raise CheckpointIndexError(f"{where}: rank={rank!r:.80}; expected an integer >= 0.")
+        if d.get("frame") is not None and not isinstance(d["frame"], dict):
+            raise CheckpointIndexError(f"{where}: frame={d['frame']!r:.80}; expected an object or null.")
+        _name(d["file"], f"{where} field 'file'")
         return cls(d["name"], d["state"], tuple(d["shape"]), d["offset"], d["length"], d["file"], tuple(d["key"]),
-                   at, d.get("frame"), int(d.get("rank", -1)))
+                   at, d.get("frame"), rank)
 
 
 @dataclass
@@ -190,7 +195,10 @@ class Index:
             raise CheckpointIndexError(f"{where}: format {d.get('format')!r}; this canzona-ds reads {FORMAT!r}.")
         for k, t in (("tag", str), ("meta", dict), ("files", list)):
             if not isinstance(d.get(k), t):
-                raise CheckpointIndexError(f"{where}: field {k!r} is {d.get(k)!r}; expected {t.__name__}.")
+                raise CheckpointIndexError(f"{where}: field {k!r} is {d.get(k)!r:.80}; expected {t.__name__}.")
+        for i, f in enumerate(d["files"]):
+            _name(f, f"{where} files[{i}]")
+        _check_meta(d["meta"], where)
         chunks = d.get("chunks")
         if chunks is not None and not isinstance(chunks, list):
             raise CheckpointIndexError(f"{where}: 'chunks' is {type(chunks).__name__}; expected a list or null.")
@@ -201,18 +209,23 @@ class Index:
     def loads(cls, text: str, where: str = INDEX) -> "Index":
         try:
             d = json.loads(text)
+        except RecursionError:
+            raise CheckpointIndexError(f"{where}: nested too deep to parse; the index is damaged.") from None
         except ValueError as e:
             raise CheckpointIndexError(f"{where}: not valid JSON ({e}); the index is damaged.") from None
         return cls.from_json(d, where)
 
     @classmethod
     def read(cls, folder: str) -> "Index":
+        from .tag import CheckpointFileError, member, read_text
+
         path = os.path.join(folder, INDEX)
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except FileNotFoundError:
-            raise CheckpointIndexError(f"{folder}: no {INDEX} (the save did not finish, or the tag predates the index).") from None
+        if not os.path.lexists(path):
+            raise CheckpointIndexError(f"{folder}: no {INDEX} (the save did not finish, or the tag predates the index).")
+        try:  # (inside the tag, a regular file, bounded: anything else refused by name)
+            text = read_text(member(folder, INDEX, "the tag"))
+        except CheckpointFileError as e:
+            raise CheckpointIndexError(str(e)) from None
         index = cls.loads(text, path)
         index.validate(path)
         return index
@@ -253,6 +266,45 @@ class Index:
             no_master = sorted({n for n, _ in self.by_key()} - set(self.names))
             if no_master:
                 raise CheckpointIndexError(f"{where}: {no_master[:5]} have optimizer state but no fp32 master weight.")
+
+
+def _name(name: Any, where: str) -> str:
+    """A file name the index gives, refused by name unless it stays inside the tag
+    (:func:`canzona_ds.ckpt.tag.check_name`)."""
+    from .tag import CheckpointFileError, check_name
+
+    try:
+        return check_name(name, where)
+    except CheckpointFileError as e:
+        raise CheckpointIndexError(str(e)) from None
+
+
+#: the types of the meta fields the readers use (None allowed for each): a field of another
+#: type is refused by name when the index is read, never met as a TypeError later
+_META = {"stage": int, "dp": int, "tp": int, "pp": int, "ep": int, "world_size": int, "rule": str,
+         "rule_description": dict, "roles": dict, "matrix_step": int, "adam_step": (int, float), "engine_file": str,
+         "scalars": dict, "expert_stacks": dict, "param_groups": list, "fingerprints": list, "no_chunks": str,
+         "replicas": bool}
+
+
+def _check_meta(meta: dict, where: str) -> None:
+    for k, t in _META.items():
+        v = meta.get(k)
+        if v is not None and (not isinstance(v, t) or (isinstance(v, bool) and t is not bool)):
+            names = " or ".join(x.__name__ for x in (t if isinstance(t, tuple) else (t,)))
+            raise CheckpointIndexError(f"{where}: meta field {k!r} is {v!r:.80}; expected {names} or null.")
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in (meta.get("roles") or {}).items()):
+        raise CheckpointIndexError(f"{where}: meta field 'roles' is not an object of names to roles.")
+    if not all(isinstance(k, str) and type(v) is int for k, v in (meta.get("expert_stacks") or {}).items()):
+        raise CheckpointIndexError(f"{where}: meta field 'expert_stacks' is not an object of names to integers.")
+    if meta.get("engine_file") is not None:
+        _name(meta["engine_file"], f"{where} meta field 'engine_file'")
+    rec = meta.get("scalars")
+    if rec is not None:
+        if not isinstance(rec.get("file"), str) or not isinstance(rec.get("key", []), list):
+            raise CheckpointIndexError(f"{where}: meta field 'scalars' is {rec!r:.80}; expected "
+                                       "{'file': a file name, 'key': a list}.")
+        _name(rec["file"], f"{where} meta field 'scalars'")
 
 
 def frames(chunks: Iterable[Chunk]) -> dict[TPFrame | None, list[Chunk]]:
@@ -328,7 +380,12 @@ class Reader:
 
     def _file(self, name: str) -> Any:
         if name not in self._files:
-            path = os.path.join(self.folder, name)
+            from .tag import CheckpointFileError, member
+
+            try:
+                path = member(self.folder, name, INDEX)  # (inside the tag; the loader refuses a FIFO or device)
+            except CheckpointFileError as e:
+                raise CheckpointIndexError(str(e)) from None
             if not os.path.isfile(path):
                 raise CheckpointIndexError(f"{self.folder}: the index names {name!r}, which is not in the checkpoint.")
             self._files[name] = self._read(path, mmap=True)

@@ -75,6 +75,7 @@ import hashlib
 import json
 import logging
 import os
+import posixpath
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -139,6 +140,117 @@ class CheckpointError(ValueError):
         f, what = self.problems[0]
         more = len(self.problems) - 1
         return (f"{f}: {what}" if f != "." else what) + (f" (+{more} more problem{'s' * (more > 1)})" if more else "")
+
+
+class CheckpointFileError(CheckpointError):
+    """One file of a tag (or a path a tag's JSON names) that is not read: outside the tag, not a
+    regular file, or not what a checkpoint file holds.  ``path``: the file; the message is one
+    line, ``"<file>: <what>"``."""
+
+    def __init__(self, path: str, what: str) -> None:
+        super().__init__(f"{path}: {what}", str(path), [(str(path), what)])
+
+    def __reduce__(self):  # picklable with its subclass (broadcast between ranks)
+        return (_file_error, (type(self), self.path, self.problems[0][1]))
+
+
+def _file_error(cls, path: str, what: str) -> CheckpointFileError:
+    return cls(path, what)
+
+
+#: the largest JSON file (``latest``, the manifest, the index, the saving record) read whole
+MAX_JSON_BYTES = 1 << 30
+
+
+def check_name(name, what: str) -> str:
+    """``name`` if it is a relative, normalised ``/``-separated path that stays inside the folder
+    it is relative to (no ``..``, no absolute path, no empty or ``.`` part); else
+    :class:`CheckpointFileError` naming it and ``what`` named it."""
+    ok = (isinstance(name, str) and name not in ("", ".") and not name.startswith("/") and "\\" not in name
+          and "\x00" not in name and posixpath.normpath(name) == name and name.split("/")[0] != "..")
+    if not ok:
+        raise CheckpointFileError(repr(name) if not isinstance(name, str) else name,
+                                  f"named by {what}: not a relative, normalised path inside the tag")
+    return name
+
+
+def member(root: str, name, what: str) -> str:
+    """``root/name`` for a ``name`` that :func:`check_name` accepts and that, symlinks resolved,
+    stays inside ``root``; else :class:`CheckpointFileError` naming it (nothing is read)."""
+    full = os.path.join(str(root), check_name(name, what))
+    real_root, real = os.path.realpath(str(root)), os.path.realpath(full)
+    if os.path.commonpath([real_root, real]) != real_root:
+        raise CheckpointFileError(full, f"named by {what}: leaves {root} (a symlink to {real})")
+    return full
+
+
+def _kind(mode: int) -> str:
+    import stat
+
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def open_regular(path: str):
+    """``path`` opened for reading (binary), refused by name unless it is a regular file: opened
+    non-blocking, so a FIFO never blocks the open, and checked on the open descriptor, so what
+    is checked is what is read (a device or FIFO swapped in after a ``stat`` is still refused)."""
+    import stat
+
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(str(path), flags)
+    except OSError as e:
+        raise CheckpointFileError(str(path), f"unreadable ({e.strerror or e})") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise CheckpointFileError(str(path), f"{_kind(mode)}, not a regular file: refused")
+    return os.fdopen(fd, "rb")
+
+
+def read_text(path: str, limit: int = MAX_JSON_BYTES) -> str:
+    """A small file (JSON, ``latest``) read whole through :func:`open_regular`, refused by name
+    past ``limit`` bytes or when it is not UTF-8."""
+    with open_regular(path) as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise CheckpointFileError(str(path), f"larger than {limit} bytes: refused")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CheckpointFileError(str(path), f"not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def read_json(path: str):
+    """A JSON file read through :func:`read_text`; one line naming the file for text that is not
+    JSON or is nested too deep to parse."""
+    text = read_text(path)
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise CheckpointFileError(str(path), "nested too deep to parse: refused") from None
+    except ValueError as e:
+        raise CheckpointFileError(str(path), f"not valid JSON ({e})") from None
+
+
+def read_latest(load_dir: str) -> str | None:
+    """The tag ``load_dir/latest`` names (None when there is no such file); refused by name unless
+    it is a plain directory name inside ``load_dir`` (one path part, no ``..``, not a symlink
+    leaving ``load_dir``)."""
+    path = os.path.join(str(load_dir), LATEST)
+    if not os.path.lexists(path):
+        return None
+    tag = read_text(member(str(load_dir), LATEST, "the load dir"), 4096).strip()
+    if not tag:
+        return ""
+    if "/" in tag or "\\" in tag or tag in (".", "..") or "\x00" in tag:
+        raise CheckpointFileError(path, f"names {tag!r}, which is not a tag directory of {load_dir}")
+    member(str(load_dir), tag, LATEST)
+    return tag
 
 
 @dataclass
@@ -262,10 +374,11 @@ def _list_files(root: str) -> list[str]:
 
 
 def sha256_file(path: str, fsync: bool = False) -> tuple[int, str]:
-    """(bytes, sha256 hex) of a file; ``fsync`` also flushes it to stable storage."""
+    """(bytes, sha256 hex) of a regular file (:func:`open_regular`: a FIFO or a device is refused,
+    never read); ``fsync`` also flushes it to stable storage."""
     h = hashlib.sha256()
     n = 0
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         while True:
             chunk = f.read(_CHUNK)
             if not chunk:
@@ -407,16 +520,23 @@ def read_manifest(save_dir: str, tag: str) -> dict:
         raise _corrupt(path, [(MANIFEST, "missing (the save was interrupted, or the checkpoint was not written by "
                                          "canzona_ds.checkpoint.save)")], "is not verifiable")
     try:
-        with open(mpath, "rb") as f:
-            manifest = json.loads(f.read().decode())
-        files = manifest["files"]
-        ok = (manifest.get("format") == FORMAT and isinstance(files, list)
-              and all(isinstance(e, dict) and isinstance(e.get("path"), str) and isinstance(e.get("bytes"), int)
-                      and isinstance(e.get("sha256"), str) for e in files))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise _corrupt(path, [(MANIFEST, f"unreadable ({type(e).__name__}: {e})")]) from None
+        manifest = read_json(mpath)
+    except CheckpointFileError as e:
+        raise _corrupt(path, [(MANIFEST, f"unreadable ({e.problems[0][1]})")]) from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    ok = (isinstance(manifest, dict) and manifest.get("format") == FORMAT and isinstance(files, list)
+          and all(isinstance(e, dict) and isinstance(e.get("path"), str) and type(e.get("bytes")) is int
+                  and e["bytes"] >= 0 and isinstance(e.get("sha256"), str) for e in files))
     if not ok:
         raise _corrupt(path, [(MANIFEST, f"not a {FORMAT} manifest")])
+    bad = []
+    for e in files:
+        try:
+            check_name(e["path"], MANIFEST)
+        except CheckpointFileError as err:
+            bad.append((e["path"], err.problems[0][1]))
+    if bad:
+        raise _corrupt(path, bad)
     if manifest.get("files_sha256") != _files_digest(files):
         raise _corrupt(path, [(MANIFEST, "altered (its own digest of the file list does not match)")])
     if manifest.get("tag") != str(tag):
@@ -432,22 +552,29 @@ def incomplete_save(path: str) -> None:
     if not os.path.lexists(record_path):
         return
     try:
-        with open(record_path, encoding="utf-8") as f:
-            record = json.load(f)
-    except (OSError, ValueError) as e:
-        record = {"error": f"(its {SAVING} is unreadable: {e})"}
+        record = read_json(record_path)
+    except CheckpointFileError as e:
+        record = {"error": f"(its {SAVING} is unreadable: {e.problems[0][1]})"}
+    if not isinstance(record, dict):
+        record = {"error": f"(its {SAVING} is a JSON {type(record).__name__}, not an object)"}
+    named = record.get("expected", [])
+    if not isinstance(named, list) or not all(isinstance(f, str) for f in named):
+        named, record["error"] = [], f"(its {SAVING}'s expected is {named!r:.80}, not a list of file names)"
     present = set(_list_files(path))
-    expected = list(record.get("expected", [])) + [INDEX, MANIFEST]
+    expected = named + [INDEX, MANIFEST]
     missing = [f for f in expected if f not in present]
     problems = [(f, "missing") for f in missing] or [(SAVING, "present")]
-    cause = f"; the save failed: {record['error']}" if record.get("error") else ""
+    cause = f"; the save failed: {str(record['error'])[:500]}" if record.get("error") else ""
     raise CheckpointError(f"checkpoint {path} is an incomplete save (started by canzona-ds, never finished: "
                           f"{SAVING} is still there; missing {missing}{cause}). Load an earlier tag; a tag is "
                           f"complete once its {INDEX} and {MANIFEST} are written.", path, problems)
 
 
 def _structure_problems(path: str, manifest: dict) -> list:
-    """Missing / extra files and size mismatches (cheap: stat only)."""
+    """Missing / extra files, files that leave the tag or are not regular files, and size
+    mismatches (cheap: stat only, nothing read)."""
+    import stat
+
     problems = []
     expected = {e["path"]: e for e in manifest["files"]}
     present = set(_list_files(path))
@@ -455,7 +582,18 @@ def _structure_problems(path: str, manifest: dict) -> list:
         if name not in present:
             problems.append((name, "missing"))
             continue
-        size = os.path.getsize(os.path.join(path, name))
+        try:
+            st = os.stat(member(path, name, MANIFEST))
+        except CheckpointFileError as err:
+            problems.append((name, err.problems[0][1]))
+            continue
+        except OSError as err:
+            problems.append((name, f"unreadable ({err.strerror or err})"))
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            problems.append((name, f"{_kind(st.st_mode)}, not a regular file"))
+            continue
+        size = st.st_size
         if size != e["bytes"]:
             problems.append((name, f"size mismatch ({size} bytes, manifest says {e['bytes']}: truncated or "
                                    "overwritten)" if size < e["bytes"] else
@@ -467,7 +605,9 @@ def _structure_problems(path: str, manifest: dict) -> list:
 
 def _digest_problem(path: str, entry: dict) -> str | None:
     try:
-        _, digest = sha256_file(os.path.join(path, entry["path"]))
+        _, digest = sha256_file(member(path, entry["path"], MANIFEST))
+    except CheckpointFileError as e:
+        return e.problems[0][1]
     except OSError as e:
         return f"unreadable ({e.strerror or e})"
     if digest != entry["sha256"]:
@@ -538,8 +678,7 @@ def deepspeed_load(engine, load_dir: str, tag: str, manifest: dict, **load_kwarg
 
 def _created(load_dir: str, tag: str) -> int:
     try:
-        with open(os.path.join(load_dir, tag, MANIFEST)) as f:
-            return int(json.load(f)["created_unix_ns"])
+        return int(read_json(os.path.join(load_dir, tag, MANIFEST))["created_unix_ns"])
     except Exception:  # noqa: BLE001 - unreadable: ordered last
         return -1
 
@@ -548,8 +687,10 @@ def published_tags(load_dir: str) -> list[str]:
     """Published tag directories of ``load_dir``, newest first (see module doc for the order)."""
     if not os.path.isdir(load_dir):
         return []
+    real = os.path.realpath(load_dir)
     tags = [n for n in os.listdir(load_dir) if os.path.isdir(os.path.join(load_dir, n))
-            and not n.endswith((PARTIAL, REPLACED))]
+            and not n.endswith((PARTIAL, REPLACED))
+            and os.path.dirname(os.path.realpath(os.path.join(load_dir, n))) == real]  # (no symlink leaving)
     tags.sort(reverse=True)  # tie-break: name, descending (stable sort keeps it)
     tags.sort(key=lambda t: _created(load_dir, t), reverse=True)
     return tags
@@ -565,16 +706,18 @@ def load_order(load_dir: str, tag: str | None, fallback: bool) -> dict:
     unfinished = f"; unfinished saves ignored: {partials}" if partials else ""
     note = None
     if tag is None:
-        lpath = os.path.join(load_dir, LATEST)
-        if os.path.isfile(lpath):
-            with open(lpath) as f:
-                tag = f.read().strip()
-            if not tag:
-                tag = f"<empty {LATEST} file>"
-        elif not tags or not fallback:
-            found = f"; tags present: {tags} (pass one explicitly)" if tags else ""
-            return {"order": [], "note": f"no {LATEST!r} file in {load_dir!r}{found}{unfinished}"}
-        else:
+        try:
+            tag = read_latest(load_dir)
+        except CheckpointError as e:
+            if not fallback or not tags:
+                raise
+            note = f"{e}: trying the newest published tags{unfinished}"
+        if tag == "":
+            tag = f"<empty {LATEST} file>"
+        elif tag is None and note is None:
+            if not tags or not fallback:
+                found = f"; tags present: {tags} (pass one explicitly)" if tags else ""
+                return {"order": [], "note": f"no {LATEST!r} file in {load_dir!r}{found}{unfinished}"}
             note = f"no {LATEST!r} file in {load_dir!r}: trying the newest published tags{unfinished}"
     order = ([tag] if tag is not None else []) + ([t for t in tags if t != tag] if fallback else [])
     return {"order": order, "note": note, "requested": tag}

@@ -9,10 +9,15 @@
                                                   OUT/info.json (what was converted, from where)
 
 Every read unpickles only data (canzona_ds/ckpt/safe_load.py): ``verify`` and ``convert`` first
-check that every ``.pt`` file of the tag names no type but tensors' and the few DeepSpeed
-writes, and refuse a file that does by name, unpickling nothing (docs/checkpoints.md).
-``--tag`` defaults to the one ``DIR/latest`` names.  Exit status: 0 ok, 2 a problem (the
-message names it).  ``convert`` reads through the checkpoint index; a tag without one (written
+read every ``.pt`` file of the tag through the restricted unpickler (memory-mapped, no tensor
+read) and refuse a file that holds any type but tensors' and the few DeepSpeed writes by name,
+before that type is called (docs/checkpoints.md).
+A tag is a closed world: every path its manifest, index or ``latest`` names must be relative,
+stay inside the tag (``latest``: name a tag directory of ``DIR``) and be a regular file; anything
+else is refused by name before a byte of it is read (docs/checkpoints.md, "Threat model").
+``--tag`` defaults to the one ``DIR/latest`` names.  Exit status: 0 ok, 2 a problem (one line on
+stderr naming the file and what is wrong), 3 a malformed tag that no check names (one line; a
+canzona-ds bug worth reporting).  ``convert`` reads through the checkpoint index; a tag without one (written
 before the index) or whose index describes no chunks (tensor parallelism at ZeRO stage 0) is
 refused by name.
 """
@@ -28,15 +33,14 @@ PROG = "canzona-ckpt"
 
 
 def _tag(folder: str, tag: str | None) -> str:
-    from ..ckpt.tag import LATEST
+    from ..ckpt.tag import LATEST, read_latest
 
     if tag is not None:
         return tag
-    path = os.path.join(folder, LATEST)
-    if not os.path.isfile(path):
+    latest = read_latest(folder)  # (a tag directory of `folder`, else refused by name)
+    if latest is None:
         raise ValueError(f"{folder} has no {LATEST} file; name the tag with --tag.")
-    with open(path, encoding="utf-8") as f:
-        return f.read().strip()
+    return latest
 
 
 def _integrity(folder: str, tag: str, mode: str) -> str:
@@ -64,7 +68,7 @@ def inspect(folder: str, tag: str | None, out=None) -> int:
     print(f"  files: {len(sizes)}, {sum(sizes.values()):,} bytes", file=out)
     for f, n in sizes.items():
         print(f"    {n:>14,}  {f}", file=out)
-    if not os.path.isfile(os.path.join(path, INDEX)):
+    if not os.path.lexists(os.path.join(path, INDEX)):
         print(f"  index: none ({INDEX} missing: written before the index, or an incomplete save)", file=out)
         return 0
     index = Index.read(path)
@@ -102,7 +106,7 @@ def verify(folder: str, tag: str | None, mode: str, out=None) -> int:
 
     check_tag(path)  # a manifest proves a tag whole, not harmless: every file holds only data
     print(f"{path}: pickles: every file holds only data (tensors and the types DeepSpeed writes)", file=out)
-    if not os.path.isfile(os.path.join(path, INDEX)):
+    if not os.path.lexists(os.path.join(path, INDEX)):
         print(f"{path}: no {INDEX} (written before the index): the manifest is all there is to check", file=out)
         return 0
     index = Index.read(path)
@@ -121,7 +125,7 @@ def _consolidated(path: str) -> tuple[dict, dict, dict]:
     """(name -> fp32 weight, name -> {state: tensor}, info), every tensor whole."""
     from ..ckpt.index import INDEX, MASTER, Index
 
-    if not os.path.isfile(os.path.join(path, INDEX)):
+    if not os.path.lexists(os.path.join(path, INDEX)):
         raise ValueError(f"{path} has no {INDEX}: written before the checkpoint index, so it cannot be consolidated. "
                          "Resume it at the layout it was saved at and save once: that save writes the index.")
     index = Index.read(path)
@@ -191,8 +195,16 @@ def main(argv: list[str] | None = None) -> int:
             return verify(args.dir, args.tag, args.mode)
         return convert(args.dir, args.tag, args.out)
     except (ck.CheckpointError, CheckpointIndexError, ValueError, OSError) as e:
-        print(f"{PROG} {args.cmd}: error: {e}", file=sys.stderr)
+        print(f"{PROG} {args.cmd}: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001 - a malformed tag nothing above names: one line, its own code
+        print(f"{PROG} {args.cmd}: error: {args.dir}: unexpected {type(e).__name__} reading it: {_one_line(e)} "
+              "(a malformed checkpoint no check names; please report it)", file=sys.stderr)
+        return 3
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:2000]
 
 
 if __name__ == "__main__":

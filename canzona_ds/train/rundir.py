@@ -30,7 +30,6 @@ agree on the timestamp.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import time
@@ -121,20 +120,22 @@ def saved_layout(ckpt_dir: str | Path) -> tuple[str, Layout] | None:
 
     ckpt_dir = Path(ckpt_dir)
     tags = checkpoint.published_tags(str(ckpt_dir))
-    latest = ckpt_dir / checkpoint.LATEST
-    tag = latest.read_text().strip() if latest.is_file() else (tags[0] if tags else None)
+    tag = checkpoint.read_latest(str(ckpt_dir))  # (a tag directory of ckpt_dir, else refused by name)
+    tag = tag if tag is not None else (tags[0] if tags else None)
     if not tag or not (ckpt_dir / tag).is_dir():
         return None
     path = ckpt_dir / tag
     world = None
-    try:
-        world = json.loads((path / checkpoint.MANIFEST).read_text()).get("world_size")
-    except (OSError, ValueError):
+    try:  # (a regular file, read bounded: ckpt/tag.read_json)
+        manifest = checkpoint.read_json(str(path / checkpoint.MANIFEST))
+        world = manifest.get("world_size") if isinstance(manifest, dict) else None
+        world = world if type(world) is int else None
+    except checkpoint.CheckpointError:
         pass
     stage = 0
     files = sorted(path.glob("mp_rank_*model_states.pt")) or sorted(path.glob("*model_states.pt"))
     try:
-        ds = read(str(files[0]), mmap=True)["ds_config"]
+        ds = read(checkpoint.member(str(path), files[0].name, "the tag directory"), mmap=True)["ds_config"]
         stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
         canzona = str(ds["optimizer"]["type"]).startswith("Canzona")
     except UnsafeCheckpointError:

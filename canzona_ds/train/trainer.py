@@ -436,10 +436,11 @@ def saved_optimizer_type(ckpt_dir: str | Path) -> str | None:
     if not files:
         return None
     from canzona_ds.ckpt.safe_load import UnsafeCheckpointError
+    from canzona_ds.ckpt.tag import member
     from canzona_ds.integration.ckpt.safe import read
 
     try:
-        states = read(str(files[0]), mmap=True)
+        states = read(member(str(ckpt_dir), files[0].name, "the tag directory"), mmap=True)
         return str(states["ds_config"]["optimizer"]["type"])
     except UnsafeCheckpointError:
         raise

@@ -60,11 +60,18 @@ class IndexSource:
         #: the saving rule (with its hyper-parameters: Shampoo's blocks decide which factors follow
         #: a permutation), whose ``state_axes`` move a TP host's state from its TP layout to TP=1
         described = index.meta.get("rule_description")
-        self.saved_rule = None if described is None else _rule_from(described)
+        try:
+            self.saved_rule = None if described is None else _rule_from(described)
+        except (ValueError, TypeError, KeyError) as e:
+            raise CheckpointIndexError(f"{folder}: the index's rule_description is not a rule ({e})") from None
         #: the running rule (:func:`load` sets it): moves TP=1 state into this run's TP layout
         self.running_rule = None
-        self.engine_state, self.client_state = self._engine_state()
-        self.zero_scalars = self._zero_scalars()
+        try:  # (the files are untrusted: one that lacks what the index says is one line naming the tag)
+            self.engine_state, self.client_state = self._engine_state()
+            self.zero_scalars = self._zero_scalars()
+        except (KeyError, IndexError, TypeError, AttributeError) as e:
+            raise CheckpointIndexError(f"{folder}: the files disagree with the index's engine_file / scalars "
+                                       f"({type(e).__name__}: {e})") from None
 
     def _engine_state(self) -> tuple[dict, dict]:
 

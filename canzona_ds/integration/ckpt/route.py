@@ -36,17 +36,17 @@ from .emit import (ADAM, MATRIX, _engine_files, _ep, _roles_here, _tp_frames, ch
 from .fill import IndexSource, _apply_engine_state, _check_roles, _tp_layouts, fill_stage0, fill_zero3
 
 def latest_tag(ckpt_dir: str) -> str | None:
-    """The tag DeepSpeed's ``latest`` file in ``ckpt_dir`` names (None: no such file)."""
-    latest = os.path.join(ckpt_dir, "latest")
-    if not os.path.isfile(latest):
-        return None
-    with open(latest) as f:
-        return f.read().strip()
+    """The tag DeepSpeed's ``latest`` file in ``ckpt_dir`` names (None: no such file); a ``latest``
+    that names anything but a tag directory of ``ckpt_dir`` is refused by name
+    (``ckpt/tag.read_latest``)."""
+    from ...ckpt.tag import read_latest
+
+    return read_latest(str(ckpt_dir))
 
 
 def read_index(folder: str) -> Index | None:
     """The tag's index, or None where the tag has none (written before the index existed)."""
-    if not os.path.isfile(os.path.join(folder, INDEX)):
+    if not os.path.lexists(os.path.join(folder, INDEX)):
         return None
     return Index.read(folder)
 

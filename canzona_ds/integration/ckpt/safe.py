@@ -7,15 +7,20 @@ the main job's look at a tag); :func:`engine_reads` routes DeepSpeed's own reads
 (``engine.checkpoint_engine.load``: model states, ZeRO optimizer states, pipeline layer files,
 expert files) through the same loader for the duration of one ``load_checkpoint``.  Both honour
 ``canzona_checkpoint.allow_unsafe_pickle`` (the engine's ds_config), which turns the check off
-for that load.
+for that load.  The loader resolves the allowlist only in modules already imported; DeepSpeed's
+are imported here, by the program, before any file is read (:func:`import_deepspeed_types`), so
+a tag's DeepSpeed types load in a process that has not imported DeepSpeed yet (``canzona-ckpt``).
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib
+import os
 from typing import Any
 
 from ...ckpt import safe_load
+from ...ckpt import tag as ck
 
 #: every type a tag's files may hold beside torch's own (ckpt/safe_load.py lists them)
 GLOBALS = safe_load.CHECKPOINT_GLOBALS
@@ -24,45 +29,58 @@ GLOBALS = safe_load.CHECKPOINT_GLOBALS
 _UNSAFE = contextvars.ContextVar("canzona_ds_allow_unsafe_pickle", default=False)
 
 
+def import_deepspeed_types() -> None:
+    """Import the modules of ``safe_load.DEEPSPEED_GLOBALS`` (DeepSpeed is canzona-ds's dependency;
+    a module missing from the installed release is skipped, its names then refused)."""
+    for name in safe_load.DEEPSPEED_GLOBALS:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name.rsplit(".", 1)[0])
+
+
 def read(path: str, mmap: bool = False, map_location: Any = "cpu") -> Any:
     """One checkpoint file, unpickling only data (:data:`GLOBALS`); raises
-    ``safe_load.UnsafeCheckpointError`` naming the file and the type otherwise."""
+    ``safe_load.UnsafeCheckpointError`` naming the file and the type otherwise, and a
+    ``CheckpointError`` naming the file for any other bad file."""
+    if not _UNSAFE.get():
+        import_deepspeed_types()
     return safe_load.load(path, GLOBALS, map_location=map_location, mmap=mmap, unsafe=_UNSAFE.get())
 
 
-def check_tag(path: str) -> None:
-    """Every ``.pt`` file of the tag directory ``path`` holds only data (nothing unpickled:
-    ``safe_load.check``); raises ``safe_load.UnsafeCheckpointError`` naming the first that does not."""
-    import os
+def _pt_files(path: str) -> list[str]:
+    """The ``.pt`` files of the tag directory ``path``, each checked to stay inside it (a symlink
+    leaving the tag is refused by name; the loader refuses what is not a regular file)."""
+    return [ck.member(path, f, "the tag directory") for f in sorted(os.listdir(path)) if f.endswith(".pt")]
 
-    for f in sorted(os.listdir(path)):
-        if f.endswith(".pt") and os.path.isfile(os.path.join(path, f)):
-            safe_load.check(os.path.join(path, f), GLOBALS)
+
+def check_tag(path: str) -> None:
+    """Every ``.pt`` file of the tag directory ``path`` holds only data (``safe_load.check``: the
+    restricted unpickler, memory-mapped, no tensor read); raises the ``CheckpointError`` of the
+    first that does not (``safe_load.UnsafeCheckpointError`` for a refused type)."""
+    import_deepspeed_types()
+    for f in _pt_files(path):
+        safe_load.check(f, GLOBALS)
 
 
 def check_tag_collective(load_dir, tag) -> None:
     """:func:`check_tag` of ``load_dir/tag`` (``latest`` when ``tag`` is None; nothing when there
     is no such directory: the load says why) on every rank together: the files split over the
-    ranks, the verdicts all-gathered, so every rank raises the same refusal or none does (a rank
-    reads other ranks' files only in some layouts; a refusal on one rank alone would leave the
-    others in the load's collectives).  Nothing is unpickled."""
-    import os
-
-    from ...ckpt import tag as ck
-
-    if tag is None:
-        latest = os.path.join(str(load_dir), ck.LATEST)
-        tag = open(latest).read().strip() if os.path.isfile(latest) else None
-    path = os.path.join(str(load_dir), str(tag))
-    files = sorted(f for f in os.listdir(path) if f.endswith(".pt")) if tag and os.path.isdir(path) else []
+    ranks, the verdicts all-gathered, so every rank raises the same error or none does, whatever
+    the error (a refusal on one rank alone would leave the others in the load's collectives)."""
     rank, world = ck._rank_world()
     mine = None
-    for f in files[rank::world]:
-        try:
-            safe_load.check(os.path.join(path, f), GLOBALS)
-        except safe_load.UnsafeCheckpointError as e:
-            mine = e
-            break
+    try:
+        import_deepspeed_types()
+        if tag is None:
+            tag = ck.read_latest(str(load_dir))
+        path = os.path.join(str(load_dir), str(tag))
+        files = _pt_files(path) if tag and os.path.isdir(path) else []
+        for f in files[rank::world]:
+            safe_load.check(f, GLOBALS)
+    except ck.CheckpointError as e:
+        mine = e
+    except Exception as e:  # noqa: BLE001 - shared like a CheckpointError: no rank may wait on another
+        mine = ck.CheckpointError(f"checking checkpoint {load_dir}/{tag} failed on rank {rank}: "
+                                  f"{type(e).__name__}: {e}", str(load_dir))
     refused = [e for e in ck._all_gather(mine) if e is not None]
     if refused:
         raise refused[0]
