@@ -336,6 +336,8 @@ def _wrap_training_log(training_module, get_args: Callable) -> None:
     original = getattr(training_module, "training_log", None)
     if original is None or getattr(original, "_canzona_patched", False):
         return
+    import torch.distributed as dist
+
     from .runtime_info import canzona_optimizer
 
     def training_log(*args, **kwargs):
@@ -347,8 +349,10 @@ def _wrap_training_log(training_module, get_args: Callable) -> None:
         opt = canzona_optimizer(engine)
         interval = getattr(get_args(), "log_interval", 1) or 1
         metrics = opt.metrics() if opt is not None and iteration is not None and iteration % interval == 0 else None
-        is_last = getattr(sys.modules.get("megatron.utils"), "is_last_rank", None)
-        if metrics is None or (is_last is not None and not is_last()):
+        # the last rank only, as Megatron's print_rank_last (its training module's own is_last_rank;
+        # every process prints where no process group is up)
+        is_last = getattr(training_module, "is_last_rank", None)
+        if metrics is None or (is_last is not None and dist.is_initialized() and not is_last()):
             return out
         get_writer = getattr(training_module, "get_tensorboard_writer", None)
         writer = get_writer() if get_writer is not None else None
