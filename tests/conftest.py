@@ -356,7 +356,16 @@ def pytest_runtest_protocol(item, nextitem):
     phases.append("tests.jsonl", {"test": item.nodeid, "wall": round(time.perf_counter() - t0, 3),
                                   "cpu": round(phases.cpu_seconds() - own0, 3),
                                   "children_cpu": round(phases.cpu_seconds(resource.RUSAGE_CHILDREN) - kids0, 3),
-                                  "in_ranks": round(phases.in_ranks[0], 3)})
+                                  "in_ranks": round(phases.in_ranks[0], 3),
+                                  "outcome": _outcomes.pop(item.nodeid, "passed")})
+
+
+_outcomes: dict[str, str] = {}
+
+
+def pytest_runtest_logreport(report):
+    if phases.folder() and (report.failed or (report.skipped and report.when != "teardown")):
+        _outcomes.setdefault(report.nodeid, "failed" if report.failed else "skipped")
 
 
 @pytest.hookimpl(wrapper=True)

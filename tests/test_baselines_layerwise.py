@@ -6,6 +6,8 @@ updates only the matrices of its layers (their Muon state lives only there), Ada
 replicated, owners broadcast their matrices; the fp32 result equals the single-process
 reference (``canzona_testkit.models.run_reference`` -> ``reference.ReferenceOptimizer``) bit
 for bit: at DP=2 DeepSpeed's all-reduced average is exact.
+
+Cost: 1 rank run; 1 s on a 2-core AMD EPYC (docs/ci.md).
 """
 from __future__ import annotations
 

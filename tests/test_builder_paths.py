@@ -3,7 +3,9 @@ so every path gets the settings agreement, the config checks and per-head taggin
 
 The Megatron-DeepSpeed stage-0 hook once built its optimizer itself and never applied
 ``per_head_muon``: a TP=2 attention block built through the hook must be tagged per head and
-update each head as its own matrix, exactly as the single-process per-head reference does."""
+update each head as its own matrix, exactly as the single-process per-head reference does.
+
+Cost: 1 rank run; under a second on a 2-core AMD EPYC (docs/ci.md)."""
 from __future__ import annotations
 
 from canzona_testkit.kernels import test_threads

@@ -17,6 +17,9 @@ pickle with a zip appended, a decompression bomb, the legacy format).  For every
   stderr, naming the load dir; each command under an alarm;
 * nothing outside was read: an audit hook records every file the process opens under the
   test's folder, and none lies outside the load dir.
+
+Cost: one subprocess (a real one-rank ZeRO-1 tag), then 300 mutants in this process; about 50 s on a
+loaded 2-core AMD EPYC (docs/ci.md).
 """
 from __future__ import annotations
 

@@ -12,6 +12,8 @@ directory deleted, the manifest deleted, an extra file, a save that crashed befo
 * the main job through DeepSpeed's launcher: ``--resume`` with the newest checkpoint
   damaged says so, resumes from the previous one and reproduces the uninterrupted losses bit
   for bit; with every checkpoint damaged it exits 4 naming the files.
+
+Cost: 2 launching tests; 36 s on a 2-core AMD EPYC (docs/ci.md).
 """
 from __future__ import annotations
 

@@ -10,6 +10,9 @@
 
 Multi-rank NCCL runs need several GPUs: with one GPU they are skipped (the README says
 which of these ran where).
+
+Cost: nothing without a GPU (every test skips before a process starts); on a GPU, NCCL rank runs
+(docs/ci.md).
 """
 from __future__ import annotations
 

@@ -17,6 +17,8 @@ step 2, train a third step, damage step2 for real (rank 0, then a barrier), then
   DP size (the index loop) is verified first; `latest` moves only once the manifest is
   written; an engine with another optimizer keeps DeepSpeed's own methods;
 * a bad ``canzona_checkpoint`` section is an error naming the value.
+
+Cost: 14 rank runs; 9 s on a 2-core AMD EPYC (docs/ci.md).
 """
 from __future__ import annotations
 

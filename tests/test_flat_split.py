@@ -5,6 +5,8 @@ The pieces are contiguous runs of a matrix's row-major elements, one per rank (Z
 ``ceil(numel / world)`` cut, or an arbitrary cut with empty pieces as ZeRO-1/2 equal chunks
 make); the host concatenates them, runs the rule on the whole matrix and returns every rank its
 piece of the direction, which every rank applies element-wise.
+
+Cost: 9 rank runs; 3 s on a 2-core AMD EPYC (docs/ci.md).
 """
 from __future__ import annotations
 

@@ -13,8 +13,7 @@ relative ones resolved), so a lazy import cannot hide an arrow pointing up:
   ``qk_record`` (QK-clip's instrumentation of any model's attention, integration/builder.py).
 
 And one rule of the tests' own code, read the same way: a bit-for-bit comparison of floats goes
-through what .ci/kernels' recorder sees (``escaping_exact_forms``; docs/exactness_audit.md).
-"""
+through what .ci/kernels' recorder sees (``escaping_exact_forms``; docs/exactness_audit.md)."""
 from __future__ import annotations
 
 import ast
@@ -281,3 +280,42 @@ def test_the_exact_form_check_sees_every_form() -> None:
     ])
     assert [line for line, _ in escaping_exact_forms(source)] == [1, 2, 3, 4, 5, 6, 7, 8, 9]
 
+
+
+# ------------------------------------------------------------------ what a test file costs
+TESTS = PKG.parent / "tests"
+def starts_processes(source: str) -> bool:
+    """The file calls ``run_distributed`` (ranks) or ``subprocess.*`` (the ``deepspeed`` launcher, a script)."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            f = node.func
+            if isinstance(f, ast.Name) and f.id == "run_distributed":
+                return True
+            if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id == "subprocess":
+                return True
+    return False
+
+
+def cost_problems(path: Path) -> list[str]:
+    """A test file that starts processes states what it costs in its docstring (a ``Cost:``
+    line: its rank runs or launching tests and its time as the profile measured it, docs/ci.md),
+    so a reader sees it and a new file thinks about it before it adds minutes to every CI run."""
+    text = path.read_text()
+    if not starts_processes(text):
+        return []
+    doc = ast.get_docstring(ast.parse(text)) or ""
+    if any(line.startswith("Cost:") for line in doc.splitlines()):
+        return []
+    return [f"{path.name}: starts processes but its docstring states no 'Cost:' line"]
+
+
+def test_a_test_file_that_starts_processes_states_its_cost(tmp_path: Path) -> None:
+    bad = [p for path in sorted(TESTS.glob("test_*.py")) for p in cost_problems(path)]
+    assert not bad, "\n".join(bad) + "\n(docs/ci.md: how to measure a test file's cost)"
+    quiet = tmp_path / "test_quiet.py"
+    quiet.write_text('"""Pure logic."""\ndef test_x():\n    assert 1\n')
+    loud = tmp_path / "test_loud.py"
+    loud.write_text('"""Ranks."""\nfrom canzona_testkit.dist import run_distributed\nrun_distributed(f, 2)\n')
+    assert starts_processes("subprocess.run(['deepspeed'])") and not starts_processes("x = 'run_distributed('")
+    assert cost_problems(quiet) == [] and cost_problems(loud) == ["test_loud.py: starts processes but its "
+                                                                  "docstring states no 'Cost:' line"]

@@ -13,6 +13,8 @@ them, hosted matrices cut at chunk boundaries and updated over the DP group.
   optimizer step issues exactly the plan's all-to-alls and sends the plan's bytes;
 * checkpoints: saved with the mixed layout at DP=4 (hosted matrices) and resumed at DP=2
   owned, and back: lossless and exact.
+
+Cost: 10 rank runs; 17 s on a 2-core AMD EPYC (docs/ci.md).
 """
 from __future__ import annotations
 

@@ -41,6 +41,8 @@ Per scenario (each in its own ``try``; one failing scenario fails one test):
 * a same-size checkpoint round trip (ZeRO-1 Shampoo) is bit for bit;
 * refused by name: experts split over TP (``enable_expert_tensor_parallelism=True``), an expert
   plan that differs between the TP ranks (every rank fails at build), MoE with AutoTP.
+
+Cost: 1 rank run; 8 s on a 2-core AMD EPYC (docs/ci.md).
 """
 from __future__ import annotations
 

@@ -28,6 +28,8 @@ at the same size and take a 3rd step; against 3 uninterrupted steps:
 * DeepSpeed's own ``"AdamW"`` at ZeRO 0, ep_size 1 (no Canzona optimizer: DeepSpeed's own save)
   writes TP rank 0's files only and its own load fails (DeepSpeed's assertion): what the fix is for;
   at ep_size 2 its round trip is bit for bit.
+
+Cost: 1 rank run; 7 s on a 2-core AMD EPYC (docs/ci.md).
 """
 from __future__ import annotations
 

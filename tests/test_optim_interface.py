@@ -3,6 +3,8 @@ ZeRO at DP=2 and through the TP micro-group runtime at TP=2, exactly, with no pa
 
 The toy rule needs the whole matrix: it normalises its momentum by the matrix's Frobenius
 norm, so a shard-local update is a different update (checked below).
+
+Cost: 3 rank runs; 1 s on a 2-core AMD EPYC (docs/ci.md).
 """
 from __future__ import annotations
 

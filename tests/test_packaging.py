@@ -6,6 +6,8 @@ The source is copied to a temporary directory first (pip builds in tree, and the
 ``build/`` and ``*.egg-info`` must not land in the checkout), the copy includes the kit (so
 leaving it out is the packaging's doing), and pip runs offline: ``--no-deps
 --no-build-isolation --no-index`` into a ``--target`` folder.
+
+Cost: 1 launching test; 3 s on a 2-core AMD EPYC (docs/ci.md).
 """
 from __future__ import annotations
 

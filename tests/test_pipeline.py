@@ -7,6 +7,8 @@ in the pipeline's order, the tied embedding receiving both uses' gradients (one 
 parameter), then ``ReferenceOptimizer`` (for Muon: torch.optim.Muon + AdamW bit for bit,
 test_optim_muon).  Each stage plans its own matrices over its own DP group; everything is
 bit-exact in fp32 (rtol = atol = 0): the arithmetic is the same, only placed differently.
+
+Cost: 28 rank runs; 34 s on a 2-core AMD EPYC (docs/ci.md).
 """
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """The pipeline form of the Qwen3 decoder (canzona_ds/models/qwen3_pipe.py) against the plain
 model: same initial values by canonical name (one stage and two), same loss, and the same
 training under DeepSpeed's PipelineEngine with stock AdamW as the plain model with torch's AdamW
-(bit for bit: fp32, PP=2, DP=1, untied)."""
+(bit for bit: fp32, PP=2, DP=1, untied).
+
+Cost: 5 rank runs; 3 s on a 2-core AMD EPYC (docs/ci.md)."""
 from __future__ import annotations
 
 from canzona_testkit.kernels import assert_bits, test_threads

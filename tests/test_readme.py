@@ -1,5 +1,7 @@
 """The README's promises that a file can check: its test command is what CI runs, its main-job
-command names files that exist, and every path it or the docs point to exists."""
+command names files that exist, and every path it or the docs point to exists.
+
+Cost: subprocesses; under a second on a 2-core AMD EPYC (docs/ci.md)."""
 import os
 import re
 import subprocess

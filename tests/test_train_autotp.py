@@ -5,6 +5,8 @@ groups): the TP-split matrices are hosted by the micro-group runtime, so the los
 the single-process reference (``canzona_ds.train.reference``, i.e. ``ReferenceOptimizer`` =
 torch.optim.Muon + AdamW).  Shard-local Muon is off by 1.5e-2..4.5e-2 in these losses.
 DeepSpeed's AutoTP imports transformers, so this runs only where it is installed.
+
+Cost: 2 launching tests; 23 s on a 2-core AMD EPYC (docs/ci.md).
 """
 from __future__ import annotations
 

@@ -9,6 +9,8 @@ launcher = 2 stages x DP 1, Qwen3Pipe + PipelineEngine + CanzonaMuon at ZeRO-1.
 * a resume from the step-3 checkpoint continues the uninterrupted pp=2 run bit for bit, and a
   resume of it without the pipeline (pp=1, DP 2) continues the reference bit for bit;
 * pp errors (not dividing the world, ZeRO-2, AutoTP, more stages than layers) are one line.
+
+Cost: 4 launching tests; 33 s on a 2-core AMD EPYC (docs/ci.md).
 """
 import json
 import shutil

@@ -18,6 +18,8 @@ Tolerances (fp32):
   * bf16 weights: replayed bit for bit, and the update (final - initial) is compared with the
     fp32 reference's: relative error < 0.15 for Muon and AdamW parameters (measured values
     printed).
+
+Cost: 31 rank runs; 17 s on a 2-core AMD EPYC (docs/ci.md).
 """
 from __future__ import annotations
 

@@ -20,6 +20,8 @@ Tolerances (fp32):
 
 One ``run_distributed`` per world size (cached); every scenario runs in its own ``try`` on
 every rank and reports its own result or traceback, so a failing scenario fails its own test.
+
+Cost: 3 rank runs; 19 s on a 2-core AMD EPYC (docs/ci.md).
 """
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """Clear errors for unsupported ds_config settings and bad optimizer params (the setting named),
-through a real ``deepspeed.initialize``; fall-backs that are not errors."""
+through a real ``deepspeed.initialize``; fall-backs that are not errors.
+
+Cost: 15 rank runs; 5 s on a 2-core AMD EPYC (docs/ci.md)."""
 from __future__ import annotations
 
 import warnings

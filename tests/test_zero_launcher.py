@@ -1,6 +1,8 @@
 """The `deepspeed` launcher path: a script that only adds `import canzona_ds` trains with
 "type": "CanzonaMuon" (and "CanzonaSOAP") on 2 CPU ranks and matches the single-process
-reference bit for bit."""
+reference bit for bit.
+
+Cost: 2 launching tests; 21 s on a 2-core AMD EPYC (docs/ci.md)."""
 from __future__ import annotations
 
 from canzona_testkit.kernels import test_threads

@@ -1,7 +1,9 @@
 """Every setting DeepSpeed's own Muon runs in, with the Canzona optimizers (real gloo processes,
 single-process reference): optimizer offload to CPU at stages 1 and 2, bf16 with fp32
 gradient accumulation, per_head_muon, DeepSpeed lr schedulers that keep the lr split, and
-parameters that get no gradient."""
+parameters that get no gradient.
+
+Cost: 13 rank runs; 7 s on a 2-core AMD EPYC (docs/ci.md)."""
 from __future__ import annotations
 
 from canzona_testkit.kernels import assert_bits, test_threads

@@ -29,6 +29,8 @@ Stage 2 x TP (Muon): through the Megatron-DeepSpeed hook (``launch/megatron_pret
 + a fake Megatron tree), where stage 2 takes the ``DeferredCanzona`` route like stage 1;
 Megatron's scheduler drives lr and weight decay.  Then a DP plan that differs on one TP
 rank is refused on every rank with a clear error (no hang).
+
+Cost: subprocesses; 4 s on a 2-core AMD EPYC (docs/ci.md).
 """
 from __future__ import annotations
 
