@@ -49,7 +49,9 @@ OLD_SWEEP_EVERY_S = 10.0
 
 _session_baseline: set[tuple[str, int]] | None = None
 #: DeepSpeed-range tier tests that skipped themselves on a release lacking a feature they need
+#: (counted from the reports, where pytest-xdist's workers send them: the controller)
 _self_skipped: list[str] = []
+SELF_SKIPPED = "skipped itself on a release lacking"
 _last_old_sweep = 0.0
 _session_report: list[str] = []
 
@@ -296,9 +298,7 @@ def pytest_runtest_makereport(item, call):
     elif rep.skipped:
         # it skipped itself rather than reaching the refusal: said so, and counted at the end
         path, line, reason = rep.longrepr if isinstance(rep.longrepr, tuple) else (str(item.path), 0, text)
-        rep.longrepr = (path, line, f"{reason} [skipped itself on a release lacking {', '.join(lacking)}, "
-                                    f"before the refusal]")
-        _self_skipped.append(item.nodeid)
+        rep.longrepr = (path, line, f"{reason} [{SELF_SKIPPED} {', '.join(lacking)}, before the refusal]")
     else:
         how = "failed otherwise" if rep.failed else rep.outcome
         rep.outcome = "failed"
@@ -364,6 +364,8 @@ _outcomes: dict[str, str] = {}
 
 
 def pytest_runtest_logreport(report):
+    if report.skipped and SELF_SKIPPED in str(report.longrepr):
+        _self_skipped.append(report.nodeid)
     if phases.folder() and (report.failed or (report.skipped and report.when != "teardown")):
         _outcomes.setdefault(report.nodeid, "failed" if report.failed else "skipped")
 

@@ -22,6 +22,7 @@ _spec = importlib.util.spec_from_file_location("_canzona_suite_conftest", {str(C
 _suite = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_suite)
 pytest_runtest_makereport = _suite.pytest_runtest_makereport
+pytest_runtest_logreport = _suite.pytest_runtest_logreport
 pytest_terminal_summary = _suite.pytest_terminal_summary
 '''
 
