@@ -134,14 +134,18 @@ def install_carried(dry: bool) -> dict:
 # ------------------------------------------------------------------------------ sections
 def section_cuda_tier(dry: bool) -> dict:
     t = time.perf_counter()
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-rfEs", "-p", "no:cacheprovider",
-                           "tests/test_cuda.py"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+    # (not an enclosing pytest-xdist worker's variables: pytest-benchmark reads them and warns)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")} | {"PYTHONPATH": str(ROOT)}
+    # one process: not setup.cfg's pytest-xdist workers (the device machine carries no xdist, and
+    # the tier's NCCL runs want every GPU to themselves)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-o", "addopts=", "-p", "no:xdist", "-m", "cuda", "-q",
+                           "-rfEs", "-p", "no:cacheprovider", "tests/test_cuda.py"],
+                          cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
     out = proc.stdout + proc.stderr
-    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors)", out.splitlines()[-1]
-                                                  if out.strip() else "")}
+    summary = [ln for ln in proc.stdout.splitlines() if re.search(r"\d+ (passed|failed|skipped|errors?)\b.* in ", ln)]
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors)", summary[-1] if summary else "")}
     failures = re.findall(r"^(?:FAILED|ERROR) (\S+)", out, re.M)
-    return {"rc": proc.returncode, "counts": counts, "failures": failures, "summary": out.strip().splitlines()[-1:],
+    return {"rc": proc.returncode, "counts": counts, "failures": failures, "summary": summary[-1:],
             "seconds": time.perf_counter() - t, "tail": out[-3000:] if proc.returncode else ""}
 
 
