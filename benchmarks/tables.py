@@ -935,7 +935,7 @@ def _stage_cell(r: Row) -> str:
 
 def _profile_phase_rows(d: Data) -> Iterable[Row]:
     for run in d["runs"]:
-        for ph in run["phases"]:
+        for ph in run["phases"] if run["rank_runs"] else ():  # (a profile made without rank phases)
             yield {"label": run["label"], **ph}
 
 
