@@ -55,16 +55,23 @@ exact: set[str] = set()
 asserted: list[bool] = [False]
 
 
-def test_threads() -> int:
-    """Intra-op threads for ranks and references alike (``CANZONA_TEST_THREADS``, default 1)."""
-    raw = os.environ.get(THREADS_ENV, "1")
+def _threads_env(name: str, default: int) -> int:
+    """A thread count from the environment variable ``name`` (``default`` when unset)."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
     try:
         n = int(raw)
     except ValueError:
         n = 0
     if n < 1:
-        raise ValueError(f"Invalid {THREADS_ENV}={raw!r}. Allowed: a positive integer.")
+        raise ValueError(f"Invalid {name}={raw!r}. Allowed: a positive integer.")
     return n
+
+
+def test_threads() -> int:
+    """Intra-op threads for ranks and references alike (``CANZONA_TEST_THREADS``, default 1)."""
+    return _threads_env(THREADS_ENV, 1)
 
 
 test_threads.__test__ = False  # a helper, not a test, for pytest's collector
@@ -75,16 +82,7 @@ SOLO_ENV = "CANZONA_SOLO_THREADS"
 def solo_threads() -> int:
     """Intra-op threads for a test marked ``solo`` (``CANZONA_SOLO_THREADS``, default
     ``max(test_threads(), os.cpu_count())``)."""
-    raw = os.environ.get(SOLO_ENV)
-    if raw is None:
-        return max(test_threads(), os.cpu_count() or 1)
-    try:
-        n = int(raw)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"Invalid {SOLO_ENV}={raw!r}. Allowed: a positive integer.")
-    return n
+    return _threads_env(SOLO_ENV, max(test_threads(), os.cpu_count() or 1))
 
 
 def threads_for(item) -> int:
