@@ -19,7 +19,9 @@ and trains to 4):
     pp2      1 x 1 x 2     1     fp32   CanzonaMuon      default GPT   same; PP 2 -> 1
     pp2tp2   1 x 2 x 2     1     bf16   CanzonaMuon      --swiglu      same
     tp1      1 x 1 x 1     0     fp32   CanzonaMuon      --swiglu      TP 1 -> 2, after the save at 4 failed
-    shampoo  1 x 2 x 1     1     fp32   CanzonaShampoo   default GPT   same
+    shampoo  1 x 2 x 1     1     fp32   CanzonaShampoo   default GPT   same; TP 2 -> 1 at ZeRO 1
+    pp1pipe  1 x 1 x 1     1     fp32   CanzonaMuon      default GPT   PP 1 -> 2 (Megatron's pipeline
+                                                                       engine at PP 1)
     soap     1 x 1 x 2     1     bf16   CanzonaSOAP      --swiglu      same
 
 Default GPT has linear biases and the fused QKV (``[Q_r; K_r; V_r]`` on TP rank r); ``--swiglu``
@@ -34,7 +36,8 @@ Resume at the same layout: the losses, the lr and weight decay of every param gr
 step, and Megatron's iteration-4 model files equal the uninterrupted run's bit for bit; at
 another layout the lrs are equal and the losses within :data:`RESUMED_LOSS_RTOL`.
 
-Cost: 20 launching tests; 5.0 min on a 2-core AMD EPYC (docs/ci.md)."""
+Cost: 23 launching tests (the 20 before pp1pipe and shampoo-tp1 took 6.8 min of test time in the CI run
+of 7f35b10 on a 2-core AMD EPYC; docs/ci.md)."""
 from __future__ import annotations
 
 import atexit
@@ -95,7 +98,11 @@ ROWS: dict[str, dict[str, Any]] = {
     # which the TP 1 -> 2 resume then loads from the same folder
     "tp1": dict(dp=1, tp=1, pp=1, zero=0, bf16=False, opt="CanzonaMuon", swiglu=True, fail_last_save=True,
                 resumes={"tp2": dict(tp=2, universal=True)}),
-    "shampoo": dict(dp=1, tp=2, pp=1, zero=1, bf16=False, opt="CanzonaShampoo", swiglu=False, resumes={"same": {}}),
+    "shampoo": dict(dp=1, tp=2, pp=1, zero=1, bf16=False, opt="CanzonaShampoo", swiglu=False,
+                    resumes={"same": {}, "tp1": dict(tp=1, universal=True)}),
+    # Megatron's pipeline engine at PP 1 (two micro-batches, as the PP 2 rows), resumed at PP 2
+    "pp1pipe": dict(dp=1, tp=1, pp=1, zero=1, bf16=False, opt="CanzonaMuon", swiglu=False, pipe=True,
+                    resumes={"pp2": dict(pp=2, universal=True)}),
     "soap": dict(dp=1, tp=1, pp=2, zero=1, bf16=True, opt="CanzonaSOAP", swiglu=True, resumes={"same": {}}),
 }
 #: the TP-split matrices' first step is checked against the whole-matrix rule (fp32, ZeRO 0 and 1)
