@@ -139,6 +139,22 @@ class TPConfig:
 CHECKPOINT_VERIFY = ("sha256", "size", "off")
 
 
+def _from_section(cls, name: str, section: Any):
+    """A ds_config section (``name``) as the dataclass ``cls``: absent -> the defaults; not an
+    object, an unknown key or a null value -> one error naming it."""
+    if section is None:
+        return cls()
+    if not isinstance(section, Mapping):
+        raise TypeError(f"Invalid {name}={section!r}. Must be a JSON object of {sorted(_field_names(cls))}.")
+    unknown = sorted(set(section) - _field_names(cls))
+    if unknown:
+        raise ValueError(f"Unknown {name} key(s) {unknown}. Allowed: {sorted(_field_names(cls))}.")
+    for k, v in section.items():
+        if v is None:
+            raise ValueError(f"Invalid {name}.{k}=None. Give a value or remove the key.")
+    return cls(**dict(section))
+
+
 @dataclass(frozen=True)
 class CheckpointConfig:
     """ds_config section ``"canzona_checkpoint"``: integrity of ``engine.save_checkpoint`` /
@@ -174,18 +190,7 @@ class CheckpointConfig:
 
     @classmethod
     def from_section(cls, section: Any) -> "CheckpointConfig":
-        if section is None:
-            return cls()
-        if not isinstance(section, Mapping):
-            raise TypeError(f"Invalid canzona_checkpoint={section!r}. Must be a JSON object of "
-                            f"{sorted(_field_names(cls))}.")
-        unknown = sorted(set(section) - _field_names(cls))
-        if unknown:
-            raise ValueError(f"Unknown canzona_checkpoint key(s) {unknown}. Allowed: {sorted(_field_names(cls))}.")
-        for k, v in section.items():
-            if v is None:
-                raise ValueError(f"Invalid canzona_checkpoint.{k}=None. Give a value or remove the key.")
-        return cls(**dict(section))
+        return _from_section(cls, "canzona_checkpoint", section)
 
 
 @dataclass(frozen=True)
@@ -206,18 +211,7 @@ class MetricsConfig:
 
     @classmethod
     def from_section(cls, section: Any) -> "MetricsConfig":
-        if section is None:
-            return cls()
-        if not isinstance(section, Mapping):
-            raise TypeError(f"Invalid canzona_metrics={section!r}. Must be a JSON object of "
-                            f"{sorted(_field_names(cls))}.")
-        unknown = sorted(set(section) - _field_names(cls))
-        if unknown:
-            raise ValueError(f"Unknown canzona_metrics key(s) {unknown}. Allowed: {sorted(_field_names(cls))}.")
-        for k, v in section.items():
-            if v is None:
-                raise ValueError(f"Invalid canzona_metrics.{k}=None. Give a value or remove the key.")
-        return cls(**dict(section))
+        return _from_section(cls, "canzona_metrics", section)
 
 
 @dataclass(frozen=True)
